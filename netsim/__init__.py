@@ -1,0 +1,50 @@
+"""Bandwidth emulation for KV-cache transfers.
+
+Two ways to put a realistic link between a KV sender and receiver on one machine:
+
+* :class:`ShapingProxy` - a user-space asyncio TCP proxy (rate following a trace, delay,
+  jitter, stalls, resets). Works anywhere, no privileges.
+* :func:`netns_link` - two network namespaces joined by a veth pair shaped by the kernel's
+  ``tc`` (needs root and iproute2): real TCP dynamics at multi-Gbit/s.
+
+Both take a :class:`Trace` (capacity over time); ``trace_set()`` holds the committed
+synthetic traces. Submodules load lazily so ``import netsim`` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from netsim.trace import Trace
+
+if TYPE_CHECKING:
+    from netsim import generators
+    from netsim.netns import NetnsLink, netns_available, netns_link
+    from netsim.proxy import LinkSpec, ShapingProxy
+
+__all__ = ["Trace", "ShapingProxy", "LinkSpec", "trace_set", "generators",
+           "netns_link", "NetnsLink", "netns_available"]
+
+_LAZY = {
+    "ShapingProxy": "netsim.proxy",
+    "LinkSpec": "netsim.proxy",
+    "netns_link": "netsim.netns",
+    "NetnsLink": "netsim.netns",
+    "netns_available": "netsim.netns",
+}
+
+TRACE_DIR = Path(__file__).with_name("traces")
+
+
+def trace_set() -> dict[str, Trace]:
+    """The committed traces (``netsim/traces/*.csv``) by name, in name order."""
+    return {p.stem: Trace.load(p) for p in sorted(TRACE_DIR.glob("*.csv"))}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "generators":
+        return importlib.import_module("netsim.generators")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'netsim' has no attribute {name!r}")

@@ -1,0 +1,144 @@
+"""The blob container: header, section table and per-layer sections (see FORMAT.md).
+
+Pure byte packing and parsing with every length and checksum verified, so the
+layer decoder only ever sees a section whose bytes are exactly what was written.
+The header alone says how long it is after its first 32 bytes, and where each
+layer's section starts, so a receiver can decode layer l as soon as its bytes land.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CorruptBitstream
+
+MAGIC = b"KVWB"
+FORMAT_VERSION = 1
+FIXED = struct.Struct("<4sBBBBHHHHI8sI")
+SECTION_ENTRY = struct.Struct("<II")
+CRC = struct.Struct("<I")
+FLAG_EMBEDDED_PROFILE = 0x01
+_KNOWN_FLAGS = FLAG_EMBEDDED_PROFILE
+#: Largest token count a blob may claim: bounds what a hostile header can make us allocate.
+MAX_TOKENS = 1 << 24
+
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    """Everything a decoder needs before the first layer section arrives."""
+
+    version: int
+    dtype: torch.dtype
+    level: int
+    layers: int
+    heads: int
+    head_dim: int
+    sink_tokens: int
+    tokens: int
+    profile_id: str
+    embedded_profile: bytes | None
+    sections: tuple[tuple[int, int], ...]  # (length, crc32) per layer
+    size: int  # header bytes, i.e. offset of layer 0's section
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.tokens, self.heads, self.head_dim)
+
+    @property
+    def coded_tokens(self) -> int:
+        return self.tokens - self.sink_tokens
+
+    def section_offset(self, layer: int) -> int:
+        return self.size + sum(length for length, _ in self.sections[:layer])
+
+    @property
+    def total_size(self) -> int:
+        return self.size + sum(length for length, _ in self.sections)
+
+
+def crc32(data: bytes | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def pack_header(*, dtype: torch.dtype, level: int, layers: int, heads: int, head_dim: int,
+                sink_tokens: int, tokens: int, profile_id: str, embedded_profile: bytes | None,
+                sections: list[bytes]) -> bytes:
+    flags = FLAG_EMBEDDED_PROFILE if embedded_profile is not None else 0
+    embedded = embedded_profile or b""
+    parts = [FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], level, flags, layers, heads,
+                        head_dim, sink_tokens, tokens, bytes.fromhex(profile_id), len(embedded))]
+    parts += [SECTION_ENTRY.pack(len(s), crc32(s)) for s in sections]
+    parts.append(embedded)
+    body = b"".join(parts)
+    return body + CRC.pack(crc32(body))
+
+
+def header_length(prefix: bytes | memoryview) -> int | None:
+    """Total header size once the first FIXED.size bytes are known, else None."""
+    if len(prefix) < FIXED.size:
+        return None
+    fields = _unpack_fixed(prefix)
+    return FIXED.size + SECTION_ENTRY.size * fields[5] + fields[11] + CRC.size
+
+
+def _unpack_fixed(data: bytes | memoryview) -> tuple:
+    fields = FIXED.unpack_from(data, 0)
+    if fields[0] != MAGIC:
+        raise CorruptBitstream("not a kvwire blob (bad magic)")
+    if fields[1] != FORMAT_VERSION:
+        raise CorruptBitstream(f"unsupported blob format version {fields[1]} (this build reads {FORMAT_VERSION})")
+    return fields
+
+
+def parse_header(data: bytes | memoryview) -> BlobHeader:
+    """Parse and verify the header at the start of ``data`` (the sections may be absent)."""
+    data = memoryview(data)
+    size = header_length(data)
+    if size is None or len(data) < size:
+        raise CorruptBitstream(f"blob truncated inside its header ({len(data)} bytes)")
+    (_, version, dtype_code, level, flags, layers, heads, head_dim, sinks, tokens,
+     profile_id, embedded_len) = _unpack_fixed(data)
+    (stored_crc,) = CRC.unpack_from(data, size - CRC.size)
+    if crc32(data[: size - CRC.size]) != stored_crc:
+        raise CorruptBitstream("blob header checksum mismatch")
+    if dtype_code not in CODE_DTYPES or flags & ~_KNOWN_FLAGS:
+        raise CorruptBitstream("blob header has an unknown dtype or flag")
+    if min(layers, heads, head_dim, tokens) < 1 or sinks > tokens or tokens > MAX_TOKENS:
+        raise CorruptBitstream("blob header has an impossible shape")
+    if bool(flags & FLAG_EMBEDDED_PROFILE) != (embedded_len > 0):
+        raise CorruptBitstream("blob header disagrees with itself about the embedded profile")
+    table_end = FIXED.size + SECTION_ENTRY.size * layers
+    sections = tuple(SECTION_ENTRY.unpack_from(data, FIXED.size + SECTION_ENTRY.size * i)
+                     for i in range(layers))
+    embedded = bytes(data[table_end: table_end + embedded_len]) if embedded_len else None
+    return BlobHeader(version=version, dtype=CODE_DTYPES[dtype_code], level=level, layers=layers,
+                      heads=heads, head_dim=head_dim, sink_tokens=sinks, tokens=tokens,
+                      profile_id=profile_id.hex(), embedded_profile=embedded, sections=sections,
+                      size=size)
+
+
+def section(data: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:
+    """Layer ``layer``'s section bytes from a whole blob, length and checksum verified."""
+    start = header.section_offset(layer)
+    length = header.sections[layer][0]
+    view = memoryview(data)[start: start + length]
+    if len(view) != length:
+        raise CorruptBitstream(f"blob truncated in layer {layer}'s section")
+    return verify_section(view, header, layer)
+
+
+def verify_section(view: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:
+    """Check a received section against the header's length and checksum."""
+    length, expected = header.sections[layer]
+    view = memoryview(view)
+    if len(view) != length:
+        raise CorruptBitstream(f"layer {layer}'s section is {len(view)} bytes, header says {length}")
+    if crc32(view) != expected:
+        raise CorruptBitstream(f"layer {layer}'s section checksum mismatch")
+    return view

@@ -1,0 +1,17 @@
+"""Typed errors of the codec, so callers can tell bad bytes from a wrong profile."""
+from __future__ import annotations
+
+
+class CodecError(Exception):
+    """Base class of every error the codec raises on a blob or a profile."""
+
+
+class CorruptBitstream(CodecError):
+    """The blob is truncated, damaged, or not a kvwire blob at all.
+
+    Raised before any tensor is returned: a corrupt blob never decodes to a wrong tensor.
+    """
+
+
+class ProfileMismatch(CodecError):
+    """The blob was encoded against a different profile than the one supplied (or none)."""

@@ -1,0 +1,157 @@
+"""One layer's K and V <-> the rANS lane payload of its section.
+
+Glue between the pure pieces: transform (torch), quantizer and coder (numba),
+and the lane layout. A lane holds ``rows_per_lane`` consecutive components of K
+or of V (never both), chosen so each stream carries at least ``LANE_SYMBOLS``
+values: one 4-byte final state per lane is then < 1% of the payload even for
+short chunks, while long chunks still get one lane per component (the most
+parallelism the GPU decoder can use).
+"""
+from __future__ import annotations
+
+import struct
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import entropy, rans, transform
+from .errors import CorruptBitstream
+from .profile import Profile
+
+LANE_SYMBOLS = 4096
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class CoderTables:
+    freq: np.ndarray
+    cdf: np.ndarray
+    lut: np.ndarray
+
+
+_coder_tables: "weakref.WeakKeyDictionary[Profile, CoderTables]" = weakref.WeakKeyDictionary()
+
+
+def coder_tables(profile: Profile) -> CoderTables:
+    """Frequency, cumulative and slot tables of a profile (built once per profile)."""
+    tables = _coder_tables.get(profile)
+    if tables is None:
+        tables = CoderTables(freq=profile.tables, cdf=entropy.cumulative(profile.tables),
+                             lut=entropy.slot_lookup(profile.tables))
+        _coder_tables[profile] = tables
+    return tables
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Row parameters and lane boundaries of one layer at one level."""
+
+    kept: tuple[int, int]
+    step: np.ndarray       # f32 [R]
+    group: np.ndarray      # i32 [R]
+    table: np.ndarray      # u8 [R, 2]
+    shift: np.ndarray      # u8 [R, 2]
+    lane_rows: np.ndarray  # i64 [lanes + 1]
+
+    @property
+    def rows(self) -> int:
+        return int(self.step.shape[0])
+
+    @property
+    def lanes(self) -> int:
+        return int(self.lane_rows.shape[0] - 1)
+
+
+def rows_per_lane(coded_tokens: int) -> int:
+    return max(1, -(-LANE_SYMBOLS // max(coded_tokens, 1)))
+
+
+def plan_layer(profile: Profile, slot: int, layer: int, coded_tokens: int) -> LayerPlan:
+    kept = (int(profile.kept[slot, layer, 0]), int(profile.kept[slot, layer, 1]))
+    per_lane = rows_per_lane(coded_tokens)
+    starts = list(range(0, kept[0], per_lane)) + list(range(kept[0], kept[0] + kept[1], per_lane))
+    return LayerPlan(
+        kept=kept,
+        step=np.concatenate([np.full(kept[kv], profile.steps[slot, layer, kv], dtype=np.float32)
+                             for kv in range(2)]),
+        group=np.concatenate([np.full(kept[kv], profile.delta_group[layer, kv], dtype=np.int32)
+                              for kv in range(2)]),
+        table=np.concatenate([profile.table[slot, layer, kv, :, : kept[kv]].T for kv in range(2)]),
+        shift=np.concatenate([profile.shift[slot, layer, kv, :, : kept[kv]].T for kv in range(2)]),
+        lane_rows=np.array(starts + [kept[0] + kept[1]], dtype=np.int64),
+    )
+
+
+def _basis(profile: Profile, layer: int, kv: int, kept: int) -> torch.Tensor | None:
+    if profile.basis is None:
+        return None
+    return torch.from_numpy(profile.basis[layer, kv, :kept])
+
+
+def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """Lane payload of one layer: k and v are float32 [coded_tokens, C]."""
+    coded_tokens = k.shape[0]
+    plan = plan_layer(profile, slot, layer, coded_tokens)
+    coef = torch.cat([
+        transform.forward(x, torch.from_numpy(profile.mean[layer, kv]), _basis(profile, layer, kv, plan.kept[kv]))
+        for kv, x in enumerate((k, v))
+    ]).numpy()
+    tables = coder_tables(profile)
+    q = np.empty(coef.shape, dtype=np.int32)
+    symbols = np.empty(plan.rows, dtype=np.int64)
+    if rans.quantize_rows(coef, plan.step, plan.group, plan.table, plan.shift, tables.freq,
+                          q, symbols) != rans.OK:
+        raise ValueError(f"layer {layer}: KV values too large to quantize at this level "
+                         f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
+    per_row = np.concatenate([[0], np.cumsum(symbols)])
+    region_end = per_row[plan.lane_rows[1:]].astype(np.int64)  # one word per symbol at most
+    words = np.empty(int(region_end[-1]) if plan.lanes else 0, dtype=np.uint16)
+    first = np.empty(plan.lanes, dtype=np.int64)
+    states = np.empty(plan.lanes, dtype=np.uint32)
+    rans.encode_lanes(q, plan.group, plan.table, plan.shift, tables.freq, tables.cdf,
+                      plan.lane_rows, region_end, words, first, states)
+    counts = (region_end - first).astype(np.uint32)
+    keep = np.zeros(words.shape[0], dtype=bool)
+    for lane in range(plan.lanes):
+        keep[first[lane]: region_end[lane]] = True
+    return b"".join((_U32.pack(plan.lanes), counts.astype("<u4").tobytes(),
+                     states.astype("<u4").tobytes(), words[keep].astype("<u2").tobytes()))
+
+
+def decode_coefficients(profile: Profile, slot: int, layer: int, coded_tokens: int,
+                        payload: memoryview) -> tuple[LayerPlan, np.ndarray]:
+    """Entropy-decode and dequantize a lane payload to coefficients [rows, coded_tokens]."""
+    plan = plan_layer(profile, slot, layer, coded_tokens)
+    if len(payload) < _U32.size:
+        raise CorruptBitstream(f"layer {layer}: lane table truncated")
+    (lanes,) = _U32.unpack_from(payload, 0)
+    if lanes != plan.lanes:
+        raise CorruptBitstream(f"layer {layer}: {lanes} lanes, profile and shape imply {plan.lanes}")
+    table_end = _U32.size + 8 * lanes
+    if len(payload) < table_end:
+        raise CorruptBitstream(f"layer {layer}: lane table truncated")
+    counts = np.frombuffer(payload, dtype="<u4", count=lanes, offset=_U32.size).astype(np.int64)
+    states = np.frombuffer(payload, dtype="<u4", count=lanes, offset=_U32.size + 4 * lanes)
+    lane_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    if table_end + 2 * int(lane_start[-1]) != len(payload):
+        raise CorruptBitstream(f"layer {layer}: lane lengths disagree with the section size")
+    words = np.frombuffer(payload, dtype="<u2", offset=table_end)
+    coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
+    tables = coder_tables(profile)
+    status = rans.decode_lanes(words, lane_start, states, plan.lane_rows, plan.step, plan.group,
+                               plan.table, plan.shift, tables.freq, tables.cdf, tables.lut, coef)
+    if status != rans.OK:
+        raise CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {status})")
+    return plan, coef
+
+
+def decode_layer(profile: Profile, slot: int, layer: int, payload: memoryview, out: torch.Tensor) -> None:
+    """Decode one layer's lane payload into ``out`` [2, coded_tokens, C] (K then V)."""
+    plan, coef = decode_coefficients(profile, slot, layer, out.shape[1], payload)
+    coef_t = torch.from_numpy(coef)
+    rows = (coef_t[: plan.kept[0]], coef_t[plan.kept[0]:])
+    for kv in range(2):
+        transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
+                          _basis(profile, layer, kv, plan.kept[kv]), out[kv])

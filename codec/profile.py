@@ -1,0 +1,465 @@
+"""Codec profiles: everything both ends must agree on, fitted once per model.
+
+A profile holds, per (layer, K/V): the channel means, the PCA basis (or none, for
+the identity transform), the delta-coding choice, and per quality level the step,
+the number of kept components and each component's (shift, table class); plus the
+shared rANS tables. Blobs reference it by ``profile.id`` (a hash of its content),
+so a profile fetched once serves every context of the model.
+
+Profiles are stored as safetensors (named arrays + a JSON metadata array): a
+well-kept, pickle-free format that any language can read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from . import entropy, transform
+from .errors import CorruptBitstream
+from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS, design_step
+
+PROFILE_FORMAT = "kvwire-profile"
+PROFILE_VERSION = 1
+#: Tokens coded in one delta group (anchor + 9 deltas), as in CacheGen.
+DELTA_GROUP = 10
+#: Attention-sink tokens kept verbatim at the start of a context.
+DEFAULT_SINK_TOKENS = 4
+#: Relative saving delta coding must show on calibration data to be switched on.
+_DELTA_MIN_GAIN = 0.01
+_DESIGN_BLOCK = 80  # a multiple of DELTA_GROUP: sample blocks keep groups whole
+
+TRANSFORMS = ("layer", "head", "identity")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One rung of the quality ladder."""
+
+    index: int
+    target_distortion: float
+    #: bits per element measured on the calibration data (side info excluded)
+    estimated_bits: float
+
+
+@dataclass(eq=False)
+class Profile:
+    """Calibrated codec parameters for one model shape. Arrays are numpy.
+
+    Shapes (L layers, C = heads*head_dim channels, V levels, K kept rows stored):
+    mean [L,2,C] f32, basis [L,2,K,C] f32 or None, steps [V,L,2] f32,
+    kept [V,L,2] i32, delta_group [L,2] i32, shift/table [V,L,2,2,C] u8
+    (axis 3: 0 = direct/anchor values, 1 = delta values), tables [classes, ALPHABET] u16.
+    """
+
+    layers: int
+    heads: int
+    head_dim: int
+    sink_tokens: int
+    transform: str
+    targets: tuple[float, ...]
+    estimated_bits: tuple[float, ...]
+    mean: np.ndarray
+    basis: np.ndarray | None
+    steps: np.ndarray
+    kept: np.ndarray
+    delta_group: np.ndarray
+    shift: np.ndarray
+    table: np.ndarray
+    tables: np.ndarray
+    _id: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def channels(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def levels(self) -> tuple[Level, ...]:
+        return tuple(Level(i, t, b) for i, (t, b) in enumerate(zip(self.targets, self.estimated_bits)))
+
+    @property
+    def id(self) -> str:
+        """16 hex digits of a hash over the profile's content (not its file bytes)."""
+        if self._id is None:
+            digest = hashlib.blake2b(digest_size=8)
+            digest.update(self._metadata_json().encode())
+            for name, array in sorted(self._arrays().items()):
+                digest.update(name.encode())
+                digest.update(np.ascontiguousarray(array).tobytes())
+            self._id = digest.hexdigest()
+        return self._id
+
+    def __repr__(self) -> str:
+        return (f"Profile(id={self.id}, layers={self.layers}, heads={self.heads}, "
+                f"head_dim={self.head_dim}, transform={self.transform!r}, levels={len(self.targets)})")
+
+    # ---------------------------------------------------------- serialization
+    def _metadata_json(self) -> str:
+        return json.dumps({
+            "format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+            "layers": self.layers, "heads": self.heads, "head_dim": self.head_dim,
+            "sink_tokens": self.sink_tokens, "transform": self.transform,
+            "targets": list(self.targets), "estimated_bits": list(self.estimated_bits),
+        }, sort_keys=True)
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        arrays = {"mean": self.mean, "steps": self.steps, "kept": self.kept,
+                  "delta_group": self.delta_group, "shift": self.shift,
+                  "table": self.table, "tables": self.tables}
+        if self.basis is not None:
+            arrays["basis"] = self.basis
+        return arrays
+
+    def to_bytes(self) -> bytes:
+        from safetensors.numpy import save
+
+        arrays = {k: np.ascontiguousarray(v) for k, v in self._arrays().items()}
+        arrays["metadata"] = np.frombuffer(self._metadata_json().encode(), dtype=np.uint8)
+        return save(arrays)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Profile":
+        """Parse a profile; anything malformed raises CorruptBitstream."""
+        from safetensors.numpy import load
+
+        try:
+            arrays = load(bytes(data))
+            meta = json.loads(arrays.pop("metadata").tobytes().decode())
+        except Exception as exc:  # safetensors/json raise many types on garbage
+            raise CorruptBitstream(f"not a kvwire profile: {exc}") from exc
+        if meta.get("format") != PROFILE_FORMAT:
+            raise CorruptBitstream("not a kvwire profile (format tag missing)")
+        if meta.get("version") != PROFILE_VERSION:
+            raise CorruptBitstream(f"unsupported profile version {meta.get('version')}")
+        try:
+            return cls(
+                layers=int(meta["layers"]), heads=int(meta["heads"]), head_dim=int(meta["head_dim"]),
+                sink_tokens=int(meta["sink_tokens"]), transform=str(meta["transform"]),
+                targets=tuple(float(t) for t in meta["targets"]),
+                estimated_bits=tuple(float(b) for b in meta["estimated_bits"]),
+                mean=arrays["mean"], basis=arrays.get("basis"), steps=arrays["steps"],
+                kept=arrays["kept"], delta_group=arrays["delta_group"], shift=arrays["shift"],
+                table=arrays["table"], tables=arrays["tables"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptBitstream(f"malformed kvwire profile: {exc}") from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return cls.from_bytes(Path(path).read_bytes())
+
+    # ------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check every array's shape, dtype and range; raise ValueError naming the fault."""
+        L, C, V = self.layers, self.channels, len(self.targets)
+        if min(L, self.heads, self.head_dim) < 1 or V < 1 or self.sink_tokens < 0:
+            raise ValueError("profile dimensions must be positive")
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"unknown transform {self.transform!r}")
+        if len(self.estimated_bits) != V:
+            raise ValueError("estimated_bits must have one entry per level")
+        expect = {
+            "mean": ((L, 2, C), np.float32), "steps": ((V, L, 2), np.float32),
+            "kept": ((V, L, 2), np.int32), "delta_group": ((L, 2), np.int32),
+            "shift": ((V, L, 2, 2, C), np.uint8), "table": ((V, L, 2, 2, C), np.uint8),
+        }
+        for name, (shape, dtype) in expect.items():
+            array = getattr(self, name)
+            if not isinstance(array, np.ndarray) or array.shape != shape or array.dtype != dtype:
+                got = (getattr(array, "dtype", type(array)), getattr(array, "shape", None))
+                raise ValueError(f"profile.{name} must be {np.dtype(dtype)} {shape}, got {got}")
+        entropy.validate_tables(self.tables)
+        if self.table.size and int(self.table.max()) >= self.tables.shape[0]:
+            raise ValueError("profile.table refers to a missing table")
+        if self.shift.size and int(self.shift.max()) > entropy.PROB_BITS:
+            raise ValueError("profile.shift exceeds the probability precision")
+        if not np.all(np.isfinite(self.steps)) or np.any(self.steps <= 0):
+            raise ValueError("profile.steps must be positive and finite")
+        if not np.all(np.isfinite(self.mean)):
+            raise ValueError("profile.mean must be finite")
+        if np.any(self.delta_group < 0):
+            raise ValueError("profile.delta_group must be >= 0")
+        if self.basis is None:
+            if self.transform != "identity" or np.any(self.kept != C):
+                raise ValueError("a profile without a basis must keep every channel")
+        else:
+            if self.basis.dtype != np.float32 or self.basis.ndim != 4 \
+                    or self.basis.shape[:2] != (L, 2) or self.basis.shape[3] != C:
+                raise ValueError(f"profile.basis must be float32 [{L}, 2, K, {C}]")
+            if np.any(self.kept < 0) or np.any(self.kept > self.basis.shape[2]):
+                raise ValueError("profile.kept exceeds the stored basis rows")
+
+    def check_shape(self, layers: int, heads: int, head_dim: int) -> None:
+        if (layers, heads, head_dim) != (self.layers, self.heads, self.head_dim):
+            raise ValueError(
+                f"KV shape (layers={layers}, heads={heads}, head_dim={head_dim}) does not match "
+                f"profile {self.id} (layers={self.layers}, heads={self.heads}, head_dim={self.head_dim})")
+
+    def check_level(self, level: int) -> None:
+        if not isinstance(level, (int, np.integer)) or not 0 <= level < len(self.targets):
+            raise ValueError(f"level must be an int in [0, {len(self.targets) - 1}], got {level!r}")
+
+
+# --------------------------------------------------------------------------- fitting
+def validate_kv(kv: object) -> torch.Tensor:
+    """Return ``kv`` if it is a usable KV tensor; ValueError naming the fault otherwise."""
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape [layers, 2, tokens, heads, head_dim], got {tuple(kv.shape)}")
+    if kv.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"kv dtype must be float16, bfloat16 or float32, got {kv.dtype}")
+    if kv.numel() == 0:
+        raise ValueError(f"kv is empty: shape {tuple(kv.shape)}")
+    if kv.shape[0] > 0xFFFF or kv.shape[3] > 0xFFFF or kv.shape[4] > 0xFFFF or kv.shape[2] >= 2 ** 32:
+        raise ValueError(f"kv shape {tuple(kv.shape)} exceeds the format's limits")
+    if not bool(torch.isfinite(kv).all()):
+        raise ValueError("kv contains NaN or infinite values")
+    return kv
+
+
+def _design_sample(tokens: int, budget: int) -> np.ndarray:
+    """Token indices for step design: evenly spaced whole blocks (delta groups stay intact)."""
+    if tokens <= budget:
+        return np.arange(tokens)
+    blocks = max(budget // _DESIGN_BLOCK, 1)
+    starts = np.linspace(0, tokens - _DESIGN_BLOCK, blocks).astype(np.int64)
+    starts -= starts % DELTA_GROUP
+    return (starts[:, None] + np.arange(_DESIGN_BLOCK)[None, :]).reshape(-1)
+
+
+def _delta_coefficients(coef: np.ndarray) -> np.ndarray:
+    """Differences to each group's anchor [C, N - N/G] (anchors themselves left out)."""
+    n = coef.shape[1] - coef.shape[1] % DELTA_GROUP
+    groups = coef[:, :n].reshape(coef.shape[0], -1, DELTA_GROUP)
+    return (groups[:, :, 1:] - groups[:, :, :1]).reshape(coef.shape[0], -1)
+
+
+def _empirical_bits(values: np.ndarray, step: float) -> float:
+    """Sum over rows of the empirical entropy (bits) of rint(values / step)."""
+    total = 0.0
+    for row in values:
+        q = np.rint(row / step).astype(np.int64)
+        counts = np.bincount(q - q.min())
+        p = counts[counts > 0] / q.size
+        total += float(-(p * np.log2(p)).sum()) * q.size
+    return total
+
+
+def _head_block_pca(cov: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-diagonal basis (PCA within each head), rows sorted by variance."""
+    C = heads * head_dim
+    basis = torch.zeros(C, C, dtype=torch.float64)
+    variances = torch.zeros(C, dtype=torch.float64)
+    for h in range(heads):
+        sl = slice(h * head_dim, (h + 1) * head_dim)
+        b, v = transform.pca_basis(cov[sl, sl])
+        basis[sl, sl] = b.T  # columns for now; transposed below
+        variances[sl] = v
+    basis = basis.T
+    order = torch.argsort(variances, descending=True)
+    return basis[order].contiguous(), variances[order]
+
+
+@dataclass
+class _Fit:
+    """Per (layer, K/V) fitting results before they are packed into arrays."""
+
+    mean: np.ndarray
+    basis: np.ndarray | None
+    steps: list[float]
+    kept: list[int]
+    delta: int
+    sample_coef: np.ndarray
+    variances: np.ndarray
+    delta_variances: np.ndarray
+
+
+def _fit_one(x: torch.Tensor, heads: int, head_dim: int, targets: Sequence[float], how: str,
+             delta: str, design_tokens: int) -> _Fit:
+    if x.shape[0] == 0:  # nothing beyond the sinks: a neutral fit keeps the profile valid
+        x = torch.zeros(1, x.shape[1], dtype=torch.float32)
+    if how == "identity":
+        x64 = x.to(torch.float64)
+        mean = x64.mean(dim=0)
+        basis = None
+        variances = x64.var(dim=0, unbiased=False) if x.shape[0] > 1 else torch.zeros(x.shape[1], dtype=torch.float64)
+    else:
+        mean, cov = transform.channel_stats(x)
+        basis, variances = (transform.pca_basis(cov) if how == "layer"
+                            else _head_block_pca(cov, heads, head_dim))
+    mean32 = mean.to(torch.float32)
+    basis32 = None if basis is None else basis.to(torch.float32)
+    sample = x[torch.from_numpy(_design_sample(x.shape[0], design_tokens))]
+    coef = transform.forward(sample, mean32, basis32).numpy()
+    var = variances.numpy()
+    allow_drop = basis is not None
+    designed = [design_step(coef, var, t, allow_drop) for t in targets]
+    delta_coef = _delta_coefficients(coef)
+    delta_var = delta_coef.var(axis=1) if delta_coef.shape[1] else var.copy()
+    use_delta = delta == "always"
+    if delta == "auto" and delta_coef.shape[1]:
+        step, kept = designed[len(designed) // 2]
+        direct = _empirical_bits(coef[:kept], step)
+        anchors = coef[:kept, ::DELTA_GROUP][:, : delta_coef.shape[1] // (DELTA_GROUP - 1)]
+        grouped = _empirical_bits(anchors, step) + _empirical_bits(delta_coef[:kept], step)
+        use_delta = grouped < (1 - _DELTA_MIN_GAIN) * direct
+    return _Fit(mean=mean32.numpy(), basis=None if basis32 is None else basis32.numpy(),
+                steps=[s for s, _ in designed], kept=[k for _, k in designed],
+                delta=DELTA_GROUP if use_delta else 0, sample_coef=coef,
+                variances=var, delta_variances=delta_var)
+
+
+def _symbol_histograms(fit: _Fit, level: int, shift: np.ndarray, table: np.ndarray,
+                       hist: np.ndarray) -> float:
+    """Add the symbols of one (layer, K/V, level) on the design sample to ``hist``.
+
+    Returns the raw bits spent outside the tables (low bits and escape payloads).
+    """
+    step, kept = fit.steps[level], fit.kept[level]
+    coef = fit.sample_coef[:kept]
+    kinds = [(coef, 0)]
+    if fit.delta:
+        n = coef.shape[1] - coef.shape[1] % DELTA_GROUP
+        groups = coef[:, :n].reshape(kept, -1, DELTA_GROUP)
+        anchors = np.rint(groups[:, :, :1] / step) * step  # as the decoder rebuilds them
+        kinds = [(coef[:, ::DELTA_GROUP], 0),
+                 ((groups[:, :, 1:] - anchors).reshape(kept, -1), 1)]
+    raw_bits = 0.0
+    for values, kind in kinds:
+        q = np.rint(values / step).astype(np.int64)
+        b = shift[kind, :kept].astype(np.int64)[:, None]
+        idx = (q >> b) + entropy.ZERO_SYMBOL
+        escaped = (idx < 0) | (idx >= entropy.ESCAPE)
+        idx[escaped] = entropy.ESCAPE
+        cls = np.broadcast_to(table[kind, :kept].astype(np.int64)[:, None], idx.shape)
+        hist += np.bincount((cls * entropy.ALPHABET + idx).ravel(),
+                            minlength=hist.size).reshape(hist.shape)
+        raw_bits += float((np.broadcast_to(b, q.shape) * ~escaped).sum()) + 36.0 * float(escaped.sum())
+    return raw_bits
+
+
+def _assign_classes(fit: _Fit, level: int, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shift, table class) [2, C] for direct/anchor and delta values of one level."""
+    step = fit.steps[level]
+    shift = np.zeros((2, channels), dtype=np.uint8)
+    table = np.zeros((2, channels), dtype=np.uint8)
+    for kind, var in enumerate((fit.variances, fit.delta_variances)):
+        scale = np.sqrt(np.maximum(var, 0.0)) / step
+        shift[kind] = entropy.shift_for_scale(scale)
+        table[kind] = entropy.class_for_scale(scale, shift[kind])
+    return shift, table
+
+
+def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: int, *,
+                targets: Sequence[float] = DEFAULT_TARGETS, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                transform_kind: str = "layer", delta: str = "auto", design_tokens: int = 4096) -> Profile:
+    """Fit a profile to tokens[layer][kv] = tensor [N, C] (sinks already removed)."""
+    if transform_kind not in TRANSFORMS:
+        raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform_kind!r}")
+    if delta not in ("auto", "never", "always"):
+        raise ValueError(f"delta must be 'auto', 'never' or 'always', got {delta!r}")
+    targets = tuple(float(t) for t in targets)
+    if not targets or list(targets) != sorted(targets) or len(set(targets)) != len(targets):
+        raise ValueError("targets must be strictly increasing distortions (best quality first)")
+    L, C, V = len(tokens), heads * head_dim, len(targets)
+    fits = [[_fit_one(tokens[l][kv], heads, head_dim, targets, transform_kind, delta, design_tokens)
+             for kv in range(2)] for l in range(L)]
+    shift = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
+    table = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
+    hist = np.zeros((V, entropy.NUM_CLASSES, entropy.ALPHABET), dtype=np.float64)
+    raw_bits = np.zeros(V)
+    elements = np.zeros(V)
+    for l in range(L):
+        for kv in range(2):
+            fit = fits[l][kv]
+            for v in range(V):
+                shift[v, l, kv], table[v, l, kv] = _assign_classes(fit, v, C)
+                raw_bits[v] += _symbol_histograms(fit, v, shift[v, l, kv], table[v, l, kv], hist[v])
+                elements[v] += fit.sample_coef.shape[1] * C
+    tables = entropy.build_tables(hist.sum(axis=0))
+    cost = entropy.symbol_cost_bits(tables)
+    coded = np.where(hist > 0, hist * np.where(np.isfinite(cost), cost, 0.0)[None], 0.0)
+    estimated = tuple(float(b) for b in (coded.sum(axis=(1, 2)) + raw_bits) / np.maximum(elements, 1))
+    kept = np.array([[[fits[l][kv].kept[v] for kv in range(2)] for l in range(L)] for v in range(V)],
+                    dtype=np.int32)
+    if transform_kind == "identity":
+        basis = None
+    else:
+        rows = max(int(kept.max()), 1)
+        basis = np.stack([np.stack([fits[l][kv].basis[:rows] for kv in range(2)]) for l in range(L)])
+    return Profile(
+        layers=L, heads=heads, head_dim=head_dim, sink_tokens=int(sink_tokens),
+        transform=transform_kind, targets=targets, estimated_bits=estimated,
+        mean=np.stack([np.stack([fits[l][kv].mean for kv in range(2)]) for l in range(L)]),
+        basis=basis,
+        steps=np.array([[[fits[l][kv].steps[v] for kv in range(2)] for l in range(L)] for v in range(V)],
+                       dtype=np.float32),
+        kept=kept,
+        delta_group=np.array([[fits[l][kv].delta for kv in range(2)] for l in range(L)], dtype=np.int32),
+        shift=shift, table=table, tables=tables,
+    )
+
+
+def split_tokens(kv: torch.Tensor, sink_tokens: int) -> list[list[torch.Tensor]]:
+    """tokens[layer][kv] = float32 [N, C] of the non-sink tokens of ``kv``."""
+    L, _, T, H, D = kv.shape
+    body = kv[:, :, sink_tokens:].to(torch.float32).reshape(L, 2, T - sink_tokens, H * D)
+    return [[body[l, i] for i in range(2)] for l in range(L)]
+
+
+def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEFAULT_TARGETS,
+              sink_tokens: int = DEFAULT_SINK_TOKENS, transform: str = "layer",
+              delta: str = "auto", design_tokens: int = 4096) -> Profile:
+    """Fit a profile on sample KV caches [layers, 2, tokens, heads, head_dim].
+
+    Each sample's first ``sink_tokens`` are left out (they are sent verbatim).
+    ``transform``: "layer" (PCA across all heads; the default), "head" (PCA
+    within each head) or "identity". ``delta``: "auto" switches CacheGen's
+    anchor/delta coding on per (layer, K/V) only where it measures >= 1% smaller.
+    """
+    bodies: list[list[list[torch.Tensor]]] = []
+    shape = None
+    for kv in samples:
+        validate_kv(kv)
+        L, _, T, H, D = kv.shape
+        if shape is not None and (L, H, D) != shape:
+            raise ValueError(f"calibration samples disagree on shape: {shape} vs {(L, H, D)}")
+        shape = (L, H, D)
+        if T > sink_tokens:
+            bodies.append(split_tokens(kv, sink_tokens))
+    if shape is None:
+        raise ValueError("calibrate needs at least one sample")
+    if not bodies:
+        raise ValueError(f"calibration samples have no tokens beyond the {sink_tokens} sink tokens")
+    L, H, D = shape
+    tokens = [[torch.cat([b[l][i] for b in bodies]) for i in range(2)] for l in range(L)]
+    return fit_profile(tokens, H, D, targets=targets, sink_tokens=sink_tokens,
+                       transform_kind=transform, delta=delta, design_tokens=design_tokens)
+
+
+def embedded_profile(kv: torch.Tensor, level: int, sink_tokens: int) -> Profile:
+    """The single-level, identity-transform profile a blob carries when there is none.
+
+    Identity because a PCA basis (C x C floats per layer and K/V) would outweigh
+    the saving on any but very long contexts.
+    """
+    tokens = split_tokens(kv, sink_tokens)
+    return fit_profile(tokens, kv.shape[3], kv.shape[4], targets=(DEFAULT_TARGETS[level],),
+                       sink_tokens=sink_tokens, transform_kind="identity", delta="auto",
+                       design_tokens=1024)
+
+
+__all__ = ["Profile", "Level", "calibrate", "DEFAULT_LEVEL", "DEFAULT_TARGETS"]

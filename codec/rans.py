@@ -1,0 +1,218 @@
+"""Quantizer and rANS coder kernels (numba), one independent stream per lane.
+
+Coder parameters (written down in FORMAT.md, mirrored by the CUDA decoder):
+
+* state: 32 bits, kept in ``[STATE_LOW, 2**32)`` with ``STATE_LOW = 2**16``;
+* renormalisation in 16-bit words: with 12-bit probabilities a decode step
+  leaves the state >= 2**4, so exactly one word read restores it (no loop);
+* probabilities: 12 bits (``entropy.PROB_SCALE``); decode is a table lookup,
+  a multiply and an add: no division and no bit loop.
+
+A *row* is one transformed component (of K or V) over the chunk's coded tokens;
+a *lane* is a run of consecutive rows coded into one stream with one state. Lanes
+are independent, so they decode in parallel (``prange`` here, one thread per lane
+on the GPU). Per value the stream holds, in decode order:
+
+* the symbol ``(q >> shift) + ZERO_SYMBOL`` under the row's table, then
+  ``shift`` raw low bits as one uniform symbol, or
+* ``ESCAPE`` followed by ``zigzag(q)`` as three uniform 12-bit symbols, low first.
+
+Delta rows (CacheGen's anchor/delta option) code every ``group``-th token
+directly (the anchor) and the others as the difference to the *reconstructed*
+anchor, each kind with its own table and shift.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .entropy import ESCAPE, PROB_BITS, PROB_SCALE, ZERO_SYMBOL
+
+STATE_LOW = np.int64(1 << 16)
+WORD_BITS = 16
+WORD_MASK = np.int64(0xFFFF)
+SLOT_MASK = np.int64(PROB_SCALE - 1)
+ESCAPE_CHUNKS = 3
+#: |q| must stay below this so zigzag(q) fits the 36 escape bits with room to spare
+MAX_ABS_Q = 1 << 30
+
+# status codes returned by the kernels
+OK = 0
+OVERFLOW = 1       # a value too large for the quantizer (encode)
+OUT_OF_WORDS = 2   # a lane read past its words (decode)
+BAD_FINAL = 3      # a lane ended in the wrong state or with words left (decode)
+BAD_ESCAPE = 4     # an escaped value outside the representable range (decode)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _symbol_kind(t, group):
+    """0 for a directly coded value, 1 for a delta against the group's anchor."""
+    if group > 0 and t % group != 0:
+        return 1
+    return 0
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def quantize_rows(coef, step, group, table, shift, freq, q_out, rans_symbols):
+    """Quantize rows of coefficients to integers; count the rANS symbols per row.
+
+    ``coef`` is float32 [R, T]; delta values are taken against the anchor as the
+    decoder will rebuild it (float32 ``q * step``), so errors never accumulate.
+    Returns OK, or OVERFLOW when a value exceeds the representable range.
+    """
+    rows, tokens = coef.shape
+    status = np.zeros(rows, dtype=np.int32)
+    for r in prange(rows):
+        s = step[r]
+        g = group[r]
+        anchor = np.float32(0.0)
+        count = 0
+        for t in range(tokens):
+            kind = _symbol_kind(t, g)
+            value = coef[r, t]
+            if kind == 1:
+                value = value - anchor
+            scaled = value / s
+            if not (abs(scaled) < MAX_ABS_Q):
+                status[r] = OVERFLOW
+                scaled = np.float32(0.0)
+            v = np.int64(np.rint(scaled))
+            q_out[r, t] = v
+            if g > 0 and kind == 0:
+                anchor = np.float32(v) * s
+            b = np.int64(shift[r, kind])
+            idx = (v >> b) + ZERO_SYMBOL
+            if idx >= 0 and idx < ESCAPE and freq[table[r, kind], idx] > 0:
+                count += 2 if b > 0 else 1
+            else:
+                count += 1 + ESCAPE_CHUNKS
+        rans_symbols[r] = count
+    return status.max()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(x, start, f, words, pos):
+    """Encode one symbol (slot range [start, start+f)) into state x; words grow down."""
+    if x >= (np.int64(f) << (32 - PROB_BITS)):
+        words[pos] = x & WORD_MASK
+        pos -= 1
+        x >>= WORD_BITS
+    x = ((x // f) << PROB_BITS) + (x % f) + start
+    return x, pos
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def encode_lanes(q, group, table, shift, freq, cdf, lane_rows, region_end, words,
+                 first_word, final_state):
+    """rANS-encode every lane; lane i writes its words downwards ending at region_end[i].
+
+    Encoding runs backwards over the lane's values so the decoder reads forwards;
+    writing words downwards leaves them in read order at ``words[first_word[i]:region_end[i]]``.
+    """
+    n_lanes = lane_rows.shape[0] - 1
+    tokens = q.shape[1]
+    for lane in prange(n_lanes):
+        x = STATE_LOW
+        pos = region_end[lane] - 1
+        for r in range(lane_rows[lane + 1] - 1, lane_rows[lane] - 1, -1):
+            g = group[r]
+            for t in range(tokens - 1, -1, -1):
+                kind = _symbol_kind(t, g)
+                v = np.int64(q[r, t])
+                b = np.int64(shift[r, kind])
+                tab = table[r, kind]
+                hi = v >> b
+                idx = hi + ZERO_SYMBOL
+                if idx >= 0 and idx < ESCAPE and freq[tab, idx] > 0:
+                    if b > 0:
+                        width = PROB_BITS - b
+                        x, pos = _put(x, (v - (hi << b)) << width, np.int64(1) << width, words, pos)
+                    x, pos = _put(x, np.int64(cdf[tab, idx]), np.int64(freq[tab, idx]), words, pos)
+                else:
+                    z = ((v << 1) ^ (v >> 63)) & np.int64(0xFFFFFFFFF)
+                    for c in range(ESCAPE_CHUNKS - 1, -1, -1):
+                        chunk = (z >> (PROB_BITS * c)) & SLOT_MASK
+                        x, pos = _put(x, chunk, np.int64(1), words, pos)
+                    x, pos = _put(x, np.int64(cdf[tab, ESCAPE]), np.int64(freq[tab, ESCAPE]), words, pos)
+        first_word[lane] = pos + 1
+        final_state[lane] = x
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _renorm(x, words, pos, end):
+    """Refill one word if the state fell below STATE_LOW; pos > end flags overrun."""
+    if x < STATE_LOW:
+        if pos < end:
+            x = (x << WORD_BITS) | np.int64(words[pos])
+        pos += 1
+    return x, pos
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _get_uniform(x, bits, words, pos, end):
+    width = PROB_BITS - bits
+    slot = x & SLOT_MASK
+    value = slot >> width
+    x = (np.int64(1) << width) * (x >> PROB_BITS) + slot - (value << width)
+    x, pos = _renorm(x, words, pos, end)
+    return value, x, pos
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def decode_lanes(words, lane_word_start, final_state, lane_rows, step, group, table, shift,
+                 freq, cdf, lut, out):
+    """Decode every lane into dequantized float32 coefficients ``out`` [R, T].
+
+    Never reads outside a lane's words; returns OK or the first error code seen
+    (the caller turns any non-OK status into CorruptBitstream).
+    """
+    n_lanes = lane_rows.shape[0] - 1
+    tokens = out.shape[1]
+    status = np.zeros(n_lanes, dtype=np.int32)
+    for lane in prange(n_lanes):
+        x = np.int64(final_state[lane])
+        pos = lane_word_start[lane]
+        end = lane_word_start[lane + 1]
+        err = OK
+        if x < STATE_LOW:
+            err = BAD_FINAL
+        for r in range(lane_rows[lane], lane_rows[lane + 1]):
+            if err != OK:
+                break
+            s = step[r]
+            g = group[r]
+            anchor = np.float32(0.0)
+            for t in range(tokens):
+                kind = _symbol_kind(t, g)
+                tab = table[r, kind]
+                slot = x & SLOT_MASK
+                sym = np.int64(lut[tab, slot])
+                x = np.int64(freq[tab, sym]) * (x >> PROB_BITS) + slot - np.int64(cdf[tab, sym])
+                x, pos = _renorm(x, words, pos, end)
+                if sym == ESCAPE:
+                    z = np.int64(0)
+                    for c in range(ESCAPE_CHUNKS):
+                        chunk, x, pos = _get_uniform(x, PROB_BITS, words, pos, end)
+                        z |= chunk << (PROB_BITS * c)
+                    v = (z >> 1) ^ -(z & 1)
+                    if abs(v) >= MAX_ABS_Q:
+                        err = BAD_ESCAPE
+                        v = 0
+                else:
+                    b = np.int64(shift[r, kind])
+                    v = (sym - ZERO_SYMBOL) << b
+                    if b > 0:
+                        low, x, pos = _get_uniform(x, b, words, pos, end)
+                        v += low
+                value = np.float32(v) * s
+                if kind == 1:
+                    value = anchor + value
+                elif g > 0:
+                    anchor = value
+                out[r, t] = value
+            if pos > end:
+                err = OUT_OF_WORDS
+        if err == OK and (pos != end or x != STATE_LOW):
+            err = BAD_FINAL
+        status[lane] = err
+    return status.max()

@@ -1,0 +1,70 @@
+"""Decorrelating transform: mean removal + PCA across all heads of a layer's K or V.
+
+Why across heads: on real KV, PCA over the layer's full H*D channels needs ~40%
+fewer bits than per-head PCA at the same distortion (shared/reference.md, and
+``kvwire bench codec --transform`` measures it again). The inverse costs one
+[tokens, kept] x [kept, H*D] matrix product per layer and K/V, which torch runs on
+all cores (and the GPU decoder as a GEMM).
+
+All functions here are pure: tensors in, tensors out.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean [C] and covariance [C, C] (float64) of tokens x [N, C]."""
+    x = x.to(torch.float64)
+    mean = x.mean(dim=0)
+    centered = x - mean
+    cov = centered.T @ centered / max(x.shape[0] - 1, 1)
+    return mean, cov
+
+
+def pca_basis(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Orthonormal basis rows sorted by decreasing variance, and those variances.
+
+    The sign of each component is fixed (largest-magnitude entry positive) so the
+    same data always gives the same profile bytes.
+    """
+    variances, vectors = torch.linalg.eigh(cov.to(torch.float64))
+    order = torch.argsort(variances, descending=True)
+    basis = vectors[:, order].T.contiguous()
+    variances = variances[order].clamp_min(0.0)
+    pivot = basis.abs().argmax(dim=1)
+    signs = torch.sign(basis[torch.arange(basis.shape[0]), pivot])
+    signs[signs == 0] = 1.0
+    return basis * signs[:, None], variances
+
+
+def forward(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """Coefficients [kept, N] (component-major, as the coder wants rows) of x [N, C].
+
+    ``basis`` [kept, C] float32, or None for the identity transform.
+    """
+    centered = x.to(torch.float32) - mean
+    if basis is None:
+        return centered.T.contiguous()
+    return (basis @ centered.T).contiguous()
+
+
+def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
+            out: torch.Tensor) -> None:
+    """Write tokens [N, C] reconstructed from coefficients [kept, N] into ``out``.
+
+    With a basis, components past ``kept`` were dropped (they reconstruct as the
+    mean); the identity transform always keeps every channel. ``out`` may have any
+    float dtype: float32 is written by the GEMM directly, others via one rounding copy.
+    """
+    kept, tokens = coef.shape
+    if basis is None:
+        torch.add(coef.T, mean, out=out) if out.dtype == torch.float32 else out.copy_(coef.T + mean)
+        return
+    bias = mean.expand(tokens, mean.shape[0])
+    if kept == 0:
+        out.copy_(bias)
+    elif out.dtype == torch.float32 and out.is_contiguous():
+        torch.addmm(bias, coef.T, basis[:kept], out=out)
+    else:
+        out.copy_(torch.addmm(bias, coef.T, basis[:kept]))
