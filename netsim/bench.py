@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from netsim import aio
 from netsim.proxy import ShapingProxy
 
 PROXY_RATES = (10, 100, 1000)
@@ -141,7 +140,7 @@ def _round(x: float | None) -> float | None:
 
 # --------------------------------------------------------------------- report
 def run_bench() -> dict:
-    return {"proxy": aio.run(_proxy_bench()), "netns": _netns_bench()}
+    return {"proxy": asyncio.run(_proxy_bench()), "netns": _netns_bench()}
 
 
 def format_report(res: dict) -> str:
@@ -151,7 +150,8 @@ def format_report(res: dict) -> str:
         lines.append(f"  {r['configured_mbit']:>12} {r['achieved_mbit']:>10.2f} {r['error_pct']:>8.2f} "
                      f"{r['proxy_cpu_s']:>12.3f} {r['cpu_pct_of_core']:>11.1f}")
     for c in res["proxy"]["rate_change"]:
-        lines.append(f"  set_trace {c['from_mbit']:g} -> {c['to_mbit']:g} Mbit/s: followed in {_fmt_s(c['response_s'])}")
+        lines.append(f"  set_trace {c['from_mbit']:g} -> {c['to_mbit']:g} Mbit/s: "
+                     f"followed in {_fmt_s(c['response_s'])}")
     ns = res["netns"]
     lines.append("")
     if not ns["available"]:

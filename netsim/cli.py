@@ -66,7 +66,6 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
 
 # --------------------------------------------------------------------- handlers
 def _cmd_proxy(args: argparse.Namespace) -> int:
-    from netsim import aio
     from netsim.proxy import LinkSpec, ShapingProxy
 
     if args.trace:
@@ -99,7 +98,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
             s = proxy.stats
             print(f"{s.connections} connections, {s.up_bytes} bytes up, {s.down_bytes} bytes down")
 
-    aio.run(serve())
+    asyncio.run(serve())
     return 0
 
 

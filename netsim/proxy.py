@@ -251,7 +251,7 @@ class _Connection:
             await out.finish(eof=False)
             assert faults.cut is not None
             self.end(faults.cut.action)
-        except (ConnectionError, OSError):
+        except OSError:  # ConnectionResetError, BrokenPipeError, ...
             self.end("reset")  # a reset on one side propagates to the other, like a router
         finally:
             out.cancel()

@@ -32,7 +32,8 @@ class Trace:
 
     __slots__ = ("times", "rates", "name", "_cum_mbit")
 
-    def __init__(self, times: Sequence[float] | np.ndarray, rates: Sequence[float] | np.ndarray, name: str = "") -> None:
+    def __init__(self, times: Sequence[float] | np.ndarray, rates: Sequence[float] | np.ndarray,
+                 name: str = "") -> None:
         t = np.array(times, dtype=float)  # a private copy, frozen below
         r = np.array(rates, dtype=float)
         _validate(t, r)
@@ -78,7 +79,8 @@ class Trace:
             if len(fields) < 2:
                 if first_row and not _numeric(fields[0]):
                     continue
-                raise ValueError(f"{path}:{lineno}: expected 'seconds, mbit_per_s', got {raw.strip()!r} (missing value)")
+                raise ValueError(f"{path}:{lineno}: expected 'seconds, mbit_per_s', "
+                                 f"got {raw.strip()!r} (missing value)")
             if len(fields) > 2:
                 raise ValueError(f"{path}:{lineno}: expected 2 columns, got {len(fields)}: {raw.strip()!r}")
             if not (_numeric(fields[0]) and _numeric(fields[1])):

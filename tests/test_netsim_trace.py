@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import netsim
@@ -193,3 +193,21 @@ def test_trace_set_is_committed_and_in_range() -> None:
 
 def test_make_traces_reproduces_the_committed_files() -> None:
     assert make_traces.main(["--check"]) == 0
+
+
+# --------------------------------------------------------------------- cli
+def test_cli_registers_handlers_and_lists_traces(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from netsim import cli
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bench = sub.add_parser("bench").add_subparsers()
+    cli.register(sub, bench)
+    args = parser.parse_args(["netsim", "traces"])
+    assert args.handler(args) == 0
+    assert "walk-1g" in capsys.readouterr().out
+    for argv in (["netsim", "proxy", "--upstream", "127.0.0.1:1", "--rate", "10", "--stall", "1:2"],
+                 ["netsim", "netns", "--rate", "10", "--", "true"], ["bench", "netsim", "--json"]):
+        assert callable(parser.parse_args(argv).handler)
