@@ -90,21 +90,40 @@ def _basis(profile: Profile, layer: int, kv: int, kept: int) -> torch.Tensor | N
     return torch.from_numpy(profile.basis[layer, kv, :kept])
 
 
-def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
-    """Lane payload of one layer: k and v are float32 [coded_tokens, C]."""
-    coded_tokens = k.shape[0]
-    plan = plan_layer(profile, slot, layer, coded_tokens)
+def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor
+                   ) -> tuple[LayerPlan, np.ndarray, np.ndarray]:
+    """(plan, quantized rows [R, T] int32, rANS symbols per row) of one layer.
+
+    k and v are float32 [coded_tokens, C].
+    """
+    plan = plan_layer(profile, slot, layer, k.shape[0])
     coef = torch.cat([
         transform.forward(x, torch.from_numpy(profile.mean[layer, kv]), _basis(profile, layer, kv, plan.kept[kv]))
         for kv, x in enumerate((k, v))
     ]).numpy()
-    tables = coder_tables(profile)
     q = np.empty(coef.shape, dtype=np.int32)
     symbols = np.empty(plan.rows, dtype=np.int64)
-    if rans.quantize_rows(coef, plan.step, plan.group, plan.table, plan.shift, tables.freq,
+    if rans.quantize_rows(coef, plan.step, plan.group, plan.table, plan.shift, coder_tables(profile).freq,
                           q, symbols) != rans.OK:
         raise ValueError(f"layer {layer}: KV values too large to quantize at this level "
                          f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
+    return plan, q, symbols
+
+
+def ideal_layer_bits(profile: Profile, plan: LayerPlan, q: np.ndarray) -> float:
+    """Bits a perfect entropy coder would need for ``q`` under the profile's tables."""
+    return float(rans.ideal_bits(q, plan.group, plan.table, plan.shift, coder_tables(profile).freq).sum())
+
+
+def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """Lane payload of one layer: k and v are float32 [coded_tokens, C]."""
+    plan, q, symbols = quantize_layer(profile, slot, layer, k, v)
+    return pack_lanes(profile, plan, q, symbols)
+
+
+def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray, symbols: np.ndarray) -> bytes:
+    """rANS-code quantized rows into the lane payload (lane count, lengths, states, words)."""
+    tables = coder_tables(profile)
     per_row = np.concatenate([[0], np.cumsum(symbols)])
     region_end = per_row[plan.lane_rows[1:]].astype(np.int64)  # one word per symbol at most
     words = np.empty(int(region_end[-1]) if plan.lanes else 0, dtype=np.uint16)

@@ -3,7 +3,8 @@
 A level is defined by its target distortion D = sum(err^2) / sum((x - mean)^2). For
 an orthonormal transform with one uniform step per (layer, K/V), reverse
 water-filling says: quantize every component whose variance exceeds the step's
-noise (step^2 / 12) and drop the rest (they reconstruct as the mean). The step is
+noise (step^2 / 12, times a measured margin) and drop the rest (they reconstruct as
+the mean). The step is
 found by bisection against the *measured* rounding error on sample coefficients,
 not the high-rate formula, which overestimates the error of narrow components.
 """
@@ -21,9 +22,16 @@ DEFAULT_LEVEL = 1
 _BISECTION_STEPS = 40
 
 
+#: A component is coded only if its variance exceeds this many times the step's
+#: noise (step^2 / 12). Water-filling says 1; on real KV 3 gives the same rate at the
+#: same distortion (narrow components cost bits for little error reduction) while
+#: coding 6-16% fewer rows, which shrinks the decoder's inverse-transform GEMM.
+KEEP_THRESHOLD = 3.0
+
+
 def kept_components(variances: np.ndarray, step: float) -> int:
     """Number of leading components (sorted by decreasing variance) worth coding."""
-    return int(np.count_nonzero(variances > step * step / 12.0))
+    return int(np.count_nonzero(variances > KEEP_THRESHOLD * step * step / 12.0))
 
 
 def distortion(coef: np.ndarray, variances: np.ndarray, step: float, allow_drop: bool) -> float:

@@ -216,3 +216,28 @@ def decode_lanes(words, lane_word_start, final_state, lane_rows, step, group, ta
             err = BAD_FINAL
         status[lane] = err
     return status.max()
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def ideal_bits(q, group, table, shift, freq):
+    """Information content (bits) of the coded values under the tables, per row.
+
+    What a perfect entropy coder would spend: the benchmark compares the real
+    stream size (final states and lane table included) against it.
+    """
+    rows, tokens = q.shape
+    bits = np.zeros(rows, dtype=np.float64)
+    for r in prange(rows):
+        total = 0.0
+        for t in range(tokens):
+            kind = _symbol_kind(t, group[r])
+            v = np.int64(q[r, t])
+            b = np.int64(shift[r, kind])
+            tab = table[r, kind]
+            idx = (v >> b) + ZERO_SYMBOL
+            if idx >= 0 and idx < ESCAPE and freq[tab, idx] > 0:
+                total += PROB_BITS - np.log2(np.float64(freq[tab, idx])) + b
+            else:
+                total += PROB_BITS - np.log2(np.float64(freq[tab, ESCAPE])) + PROB_BITS * ESCAPE_CHUNKS
+        bits[r] = total
+    return bits
