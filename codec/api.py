@@ -113,10 +113,16 @@ def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profil
     return resolved, slot
 
 
-def _check_device(device: str | torch.device) -> None:
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"device {str(device)!r} is not supported by the CPU decoder; "
-                         "GPU decode needs the kernels package (kvwire[cuda]) and a GPU")
+def _section_decoder(device: str | torch.device):
+    """decode_section for ``device``: the CPU decoder, or the GPU one from ``kernels``."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return decode_section
+    if dev.type == "cuda":
+        from kernels import gpu  # imported here: pycuda is an optional extra
+
+        return gpu.decoder(dev).decode_section  # GpuUnavailable says what is missing
+    raise ValueError(f"unsupported device {str(device)!r}: use 'cpu' or 'cuda'")
 
 
 def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
@@ -154,26 +160,30 @@ def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
 
 def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
                   device: str | torch.device = "cpu") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yield (layer, k, v) in layer order; each k, v is [tokens, heads, head_dim]."""
-    _check_device(device)
+    """Yield (layer, k, v) in layer order; each k, v is [tokens, heads, head_dim] on ``device``."""
+    decode_one = _section_decoder(device)
     header = container.parse_header(blob)
     resolve_profile(header, profile)  # fail before yielding anything
     for layer in range(header.layers):
-        k, v = decode_section(header, profile, layer, container.section(blob, header, layer))
+        k, v = decode_one(header, profile, layer, container.section(blob, header, layer))
         yield layer, k, v
 
 
 def decode(blob: bytes | memoryview, profile: Profile | None = None,
            device: str | torch.device = "cpu") -> torch.Tensor:
     """Decode a whole blob to [layers, 2, tokens, heads, head_dim] in its original dtype."""
-    _check_device(device)
+    decode_one = _section_decoder(device)
     header = container.parse_header(blob)
     if len(blob) != header.total_size:
         raise CorruptBitstream(f"blob is {len(blob)} bytes, its header says {header.total_size}")
     resolve_profile(header, profile)
-    out = torch.empty(header.shape, dtype=header.dtype)
+    out = torch.empty(header.shape, dtype=header.dtype, device=device)
     for layer in range(header.layers):
-        decode_section(header, profile, layer, container.section(blob, header, layer), out=out[layer])
+        section = container.section(blob, header, layer)
+        if decode_one is decode_section:
+            decode_section(header, profile, layer, section, out=out[layer])
+        else:
+            out[layer, 0], out[layer, 1] = decode_one(header, profile, layer, section)
     return out
 
 

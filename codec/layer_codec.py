@@ -139,9 +139,19 @@ def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray, symbols: np.nda
                      states.astype("<u4").tobytes(), words[keep].astype("<u2").tobytes()))
 
 
-def decode_coefficients(profile: Profile, slot: int, layer: int, coded_tokens: int,
-                        payload: memoryview) -> tuple[LayerPlan, np.ndarray]:
-    """Entropy-decode and dequantize a lane payload to coefficients [rows, coded_tokens]."""
+@dataclass(frozen=True)
+class LanePayload:
+    """A parsed lane payload: what either decoder (CPU or GPU) consumes."""
+
+    plan: LayerPlan
+    lane_start: np.ndarray  # i64 [lanes + 1]: word offset of each lane
+    states: np.ndarray      # u32 [lanes]: final encoder states
+    words: np.ndarray       # u16 [sum of word counts]
+
+
+def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int,
+                payload: memoryview) -> LanePayload:
+    """Split a lane payload into its parts, checking every length against the plan."""
     plan = plan_layer(profile, slot, layer, coded_tokens)
     if len(payload) < _U32.size:
         raise CorruptBitstream(f"layer {layer}: lane table truncated")
@@ -157,10 +167,18 @@ def decode_coefficients(profile: Profile, slot: int, layer: int, coded_tokens: i
     if table_end + 2 * int(lane_start[-1]) != len(payload):
         raise CorruptBitstream(f"layer {layer}: lane lengths disagree with the section size")
     words = np.frombuffer(payload, dtype="<u2", offset=table_end)
+    return LanePayload(plan, lane_start, states, words)
+
+
+def decode_coefficients(profile: Profile, slot: int, layer: int, coded_tokens: int,
+                        payload: memoryview) -> tuple[LayerPlan, np.ndarray]:
+    """Entropy-decode and dequantize a lane payload to coefficients [rows, coded_tokens]."""
+    lanes = parse_lanes(profile, slot, layer, coded_tokens, payload)
+    plan = lanes.plan
     coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
     tables = coder_tables(profile)
-    status = rans.decode_lanes(words, lane_start, states, plan.lane_rows, plan.step, plan.group,
-                               plan.table, plan.shift, tables.freq, tables.cdf, tables.lut, coef)
+    status = rans.decode_lanes(lanes.words, lanes.lane_start, lanes.states, plan.lane_rows, plan.step,
+                               plan.group, plan.table, plan.shift, tables.freq, tables.cdf, tables.lut, coef)
     if status != rans.OK:
         raise CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {status})")
     return plan, coef

@@ -1,0 +1,176 @@
+"""Ordered, exactly-once delivery of decoded layers (and text chunks) to the consumer.
+
+The network side adds a chunk's layer sections as they land; each one starts
+decoding at once in a worker thread (the codec releases the GIL), so decoding
+overlaps with receiving. A single consumer task walks chunks 0..n-1 and, within a
+chunk, layers 0..L-1, awaiting each decode in turn and calling ``on_layer`` — or
+``on_text`` for a chunk the session resolved as text. Because only that task
+calls the callbacks, order and exactly-once hold by construction, whatever the
+network does (refetches after a reset or a corrupt section just refill slots).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import torch
+
+import codec
+
+TEXT = "text"
+
+LayerCallback = Callable[[int, int, torch.Tensor, torch.Tensor], Any]
+TextCallback = Callable[[int, list[int]], Any]
+CorruptCallback = Callable[[int, int, Exception], None]
+
+
+class _Retarget:
+    """Marker that wakes the consumer when a chunk switches to text before delivery."""
+
+
+@dataclass
+class _ChunkSlots:
+    kind: asyncio.Future          # resolves to a level (int) or TEXT
+    layers: dict[int, asyncio.Future] = field(default_factory=dict)
+    text: asyncio.Future | None = None
+    delivered: int = 0            # layers handed to on_layer so far
+    decode_seconds: float = 0.0
+    done: bool = False
+
+
+class OrderedDelivery:
+    def __init__(self, *, chunks: int, layers: int, on_layer: LayerCallback | None,
+                 on_text: TextCallback | None, on_corrupt: CorruptCallback,
+                 executor: concurrent.futures.Executor) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._layers = layers
+        self._on_layer = on_layer
+        self._on_text = on_text
+        self._on_corrupt = on_corrupt
+        self._executor = executor
+        self._chunks = [_ChunkSlots(kind=self._loop.create_future()) for _ in range(chunks)]
+        self.first_layer_at: float | None = None
+        self._progress = asyncio.Event()
+
+    # ------------------------------------------------------------- producer side
+    def _slot(self, chunk: int, layer: int) -> asyncio.Future:
+        slots = self._chunks[chunk].layers
+        if layer not in slots or slots[layer].done() and isinstance(slots[layer].result(), _Retarget):
+            slots[layer] = self._loop.create_future()
+        return slots[layer]
+
+    def resolve(self, chunk: int, kind: int | str) -> None:
+        """Fix how a chunk will be delivered; a change to TEXT is allowed until a layer went out."""
+        state = self._chunks[chunk]
+        if state.kind.done():
+            if state.kind.result() == kind:
+                return
+            if state.delivered:
+                raise RuntimeError(f"chunk {chunk} already delivered {state.delivered} layers; "
+                                   "it must complete at its level")
+            state.kind = self._loop.create_future()
+            for fut in state.layers.values():
+                if not fut.done():
+                    fut.set_result(_Retarget())
+            state.layers.clear()
+        state.kind.set_result(kind)
+
+    def kind(self, chunk: int) -> int | str | None:
+        fut = self._chunks[chunk].kind
+        return fut.result() if fut.done() else None
+
+    def delivered_layers(self, chunk: int) -> int:
+        return self._chunks[chunk].delivered
+
+    def is_done(self, chunk: int) -> bool:
+        return self._chunks[chunk].done
+
+    def add_section(self, chunk: int, layer: int, header: codec.BlobHeader, profile: codec.Profile,
+                    section: bytes | memoryview) -> None:
+        """Start decoding one layer section now; the consumer picks the result up in order."""
+        state = self._chunks[chunk]
+        if layer < state.delivered:
+            return  # a refetch resent a layer that already went out: exactly once
+        slot = self._slot(chunk, layer)
+        if slot.done():
+            return  # duplicate part (refetch overlap); the first copy wins
+        job = self._loop.run_in_executor(self._executor, _timed_decode, header, profile, layer, section)
+        slot.set_result(job)
+
+    def add_text(self, chunk: int, token_ids: list[int]) -> None:
+        state = self._chunks[chunk]
+        if state.text is None:
+            state.text = self._loop.create_future()
+        if not state.text.done():
+            state.text.set_result(token_ids)
+
+    def fail_chunk(self, chunk: int, exc: BaseException) -> None:
+        """Make the consumer raise ``exc`` when it reaches ``chunk`` (unrecoverable)."""
+        state = self._chunks[chunk]
+        for fut in [state.kind, state.text, *[self._slot(chunk, l) for l in range(state.delivered, self._layers)]]:
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+
+    def decode_seconds(self, chunk: int) -> float:
+        return self._chunks[chunk].decode_seconds
+
+    # ------------------------------------------------------------- consumer side
+    async def run(self) -> None:
+        """Deliver every chunk in order; returns when all are delivered."""
+        for index, state in enumerate(self._chunks):
+            while True:
+                kind = await state.kind
+                if kind == TEXT:
+                    if state.text is None:
+                        state.text = self._loop.create_future()
+                    token_ids = await state.text
+                    if self._on_text is not None:
+                        await _call(self._on_text, index, token_ids)
+                    break
+                if await self._deliver_layers(index, state):
+                    break
+            state.done = True
+            self._progress.set()
+
+    async def _deliver_layers(self, index: int, state: _ChunkSlots) -> bool:
+        """Deliver the chunk's remaining layers; False if it was retargeted to text."""
+        while state.delivered < self._layers:
+            layer = state.delivered
+            job = await self._slot(index, layer)
+            if isinstance(job, _Retarget):
+                return False
+            try:
+                k, v, seconds = await job
+            except codec.CorruptBitstream as exc:
+                del state.layers[layer]
+                self._on_corrupt(index, layer, exc)
+                continue  # the session refetches; wait for the replacement section
+            state.decode_seconds += seconds
+            if self.first_layer_at is None:
+                self.first_layer_at = time.monotonic()
+            if self._on_layer is not None:
+                await _call(self._on_layer, index, layer, k, v)
+            state.delivered += 1
+            del state.layers[layer]
+        return True
+
+    async def wait_progress(self) -> None:
+        self._progress.clear()
+        await self._progress.wait()
+
+
+def _timed_decode(header: codec.BlobHeader, profile: codec.Profile, layer: int,
+                  section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor, float]:
+    start = time.perf_counter()
+    k, v = codec.decode_section(header, profile, layer, section)
+    return k, v, time.perf_counter() - start
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> None:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        await result

@@ -1,0 +1,61 @@
+"""What a fetch did, chunk by chunk: the record a caller, a CLI and a benchmark read."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ChunkReport:
+    """One chunk of a fetch.
+
+    ``level`` is the quality level delivered through ``on_layer``, or ``"text"`` when
+    the chunk went to ``on_text`` (the caller recomputes it). ``seconds`` runs from the
+    request leaving to the last byte arriving; ``busy_seconds`` is the part of it the
+    link spent on this chunk (idle and queueing excluded), and ``throughput_bps``
+    (bits per second) is measured over that busy time only.
+    """
+
+    index: int
+    level: int | str
+    bytes: int = 0
+    seconds: float = 0.0
+    busy_seconds: float = 0.0
+    throughput_bps: float = 0.0
+    decode_seconds: float = 0.0
+    #: the throughput estimate (bits/s) the policy decided with; None without history
+    estimate_bps: float | None = None
+    #: seconds to the deadline when the decision was taken
+    time_left: float = 0.0
+    #: refetches after a lost connection or a corrupt section
+    retries: int = 0
+    #: why a chunk went to text without the policy choosing it ("deadline", "servers lost", ...)
+    reason: str | None = None
+
+
+@dataclass
+class FetchReport:
+    context_id: str
+    slo: float
+    policy: str
+    chunks: list[ChunkReport] = field(default_factory=list)
+    total_seconds: float = 0.0
+    #: seconds from fetch() to the first on_layer call (None if every chunk went to text)
+    first_layer_seconds: float | None = None
+    reconnects: int = 0
+
+    @property
+    def deadline_met(self) -> bool:
+        return self.total_seconds <= self.slo
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.chunks)
+
+    @property
+    def text_chunks(self) -> int:
+        return sum(1 for c in self.chunks if c.level == "text")
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(deadline_met=self.deadline_met, bytes=self.bytes, text_chunks=self.text_chunks)
+        return out
