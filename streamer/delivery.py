@@ -26,6 +26,7 @@ TEXT = "text"
 LayerCallback = Callable[[int, int, torch.Tensor, torch.Tensor], Any]
 TextCallback = Callable[[int, list[int]], Any]
 CorruptCallback = Callable[[int, int, Exception], None]
+SectionDecoder = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Retarget:
@@ -45,13 +46,15 @@ class _ChunkSlots:
 class OrderedDelivery:
     def __init__(self, *, chunks: int, layers: int, on_layer: LayerCallback | None,
                  on_text: TextCallback | None, on_corrupt: CorruptCallback,
-                 executor: concurrent.futures.Executor) -> None:
+                 executor: concurrent.futures.Executor,
+                 decode: SectionDecoder = codec.decode_section) -> None:
         self._loop = asyncio.get_running_loop()
         self._layers = layers
         self._on_layer = on_layer
         self._on_text = on_text
         self._on_corrupt = on_corrupt
         self._executor = executor
+        self._decode = decode
         self._chunks = [_ChunkSlots(kind=self._loop.create_future()) for _ in range(chunks)]
         self.first_layer_at: float | None = None
         self._progress = asyncio.Event()
@@ -98,7 +101,8 @@ class OrderedDelivery:
         slot = self._slot(chunk, layer)
         if slot.done():
             return  # duplicate part (refetch overlap); the first copy wins
-        job = self._loop.run_in_executor(self._executor, _timed_decode, header, profile, layer, section)
+        job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
+                                         layer, section)
         slot.set_result(job)
 
     def add_text(self, chunk: int, token_ids: list[int]) -> None:
@@ -163,10 +167,10 @@ class OrderedDelivery:
         await self._progress.wait()
 
 
-def _timed_decode(header: codec.BlobHeader, profile: codec.Profile, layer: int,
+def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: codec.Profile, layer: int,
                   section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor, float]:
     start = time.perf_counter()
-    k, v = codec.decode_section(header, profile, layer, section)
+    k, v = decode(header, profile, layer, section)
     return k, v, time.perf_counter() - start
 
 

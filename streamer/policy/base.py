@@ -1,0 +1,143 @@
+"""Types shared by the adaptation policies, and the helpers every policy needs.
+
+A policy is a pure function ``PlanInput -> Choice`` called once per chunk, just
+before that chunk is requested: it sees the sizes of every remaining chunk at every
+level (each chunk is pre-encoded at all levels, so nothing is guessed there), the
+time left to the deadline and the transfers measured so far, and names a level for
+the first remaining chunk, or :data:`TEXT` to have the caller recompute that chunk
+from its token ids instead of fetching its KV.
+
+Options are laid out as columns ``0 .. L-1`` (the levels, best first) and column
+``L`` (text), so planners can treat the text fallback as one more option with its
+own time and cost instead of a special case.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: The choice that skips the KV of a chunk: the caller recomputes it from token ids.
+TEXT = "text"
+
+#: A level index (0 = best quality), or :data:`TEXT`.
+Choice = int | str
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One finished chunk transfer, measured at the receiver.
+
+    ``busy_seconds`` counts only the time the link was busy delivering the chunk:
+    sender-side clocks and idle gaps make a link look slower or faster than it is.
+    """
+
+    bytes: int
+    busy_seconds: float
+
+    def __post_init__(self) -> None:
+        if self.bytes < 0 or not self.busy_seconds >= 0:
+            raise ValueError(f"invalid observation {self}: bytes and busy_seconds must be >= 0")
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """Everything a policy may look at for one decision.
+
+    Row 0 of ``sizes`` (and entry 0 of the per-chunk sequences) is the chunk being
+    decided now; later rows are the chunks after it, which planners look ahead at.
+    """
+
+    sizes: Sequence[Sequence[int]]
+    text_bytes: Sequence[int]
+    text_seconds: Sequence[float]
+    distortion: Sequence[float]
+    time_left: float
+    history: Sequence[Observation]
+    prior_bps: float | None = None
+    text_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        # Shape checks only (cheap, O(chunks)): a mismatch here would otherwise
+        # surface as a wrong decision deep inside a numpy broadcast.
+        chunks, levels = len(self.sizes), len(self.distortion)
+        if chunks == 0:
+            raise ValueError("PlanInput needs at least one remaining chunk")
+        if levels == 0:
+            raise ValueError("PlanInput needs at least one level")
+        if any(len(row) != levels for row in self.sizes):
+            raise ValueError(f"every row of sizes must have {levels} levels (one per distortion)")
+        if len(self.text_bytes) != chunks or len(self.text_seconds) != chunks:
+            raise ValueError(f"text_bytes and text_seconds need one entry per chunk ({chunks})")
+        if self.prior_bps is not None and not self.prior_bps > 0:
+            raise ValueError(f"prior_bps must be > 0 or None, got {self.prior_bps}")
+        if not self.text_penalty >= 0:
+            raise ValueError(f"text_penalty must be >= 0, got {self.text_penalty}")
+
+    @property
+    def levels(self) -> int:
+        """Number of quality levels (the text option is column ``levels``)."""
+        return len(self.distortion)
+
+
+Policy = Callable[[PlanInput], Choice]
+
+
+def choice_of(column: int, levels: int) -> Choice:
+    """The :data:`Choice` named by option column ``column`` (``levels`` means text)."""
+    return TEXT if column == levels else int(column)
+
+
+def option_costs(inp: PlanInput) -> np.ndarray:
+    """Cost per option column: each level's distortion, then ``text_penalty``."""
+    return np.append(np.asarray(inp.distortion, dtype=np.float64), float(inp.text_penalty))
+
+
+def option_seconds(inp: PlanInput, estimate: float) -> np.ndarray:
+    """Predicted seconds [chunks, levels + 1] of every option of every remaining chunk.
+
+    A level costs its bytes at ``estimate`` bytes/s; text costs its token-id bytes
+    plus the caller's recompute time, counted in series with the transfers (the
+    caller's cost model; if recompute overlaps later transfers this is pessimistic,
+    which only makes text rarer).
+    """
+    if not estimate > 0:
+        raise ValueError(f"estimate must be > 0 bytes/s, got {estimate}")
+    sizes = np.asarray(inp.sizes, dtype=np.float64)
+    text = (np.asarray(inp.text_bytes, dtype=np.float64) / estimate
+            + np.asarray(inp.text_seconds, dtype=np.float64))
+    return np.concatenate((sizes / estimate, text[:, None]), axis=1)
+
+
+def predicted_seconds(inp: PlanInput, choice: Choice, estimate: float, chunk: int = 0) -> float:
+    """Predicted seconds for ``choice`` on remaining chunk ``chunk`` at ``estimate`` bytes/s.
+
+    The same cost model the planners use, for callers that log predictions or
+    cancel a transfer predicted to miss the deadline.
+    """
+    if not estimate > 0:
+        raise ValueError(f"estimate must be > 0 bytes/s, got {estimate}")
+    if choice == TEXT:
+        return inp.text_bytes[chunk] / estimate + float(inp.text_seconds[chunk])
+    return inp.sizes[chunk][check_level(choice, inp.levels)] / estimate
+
+
+def check_level(level: Choice, levels: int) -> int:
+    """``level`` as an index, or a ValueError naming the valid range."""
+    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) \
+            or not 0 <= level < levels:
+        raise ValueError(f"level {level!r} out of range: this input has levels 0..{levels - 1}")
+    return int(level)
+
+
+def probe_level(inp: PlanInput) -> int:
+    """The level with the fewest bytes for chunk 0 (ties: the better level).
+
+    Used when nothing is known about the link (no history, no prior). The first
+    chunk is the probe that produces the estimate every later decision rests on, and
+    with no estimate no choice can be checked against the deadline; sending the
+    smallest encoding bounds what an unexpectedly slow link can cost to one small
+    chunk, and its measured rate then drives the rest of the fetch.
+    """
+    return int(np.argmin(np.asarray(inp.sizes[0])))

@@ -1,0 +1,265 @@
+"""Adaptation policies: the deadline DP against brute force, and each policy's rule."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from streamer.estimator import last_sample, robust_estimate
+from streamer.policy import (TEXT, Observation, PlanInput, describe, get_policy, greedy, mpc,
+                             mpc_plan, names, predicted_seconds)
+from streamer.policy.base import choice_of, option_costs, option_seconds
+from streamer.policy.plan import DEFAULT_BINS, fastest, solve
+
+REL = 1e-9  # float slack on "fits the budget"
+
+
+# ------------------------------------------------------------------ strategies
+@st.composite
+def plan_inputs(draw, max_chunks: int = 5, max_levels: int = 4, history: bool = True):
+    """Small PlanInputs: decreasing sizes per level, increasing distortion, a
+    constant-throughput history (so every estimator returns that rate)."""
+    chunks = draw(st.integers(1, max_chunks))
+    levels = draw(st.integers(1, max_levels))
+    base = draw(st.lists(st.integers(1_000, 1_000_000), min_size=chunks, max_size=chunks))
+    ratios = sorted(draw(st.lists(st.floats(0.05, 1.0), min_size=levels, max_size=levels)),
+                    reverse=True)
+    sizes = [[max(1, int(b * r)) for r in ratios] for b in base]
+    distortion = sorted(draw(st.lists(st.floats(1e-5, 0.5), min_size=levels, max_size=levels)))
+    rate = draw(st.floats(1e4, 1e8))
+    count = draw(st.integers(1, 6)) if history else 0
+    return PlanInput(
+        sizes=sizes,
+        text_bytes=draw(st.lists(st.integers(0, 5_000), min_size=chunks, max_size=chunks)),
+        text_seconds=draw(st.lists(st.floats(0.0, 0.5), min_size=chunks, max_size=chunks)),
+        distortion=distortion,
+        time_left=draw(st.floats(-0.5, 5.0)),
+        history=[Observation(int(rate), 1.0)] * count,
+        text_penalty=draw(st.floats(0.0, 2.0)),
+    )
+
+
+def _brute_force(seconds: np.ndarray, costs: np.ndarray):
+    """Every plan as (columns, exact seconds, cost)."""
+    chunks, options = seconds.shape
+    rows = np.arange(chunks)
+    for columns in itertools.product(range(options), repeat=chunks):
+        cols = np.array(columns)
+        yield columns, seconds[rows, cols].sum(), costs[rows, cols].sum()
+
+
+matrices = st.integers(1, 5).flatmap(lambda n: st.integers(1, 5).flatmap(lambda m: st.tuples(
+    st.lists(st.lists(st.one_of(st.floats(0.0, 3.0), st.just(np.inf)), min_size=m, max_size=m),
+             min_size=n, max_size=n),
+    st.lists(st.lists(st.floats(0.0, 1.0), min_size=m, max_size=m), min_size=n, max_size=n))))
+
+
+# ------------------------------------------------------------------ the DP
+@given(matrices, st.one_of(st.just(0.0), st.floats(1e-6, 10.0)),
+       st.sampled_from([1, 3, 16, 256, DEFAULT_BINS]))
+def test_solve_matches_brute_force(matrix, budget, bins) -> None:
+    seconds, costs = (np.array(a) for a in matrix)
+    plan = solve(seconds, costs, budget, bins)
+    plans = list(_brute_force(seconds, costs))
+    slack = budget - seconds.shape[0] * budget / bins  # rounding costs <= 1 bin per chunk
+    if plan.feasible:
+        assert plan.seconds <= budget * (1 + REL)
+        safe = [c for _, t, c in plans if t <= slack]
+        assert all(plan.cost <= c + 1e-12 for c in safe)
+    else:
+        assert not any(t <= slack for _, t, _ in plans)
+        assert plan == fastest(seconds, costs)
+    if not any(t <= budget for _, t, _ in plans):
+        assert not plan.feasible
+    rows = np.arange(seconds.shape[0])
+    assert plan.cost == pytest.approx(costs[rows, list(plan.columns)].sum())
+
+
+@given(st.integers(1, 5).flatmap(lambda n: st.lists(
+    st.lists(st.integers(0, 4), min_size=3, max_size=3), min_size=n, max_size=n)),
+    st.integers(1, 12), st.randoms(use_true_random=False))
+def test_solve_is_exact_on_whole_bins(seconds, budget, rnd) -> None:
+    """With times that are whole bins, rounding up loses nothing: the DP is optimal."""
+    seconds = np.array(seconds, dtype=float)
+    costs = np.array([[rnd.random() for _ in range(3)] for _ in seconds])
+    plan = solve(seconds, costs, float(budget), bins=budget)
+    fitting = [c for _, t, c in _brute_force(seconds, costs) if t <= budget]
+    assert plan.feasible == bool(fitting)
+    if fitting:
+        assert plan.cost == pytest.approx(min(fitting))
+
+
+def test_fastest_breaks_time_ties_by_cost() -> None:
+    plan = fastest([[1.0, 1.0, 2.0], [np.inf, np.inf, np.inf]], [[0.5, 0.2, 0.0], [0.3, 0.1, 0.2]])
+    assert plan.columns == (1, 1) and not plan.feasible
+
+
+def test_solve_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="bins"):
+        solve([[1.0]], [0.0], 1.0, bins=0)
+    with pytest.raises(ValueError, match=">= 0"):
+        solve([[-1.0]], [0.0], 1.0)
+    with pytest.raises(ValueError, match="matrix"):
+        solve([1.0, 2.0], [0.0], 1.0)
+
+
+# ------------------------------------------------------------------ mpc
+@given(plan_inputs(), st.data())
+def test_mpc_plan_is_no_worse_than_any_feasible_plan(inp, data) -> None:
+    plan = mpc_plan(inp)
+    estimate = robust_estimate(inp.history)
+    seconds = option_seconds(inp, estimate)
+    costs = np.broadcast_to(option_costs(inp), seconds.shape)
+    chunks = len(inp.sizes)
+    other = data.draw(st.lists(st.integers(0, inp.levels), min_size=chunks, max_size=chunks))
+    rows = np.arange(chunks)
+    other_time = seconds[rows, other].sum()
+    if other_time <= inp.time_left - chunks * inp.time_left / DEFAULT_BINS:
+        assert plan.feasible and plan.cost <= costs[rows, other].sum() + 1e-12
+    assert mpc(inp) == choice_of(plan.columns[0], inp.levels)
+
+
+@given(plan_inputs())
+def test_mpc_choice_fits_whenever_some_plan_does(inp) -> None:
+    """Constant link: mpc never sends more than can arrive in time while a smaller
+    level or text would have fit, and when nothing fits it takes the fastest option."""
+    estimate = robust_estimate(inp.history)
+    choice = mpc(inp)
+    spent = predicted_seconds(inp, choice, estimate)
+    seconds = option_seconds(inp, estimate)
+    quickest_rest = seconds[1:].min(axis=1).sum()
+    chunks = len(inp.sizes)
+    slack = inp.time_left - chunks * inp.time_left / DEFAULT_BINS
+    if seconds[0].min() + quickest_rest <= slack:
+        assert spent + quickest_rest <= inp.time_left * (1 + REL)
+    if seconds.min(axis=1).sum() > inp.time_left:
+        assert spent == seconds[0].min()
+
+
+@given(plan_inputs(max_chunks=1), st.floats(0.0, 5.0), st.floats(0.0, 5.0))
+def test_mpc_single_chunk_more_time_is_never_worse(inp, t1, t2) -> None:
+    short, long = sorted((t1, t2))
+    costs = option_costs(inp)
+
+    def cost(time_left: float) -> float:
+        choice = mpc(PlanInput(**{**inp.__dict__, "time_left": time_left}))
+        return costs[inp.levels if choice == TEXT else choice]
+
+    assert cost(long) <= cost(short)
+
+
+def _ladder(chunks: int, time_left: float, history: list[Observation], **kw) -> PlanInput:
+    return PlanInput(sizes=[[8_000_000, 4_000_000, 2_000_000, 1_000_000]] * chunks,
+                     text_bytes=[4_000] * chunks, text_seconds=[0.05] * chunks,
+                     distortion=[1e-4, 1e-3, 1e-2, 5e-2], time_left=time_left,
+                     history=history, **kw)
+
+
+def test_mpc_lowers_quality_after_a_throughput_drop() -> None:
+    steady = [Observation(8_000_000, 0.1)] * 6          # 80 MB/s: 64 MB in 0.8 s
+    drop = steady + [Observation(8_000_000, 1.0)]        # 8 MB/s, and a 9x prediction miss
+    assert mpc(_ladder(8, 4.0, steady)) == 0
+    assert mpc(_ladder(8, 4.0, drop)) in (2, 3)
+
+
+def test_mpc_uses_text_only_as_a_last_resort() -> None:
+    link = [Observation(1_000_000, 1.0)] * 3              # 1 MB/s: 1 s for the smallest level
+    assert mpc(_ladder(1, 1.5, link)) == 3                 # the smallest level fits
+    assert mpc(_ladder(1, 0.5, link)) == TEXT              # only text (0.054 s) fits
+    # a penalty below the smallest level's distortion makes text the better deal
+    assert mpc(_ladder(1, 1.5, link, text_penalty=1e-2)) == TEXT
+
+
+def test_mpc_plans_ahead_for_a_big_chunk_later() -> None:
+    """Greedy spends an equal share now and then misses; the plan saves time for the
+    big last chunk by lowering quality now."""
+    inp = PlanInput(sizes=[[1_000, 500], [9_000, 8_800]], text_bytes=[10] * 2,
+                    text_seconds=[100.0] * 2, distortion=[0.0, 0.1], time_left=9.6,
+                    history=[Observation(1_000, 1.0)])    # 1 kB/s
+    assert greedy(inp) == 0          # 1 s <= 4.8 s share, leaving 8.6 s < 8.8 s for the rest
+    assert mpc(inp) == 1             # 0.5 + 9 = 9.5 s fits, at cost 0.1
+    assert mpc_plan(inp).columns == (1, 0)
+
+
+# ------------------------------------------------------------------ first chunk
+@pytest.mark.parametrize("policy", [greedy, mpc])
+def test_first_chunk_without_information_is_the_smallest_level(policy) -> None:
+    inp = _ladder(4, 100.0, [])
+    assert policy(inp) == 3
+    # zero-duration observations carry no rate either
+    assert policy(_ladder(4, 100.0, [Observation(100, 0.0)])) == 3
+
+
+@pytest.mark.parametrize("policy", [greedy, mpc])
+def test_first_chunk_uses_the_prior(policy) -> None:
+    assert policy(_ladder(4, 100.0, [], prior_bps=1e9)) == 0
+    assert policy(_ladder(4, 1.0, [], prior_bps=1e7)) > 0
+
+
+# ------------------------------------------------------------------ greedy
+@given(plan_inputs(history=False), st.floats(1e3, 1e8), st.booleans())
+def test_greedy_follows_cachegens_rule(inp, rate, as_prior) -> None:
+    inp = PlanInput(**{**inp.__dict__, **({"prior_bps": rate} if as_prior else
+                                          {"history": [Observation(10**6, 10**6 / rate)]})})
+    estimate = last_sample(inp.history, inp.prior_bps)
+    share = inp.time_left / len(inp.sizes)
+    fitting = [j for j, size in enumerate(inp.sizes[0]) if size / estimate <= share]
+    text_time = inp.text_bytes[0] / estimate + inp.text_seconds[0]
+    expected = (fitting[0] if fitting else TEXT if text_time <= share
+                else int(np.argmin(inp.sizes[0])))
+    assert greedy(inp) == expected
+
+
+def test_greedy_uses_the_last_sample_only() -> None:
+    history = [Observation(8_000_000, 0.01)] * 5 + [Observation(1_000_000, 1.0)]
+    assert greedy(_ladder(2, 2.0, history)) == 3          # 1 MB/s, 1 s share
+
+
+# ------------------------------------------------------------------ helpers
+@given(plan_inputs())
+def test_predicted_seconds_matches_the_option_matrix(inp) -> None:
+    estimate = robust_estimate(inp.history)
+    matrix = option_seconds(inp, estimate)
+    for chunk in range(len(inp.sizes)):
+        for column in range(inp.levels + 1):
+            assert predicted_seconds(inp, choice_of(column, inp.levels), estimate, chunk) \
+                == pytest.approx(matrix[chunk, column])
+
+
+def test_plan_input_checks_shapes() -> None:
+    with pytest.raises(ValueError, match="at least one remaining chunk"):
+        PlanInput([], [], [], [0.1], 1.0, [])
+    with pytest.raises(ValueError, match="levels"):
+        PlanInput([[1, 2]], [1], [0.1], [0.1], 1.0, [])
+    with pytest.raises(ValueError, match="one entry per chunk"):
+        PlanInput([[1]], [1, 2], [0.1], [0.1], 1.0, [])
+    with pytest.raises(ValueError, match="prior_bps"):
+        PlanInput([[1]], [1], [0.1], [0.1], 1.0, [], prior_bps=0.0)
+    with pytest.raises(ValueError, match="observation"):
+        Observation(-1, 1.0)
+
+
+# ------------------------------------------------------------------ fixed, text, registry
+def test_fixed_and_text() -> None:
+    inp = _ladder(3, 0.0, [])
+    assert get_policy("fixed:2")(inp) == 2
+    assert get_policy("fixed:0")(inp) == 0
+    assert get_policy("text")(inp) == TEXT
+    with pytest.raises(ValueError, match=r"out of range.*0\.\.3"):
+        get_policy("fixed:4")(inp)
+
+
+def test_registry() -> None:
+    assert get_policy("mpc") is mpc and get_policy("greedy") is greedy
+    assert set(names()) == {"mpc", "greedy", "fixed:N", "text"}
+    for bad in ("bola", "fixed:", "fixed:x", "fixed:-1", "FIXED:1"):
+        with pytest.raises(ValueError, match="mpc|fixed:N|level"):
+            get_policy(bad)
+    with pytest.raises(ValueError, match="valid: mpc, greedy, fixed:N, text"):
+        get_policy("bola")
+    assert "CacheGen" in describe("greedy") and "level 3" in describe("fixed:3")
+    with pytest.raises(ValueError, match="unknown policy"):
+        describe("bola")
