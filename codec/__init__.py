@@ -6,7 +6,7 @@ distortion (``levels``), and interleaved-lane rANS coding with tables fixed at
 calibration (``entropy``, ``rans``). The bitstream is specified in FORMAT.md.
 """
 from .api import (decode, decode_layers, decode_section, encode, header_length, inspect,
-                  parse_header, resolve_profile)
+                  parse_header, resolve_profile, section_decoder)
 from .container import BlobHeader
 from .errors import CodecError, CorruptBitstream, ProfileMismatch
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
@@ -15,5 +15,5 @@ from .profile import Level, Profile, calibrate
 __all__ = [
     "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS", "Level",
     "Profile", "ProfileMismatch", "calibrate", "decode", "decode_layers", "decode_section",
-    "encode", "header_length", "inspect", "parse_header", "resolve_profile",
+    "encode", "header_length", "inspect", "parse_header", "resolve_profile", "section_decoder",
 ]

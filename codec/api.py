@@ -113,7 +113,7 @@ def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profil
     return resolved, slot
 
 
-def _section_decoder(device: str | torch.device):
+def section_decoder(device: str | torch.device):
     """decode_section for ``device``: the CPU decoder, or the GPU one from ``kernels``."""
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -161,7 +161,7 @@ def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
 def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
                   device: str | torch.device = "cpu") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (layer, k, v) in layer order; each k, v is [tokens, heads, head_dim] on ``device``."""
-    decode_one = _section_decoder(device)
+    decode_one = section_decoder(device)
     header = container.parse_header(blob)
     resolve_profile(header, profile)  # fail before yielding anything
     for layer in range(header.layers):
@@ -172,7 +172,7 @@ def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
 def decode(blob: bytes | memoryview, profile: Profile | None = None,
            device: str | torch.device = "cpu") -> torch.Tensor:
     """Decode a whole blob to [layers, 2, tokens, heads, head_dim] in its original dtype."""
-    decode_one = _section_decoder(device)
+    decode_one = section_decoder(device)
     header = container.parse_header(blob)
     if len(blob) != header.total_size:
         raise CorruptBitstream(f"blob is {len(blob)} bytes, its header says {header.total_size}")

@@ -38,7 +38,7 @@ def distortion(coef: np.ndarray, variances: np.ndarray, step: float, allow_drop:
     """Total squared error per token when quantizing ``coef`` [C, N] with ``step``."""
     kept = kept_components(variances, step) if allow_drop else coef.shape[0]
     head = coef[:kept]
-    err = head - np.rint(head / step) * step
+    err = (head - np.rint(head / step) * step).astype(np.float64)  # float32 squares underflow for tiny KV
     return float(np.mean(np.sum(err * err, axis=0))) + float(variances[kept:].sum())
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import entropy, transform
+from .container import MAX_TOKENS
 from .errors import CorruptBitstream
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS, design_step
 
@@ -72,7 +73,7 @@ class Profile:
     shift: np.ndarray
     table: np.ndarray
     tables: np.ndarray
-    _id: str | None = field(default=None, repr=False)
+    _id: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,6 +137,8 @@ class Profile:
             meta = json.loads(arrays.pop("metadata").tobytes().decode())
         except Exception as exc:  # safetensors/json raise many types on garbage
             raise CorruptBitstream(f"not a kvwire profile: {exc}") from exc
+        if not isinstance(meta, dict):
+            raise CorruptBitstream("not a kvwire profile (metadata is not a JSON object)")
         if meta.get("format") != PROFILE_FORMAT:
             raise CorruptBitstream("not a kvwire profile (format tag missing)")
         if meta.get("version") != PROFILE_VERSION:
@@ -223,8 +226,9 @@ def validate_kv(kv: object) -> torch.Tensor:
         raise ValueError(f"kv dtype must be float16, bfloat16 or float32, got {kv.dtype}")
     if kv.numel() == 0:
         raise ValueError(f"kv is empty: shape {tuple(kv.shape)}")
-    if kv.shape[0] > 0xFFFF or kv.shape[3] > 0xFFFF or kv.shape[4] > 0xFFFF or kv.shape[2] >= 2 ** 32:
-        raise ValueError(f"kv shape {tuple(kv.shape)} exceeds the format's limits")
+    if kv.shape[0] > 0xFFFF or kv.shape[3] > 0xFFFF or kv.shape[4] > 0xFFFF or kv.shape[2] > MAX_TOKENS:
+        raise ValueError(f"kv shape {tuple(kv.shape)} exceeds the format's limits (at most 65535 "
+                         f"layers, heads and head_dim, and {MAX_TOKENS} tokens per blob: chunk longer contexts)")
     if not bool(torch.isfinite(kv).all()):
         raise ValueError("kv contains NaN or infinite values")
     return kv

@@ -61,7 +61,7 @@ def quantize_rows(coef, step, group, table, shift, freq, q_out, rans_symbols):
     Returns OK, or OVERFLOW when a value exceeds the representable range.
     """
     rows, tokens = coef.shape
-    status = np.zeros(rows, dtype=np.int32)
+    status = np.zeros(max(rows, 1), dtype=np.int32)  # a layer may keep no rows at all
     for r in prange(rows):
         s = step[r]
         g = group[r]
@@ -168,7 +168,7 @@ def decode_lanes(words, lane_word_start, final_state, lane_rows, step, group, ta
     """
     n_lanes = lane_rows.shape[0] - 1
     tokens = out.shape[1]
-    status = np.zeros(n_lanes, dtype=np.int32)
+    status = np.zeros(max(n_lanes, 1), dtype=np.int32)  # a layer may have no lanes at all
     for lane in prange(n_lanes):
         x = np.int64(final_state[lane])
         pos = lane_word_start[lane]

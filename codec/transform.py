@@ -54,17 +54,21 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
     """Write tokens [N, C] reconstructed from coefficients [kept, N] into ``out``.
 
     With a basis, components past ``kept`` were dropped (they reconstruct as the
-    mean); the identity transform always keeps every channel. ``out`` may have any
-    float dtype: float32 is written by the GEMM directly, others via one rounding copy.
+    mean); the identity transform always keeps every channel. The GEMM always writes
+    a fresh (aligned) tensor: writing into a view of a larger output lets the BLAS
+    pick another kernel and round differently, and every decode path must agree.
+    Values are clamped to the output dtype's finite range, so a reconstruction that
+    lands a hair past fp16's largest value never becomes inf.
     """
     kept, tokens = coef.shape
-    if basis is None:
-        torch.add(coef.T, mean, out=out) if out.dtype == torch.float32 else out.copy_(coef.T + mean)
-        return
     bias = mean.expand(tokens, mean.shape[0])
-    if kept == 0:
-        out.copy_(bias)
-    elif out.dtype == torch.float32 and out.is_contiguous():
-        torch.addmm(bias, coef.T, basis[:kept], out=out)
+    if basis is None:
+        result = coef.T + mean
+    elif kept == 0:
+        result = bias.clone()
     else:
-        out.copy_(torch.addmm(bias, coef.T, basis[:kept]))
+        result = torch.addmm(bias, coef.T, basis[:kept])
+    if out.dtype != torch.float32:
+        limit = torch.finfo(out.dtype).max
+        result.clamp_(-limit, limit)
+    out.copy_(result)
