@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Modules that contribute subcommands, in help order. Each has register(subparsers).
-_COMMAND_MODULES = ("codec.cli", "netsim.cli")
+_COMMAND_MODULES = ("codec.cli", "streamer.put", "streamer.commands", "netsim.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

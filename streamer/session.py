@@ -84,6 +84,7 @@ class StreamSession:
     def __init__(self, host: str, port: int, context_id: str, *, slo: float = 1.0,
                  policy: str = "mpc", on_layer: Callable[..., Any] | None = None,
                  on_text: Callable[..., Any] | None = None, device: str = "cpu",
+                 on_chunk: Callable[[ChunkReport], Any] | None = None,
                  servers: Sequence[tuple[str, int]] = (),
                  recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
                  prior_bps: float | None = None, connect_timeout: float = 5.0,
@@ -97,6 +98,7 @@ class StreamSession:
         self.slo = float(slo)
         self._on_layer = on_layer
         self._on_text = on_text
+        self._on_chunk = on_chunk
         self._decode = codec.section_decoder(device)
         self._servers = [(host, int(port))] + [(h, int(pt)) for h, pt in servers]
         self._server_index = 0
@@ -125,6 +127,12 @@ class StreamSession:
         if self._client is not None:
             await self._client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def set_callbacks(self, *, on_layer: Callable[..., Any] | None = None,
+                      on_text: Callable[..., Any] | None = None) -> None:
+        """Set the consumers after entering, once ``manifest`` tells their shapes."""
+        self._on_layer = on_layer
+        self._on_text = on_text
 
     @property
     def address(self) -> tuple[str, int]:
@@ -410,6 +418,8 @@ class _Fetch:
         report.throughput_bps = 8 * chunk.received / busy if busy > 0 else 0.0
         if chunk.received >= MIN_SAMPLE_BYTES and busy > 0:
             self.history.append(Observation(chunk.received, busy))
+        if self.s._on_chunk is not None:
+            self.s._on_chunk(report)
         if chunk.choice != TEXT and (chunk.header is None or chunk.next_layer < chunk.header.layers):
             self._on_corrupt(chunk.index, chunk.next_layer,
                              codec.CorruptBitstream(f"chunk {chunk.index} ended before all its layers"))

@@ -1,0 +1,169 @@
+"""Streaming subcommands: ``kvwire serve`` (sender daemon) and ``kvwire fetch`` (one fetch)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from typing import Awaitable, Callable
+
+DEFAULT_PORT = 7410
+
+
+def parse_address(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """HOST:PORT (or HOST, or :PORT) -> (host, port); argparse-friendly errors."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad port in {text!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"port out of range in {text!r}")
+    return host, number
+
+
+def run_async(main: Callable[[], Awaitable[int]]) -> int:
+    """Run on uvloop when installed (the fast receive path), else the default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
+
+
+# ---------------------------------------------------------------------------- serve
+async def _serve(args: argparse.Namespace) -> int:
+    from .server import ServerConfig, serve
+    from .stores import open_store
+
+    store = await open_store(args.store)
+    host, port = args.listen
+    config = ServerConfig(idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
+                          shutdown_grace=args.grace)
+    sender = await serve(store, host, port, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    print(f"kvwire serve: {args.store} on {sender.address[0]}:{sender.port}", flush=True)
+    await stop.wait()
+    print("kvwire serve: shutting down", flush=True)
+    await sender.close()
+    await store.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------- fetch
+async def _fetch(args: argparse.Namespace) -> int:
+    import torch
+
+    from .report import ChunkReport
+    from .session import StreamSession
+
+    servers = args.server
+    kv: torch.Tensor | None = None
+    text_chunks: dict[int, list[int]] = {}
+
+    def on_chunk(report: ChunkReport) -> None:
+        if args.json:
+            return
+        estimate = "-" if report.estimate_bps is None else f"{report.estimate_bps / 1e6:8.1f}"
+        print(f"chunk {report.index:4d}  level {str(report.level):>4}  {report.bytes / 1e6:8.3f} MB  "
+              f"{report.throughput_bps / 1e6:9.1f} Mbit/s  est {estimate} Mbit/s  "
+              f"slack {report.time_left:7.3f} s" + (f"  ({report.reason})" if report.reason else ""),
+              flush=True)
+
+    async with StreamSession(*servers[0], args.context, slo=args.slo, policy=args.policy,
+                             servers=servers[1:], on_chunk=on_chunk,
+                             recompute_seconds_per_token=args.recompute_ms_per_token / 1e3) as session:
+        m = session.manifest
+        assert m is not None
+        if args.out:
+            kv = torch.zeros(m.layers, 2, m.tokens, m.heads, m.head_dim, dtype=getattr(torch, m.dtype))
+
+        def on_layer(chunk: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            if kv is not None:
+                info = m.chunks[chunk]
+                kv[layer, 0, info.start:info.end] = k
+                kv[layer, 1, info.start:info.end] = v
+
+        def on_text(chunk: int, token_ids: list[int]) -> None:
+            text_chunks[chunk] = token_ids
+
+        session.set_callbacks(on_layer=on_layer, on_text=on_text)
+        report = await session.fetch()
+    if kv is not None:
+        _write_fetched(args.out, kv, m, text_chunks)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(f"fetched {report.bytes / 1e6:.2f} MB in {report.total_seconds:.3f} s "
+              f"(SLO {report.slo:g} s {'met' if report.deadline_met else 'MISSED'}), "
+              f"{report.text_chunks} text chunks, first layer after "
+              f"{report.first_layer_seconds if report.first_layer_seconds is None else round(report.first_layer_seconds, 3)} s"
+              + (f"; wrote {args.out}" if args.out else ""))
+    return 0
+
+
+def _write_fetched(path: str, kv, manifest, text_chunks: dict[int, list[int]]) -> None:
+    """safetensors: "kv" (text chunks left as zeros), "text_ranges" [n, 2] token ranges of
+    the chunks that came as text, "text_token_ids" their token ids concatenated."""
+    import torch
+    from safetensors.torch import save_file
+
+    ranges = [[manifest.chunks[c].start, manifest.chunks[c].end] for c in sorted(text_chunks)]
+    ids = [t for c in sorted(text_chunks) for t in text_chunks[c]]
+    save_file({"kv": kv.contiguous(), "text_ranges": torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2),
+               "text_token_ids": torch.tensor(ids, dtype=torch.int64)}, path)
+
+
+def _runner(fn: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return run_async(lambda: fn(args))
+        except KeyboardInterrupt:
+            return 130
+        except Exception as exc:  # the CLI reports errors, the library raises them
+            from .client import StreamError
+            from .stores import StoreError
+
+            if isinstance(exc, (StreamError, StoreError, ValueError, OSError)):
+                print(f"kvwire: error: {exc}", file=sys.stderr)
+                return 1
+            raise
+    return handler
+
+
+def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run a sender daemon over a chunk store",
+                                  description="Serve pre-encoded KV chunks from a store (file path, "
+                                              "file:///path or redis://host:port/db) over TCP.")
+    serve.add_argument("--store", required=True, help="store URL")
+    serve.add_argument("--listen", type=parse_address, default=("127.0.0.1", DEFAULT_PORT),
+                       help=f"HOST:PORT to listen on (default 127.0.0.1:{DEFAULT_PORT})")
+    serve.add_argument("--idle-timeout", type=float, default=60.0, help="close idle connections after S seconds")
+    serve.add_argument("--write-timeout", type=float, default=30.0,
+                       help="drop a receiver that accepts no data for S seconds")
+    serve.add_argument("--grace", type=float, default=5.0, help="seconds to finish sends on SIGTERM")
+    serve.set_defaults(handler=_runner(_serve))
+
+    fetch = subparsers.add_parser("fetch", help="fetch one context under a deadline",
+                                  description="Fetch a context with StreamSession, printing each chunk's "
+                                              "level, throughput and slack.")
+    fetch.add_argument("--server", type=parse_address, action="append", required=True,
+                       help="HOST:PORT of a sender; repeat for fallbacks")
+    fetch.add_argument("--context", required=True, help="context id")
+    fetch.add_argument("--slo", type=float, default=1.0, help="deadline in seconds (default 1)")
+    fetch.add_argument("--policy", default="mpc", help="mpc (default), greedy, fixed:N or text")
+    fetch.add_argument("--recompute-ms-per-token", type=float, default=0.1,
+                       help="recompute cost of the text fallback, ms per token (default 0.1)")
+    fetch.add_argument("--out", help="write the KV to this safetensors file")
+    fetch.add_argument("--json", action="store_true", help="print the fetch report as JSON")
+    fetch.set_defaults(handler=_runner(_fetch))

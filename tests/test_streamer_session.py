@@ -1,0 +1,319 @@
+"""StreamSession against a real sender over real loopback sockets, with and without
+the shaping proxy: ordering and exactly-once delivery, adaptation to a rate drop,
+pipelining, and recovery from resets, stalls, dead senders and corrupt chunks."""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import codec
+import netsim
+import streamer
+from netsim.proxy import LinkSpec
+from netsim.shaping import Cut, Stall
+from streamer.policy import TEXT
+
+LAYERS, HEADS, HEAD_DIM = 4, 8, 32
+CHUNK_TOKENS = 256
+TOKENS = 12 * CHUNK_TOKENS
+
+
+def _kv(seed: int, tokens: int) -> torch.Tensor:
+    channels = HEADS * HEAD_DIM
+    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
+    scale = torch.logspace(0.5, -1.5, channels)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(LAYERS, 2, tokens, channels, generator=gen) * scale) @ mix
+    return x.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM).to(torch.float16)
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory: pytest.TempPathFactory):
+    """A 12-chunk context put into a file store once for the whole module."""
+    root = tmp_path_factory.mktemp("store")
+    kv = _kv(2, TOKENS)
+    token_ids = [(7 * i) % 30000 for i in range(TOKENS)]
+    profile = codec.calibrate([_kv(1, 2048)])
+
+    async def put() -> streamer.Manifest:
+        store = await streamer.open_store(str(root))
+        try:
+            return await streamer.put_context(store, "ctx", kv, token_ids, profile=profile,
+                                              chunk_tokens=CHUNK_TOKENS)
+        finally:
+            await store.close()
+
+    manifest = asyncio.run(put())
+    return {"root": str(root), "kv": kv, "tokens": token_ids, "profile": profile, "manifest": manifest}
+
+
+@pytest.fixture
+async def sender(context):
+    store = await streamer.open_store(context["root"])
+    server = await streamer.serve(store)
+    yield server
+    await server.close()
+    await store.close()
+
+
+class Recorder:
+    """Collects every delivery and checks order and exactly-once as they happen."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
+        self.layers = layers
+        self.events: list[tuple] = []
+        self.position = (0, 0)  # next expected (chunk, layer)
+
+    def on_layer(self, chunk: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert (chunk, layer) == self.position, f"got {(chunk, layer)}, expected {self.position}"
+        self.position = (chunk, layer + 1) if layer + 1 < self.layers else (chunk + 1, 0)
+        self.events.append((chunk, layer, k.clone(), v.clone()))
+
+    def on_text(self, chunk: int, token_ids: list[int]) -> None:
+        assert self.position == (chunk, 0), f"text for chunk {chunk} at {self.position}"
+        self.position = (chunk + 1, 0)
+        self.events.append((chunk, TEXT, token_ids))
+
+    def assemble(self, manifest) -> tuple[torch.Tensor, set[int]]:
+        out = torch.full((LAYERS, 2, manifest.tokens, HEADS, HEAD_DIM), math.nan, dtype=torch.float16)
+        text = set()
+        for event in self.events:
+            info = manifest.chunks[event[0]]
+            if event[1] == TEXT:
+                text.add(event[0])
+            else:
+                out[event[1], 0, info.start:info.end] = event[2]
+                out[event[1], 1, info.start:info.end] = event[3]
+        return out, text
+
+
+def _distortion(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return float(((x - y) ** 2).sum() / ((x - x.mean(dim=2, keepdim=True)) ** 2).sum())
+
+
+async def test_every_layer_in_order_exactly_once_at_a_fixed_level(context, sender) -> None:
+    rec = Recorder()
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="fixed:1",
+                                      on_layer=rec.on_layer, on_text=rec.on_text) as session:
+        report = await session.fetch()
+    manifest = context["manifest"]
+    assert rec.position == (len(manifest.chunks), 0)
+    assert [c.level for c in report.chunks] == [1] * len(manifest.chunks)
+    assert report.bytes == sum(c.sizes[1] for c in manifest.chunks)
+    got, text = rec.assemble(manifest)
+    assert not text
+    # bit-identical to decoding the stored blobs directly
+    for i, info in enumerate(manifest.chunks):
+        blob_kv = codec.decode(codec.encode(context["kv"][:, :, info.start:info.end], 1, context["profile"],
+                                            sink_tokens=None if i == 0 else 0), context["profile"])
+        assert torch.equal(got[:, :, info.start:info.end], blob_kv)
+    assert _distortion(context["kv"], got) < 2 * context["profile"].targets[1]
+
+
+async def test_async_callbacks_and_text_policy(context, sender) -> None:
+    seen: list[tuple[int, list[int]]] = []
+
+    async def on_text(chunk: int, token_ids: list[int]) -> None:
+        await asyncio.sleep(0)
+        seen.append((chunk, token_ids))
+
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="text",
+                                      on_text=on_text) as session:
+        report = await session.fetch()
+    manifest = context["manifest"]
+    assert [c for c, _ in seen] == list(range(len(manifest.chunks)))
+    for chunk, token_ids in seen:
+        info = manifest.chunks[chunk]
+        assert token_ids == context["tokens"][info.start:info.end]
+    assert report.text_chunks == len(manifest.chunks)
+    assert report.first_layer_seconds is None
+
+
+async def test_a_rate_drop_makes_later_chunks_cheaper(context, sender) -> None:
+    rec = Recorder()
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), trace=200.0) as proxy:
+        def on_chunk(report) -> None:
+            if report.index == 3:
+                proxy.set_trace(netsim.Trace.constant(8.0, 60.0), direction="down")
+
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=1.5, policy="mpc",
+                                          on_layer=rec.on_layer, on_text=rec.on_text,
+                                          on_chunk=on_chunk, prior_bps=200e6 / 8) as session:
+            report = await session.fetch()
+    levels = [c.level for c in report.chunks]
+    rank = [len(context["profile"].levels) if lv == TEXT else lv for lv in levels]
+    assert rec.position == (len(context["manifest"].chunks), 0)
+    assert min(rank[:3]) <= 1, levels            # fast link: high quality
+    assert min(rank[6:]) > max(rank[1:3]), levels  # after the drop: strictly cheaper choices
+
+
+async def test_first_layer_arrives_before_the_last_chunk_is_sent(context, sender) -> None:
+    total = sum(c.sizes[2] for c in context["manifest"].chunks)
+    sent_at_first_layer: list[int] = []
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), trace=40.0) as proxy:
+        def on_layer(chunk: int, layer: int, k, v) -> None:
+            if (chunk, layer) == (0, 0):
+                sent_at_first_layer.append(proxy.stats.down_bytes)
+
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=10.0, policy="fixed:2",
+                                          on_layer=on_layer) as session:
+            report = await session.fetch()
+    assert sent_at_first_layer and sent_at_first_layer[0] < total / 2
+    assert report.first_layer_seconds < report.total_seconds / 2
+
+
+async def test_requests_are_pipelined_so_the_link_never_idles(context, sender) -> None:
+    """Over a link with 20 ms one-way delay, 12 chunks must not cost 12 round trips."""
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), delay_ms=20.0) as proxy:
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=10.0, policy="fixed:3") as session:
+            report = await session.fetch()
+    assert report.total_seconds < 12 * 0.040 * 0.75, report.total_seconds
+
+
+@pytest.mark.parametrize("fault", [
+    LinkSpec(cut=Cut("reset", at_byte=700_000)),
+    LinkSpec(cut=Cut("close", at_byte=300_000)),
+    LinkSpec(stalls=(Stall(at=0.05, duration=30.0),)),
+])
+async def test_faults_reconnect_to_the_next_server_and_resume(context, sender, fault: LinkSpec) -> None:
+    rec = Recorder()
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), down=fault) as proxy:
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=20.0, policy="fixed:0",
+                                          servers=[("127.0.0.1", sender.port)], stall_timeout=0.5,
+                                          on_layer=rec.on_layer, on_text=rec.on_text) as session:
+            report = await session.fetch()
+    assert report.reconnects >= 1
+    assert rec.position == (len(context["manifest"].chunks), 0)
+    got, text = rec.assemble(context["manifest"])
+    assert not text and not torch.isnan(got.float()).any()
+    assert _distortion(context["kv"], got) < 2 * context["profile"].targets[0]
+
+
+async def test_dead_sender_with_no_fallback_fails_with_a_report(context, sender) -> None:
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port),
+                                   down=LinkSpec(cut=Cut("reset", at_byte=500_000))) as proxy:
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=20.0, policy="fixed:0",
+                                          max_reconnects=1, backoff=0.01) as session:
+            with pytest.raises(streamer.FetchFailed) as failure:
+                await session.fetch()
+    assert failure.value.report.reconnects >= 1
+
+
+async def test_corrupt_chunk_is_refetched_then_falls_back_to_text(context, tmp_path) -> None:
+    # a private copy of the store with chunk 2's level-0 blob damaged inside layer 0
+    import shutil
+
+    root = tmp_path / "store"
+    shutil.copytree(context["root"], root)
+    manifest = context["manifest"]
+    blob_path = next(root.glob(f"contexts/ctx/{manifest.version}/chunk-2-L0*"))
+    blob = bytearray(blob_path.read_bytes())
+    header = codec.parse_header(blob)
+    blob[header.size + 40] ^= 0xFF
+    blob_path.write_bytes(bytes(blob))
+    store = await streamer.open_store(str(root))
+    server = await streamer.serve(store)
+    rec = Recorder()
+    try:
+        async with streamer.StreamSession("127.0.0.1", server.port, "ctx", slo=20.0, policy="fixed:0",
+                                          on_layer=rec.on_layer, on_text=rec.on_text) as session:
+            report = await session.fetch()
+    finally:
+        await server.close()
+        await store.close()
+    assert rec.position == (len(manifest.chunks), 0)
+    assert report.chunks[2].level == TEXT and "corrupt" in report.chunks[2].reason
+    assert report.chunks[2].retries >= 1
+    assert all(c.level == 0 for i, c in enumerate(report.chunks) if i != 2)
+
+
+async def test_hopeless_deadline_sends_the_rest_as_text(context, sender) -> None:
+    rec = Recorder()
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), trace=2.0) as proxy:
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=0.3, policy="mpc",
+                                          recompute_seconds_per_token=1e-6,
+                                          on_layer=rec.on_layer, on_text=rec.on_text) as session:
+            report = await session.fetch()
+    assert rec.position == (len(context["manifest"].chunks), 0)
+    assert report.text_chunks >= len(context["manifest"].chunks) - 2
+
+
+async def test_unknown_context_is_a_clear_error(sender) -> None:
+    with pytest.raises(streamer.ServerError, match="not_found"):
+        async with streamer.StreamSession("127.0.0.1", sender.port, "missing", slo=1.0):
+            pass
+
+
+async def test_many_concurrent_sessions_complete(context, sender) -> None:
+    async def one() -> streamer.FetchReport:
+        rec = Recorder()
+        async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=30.0, policy="fixed:4",
+                                          on_layer=rec.on_layer) as session:
+            report = await session.fetch()
+        assert rec.position == (len(context["manifest"].chunks), 0)
+        return report
+
+    reports = await asyncio.gather(*[one() for _ in range(16)])
+    assert all(len(r.chunks) == len(context["manifest"].chunks) for r in reports)
+
+
+async def test_garbage_from_one_client_does_not_hurt_others(context, sender) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", sender.port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 10)
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 5.0) is not None  # server answers and closes
+    writer.close()
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="fixed:4") as session:
+        report = await session.fetch()
+    assert len(report.chunks) == len(context["manifest"].chunks)
+
+
+@pytest.mark.redis
+async def test_senders_share_a_redis_store(context, redis_store_url) -> None:
+    store = await streamer.open_store(redis_store_url)
+    await streamer.put_context(store, "shared", context["kv"][:, :, :1024], context["tokens"][:1024],
+                               profile=context["profile"], chunk_tokens=CHUNK_TOKENS)
+    first, second = await streamer.serve(store), await streamer.serve(await streamer.open_store(redis_store_url))
+    try:
+        for server in (first, second):
+            rec = Recorder()
+            async with streamer.StreamSession("127.0.0.1", server.port, "shared", slo=5.0, policy="fixed:2",
+                                              on_layer=rec.on_layer) as session:
+                await session.fetch()
+            assert rec.position == (4, 0)
+    finally:
+        await first.close()
+        await second.close()
+        await second.store.close()
+        await store.close()
+
+
+@pytest.mark.slow
+def test_serve_cli_shuts_down_cleanly_on_sigterm(context, tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "serve", "--store", context["root"],
+                             "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "kvwire serve:" in line
+        port = int(line.rsplit(":", 1)[1])
+        out = subprocess.run([sys.executable, "-m", "streamer.cli", "fetch", "--server", f"127.0.0.1:{port}",
+                              "--context", "ctx", "--slo", "5", "--json"], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert '"deadline_met"' in out.stdout
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
