@@ -10,6 +10,12 @@ from typing import Sequence
 from .manifest import Manifest
 from .policy import TEXT, Choice, Observation, PlanInput, Policy
 
+#: A transfer smaller than this is dominated by round-trip time: no throughput sample.
+MIN_SAMPLE_BYTES = 64 * 1024
+#: Chunks requested beyond the one in progress (text requests are tiny and not counted):
+#: one keeps the link busy; more would commit decisions to an estimate the next samples
+#: may overturn.
+MAX_QUEUED_AHEAD = 1
 #: Size the planners see for a level the context was not stored at: never affordable.
 UNAVAILABLE_BYTES = 1 << 50
 #: Default recompute cost: seconds of prefill per token on the serving GPU. The caller

@@ -11,7 +11,8 @@ import importlib
 import sys
 
 # Modules that contribute subcommands, in help order. Each has register(subparsers).
-_COMMAND_MODULES = ("codec.cli", "streamer.put", "streamer.commands", "netsim.cli")
+_COMMAND_MODULES = ("streamer.demo", "codec.cli", "streamer.put", "streamer.commands", "streamer.calibrate_cli", "streamer.bench",
+                    "streamer.evaluate", "netsim.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # only for annotations; policy.base imports nothing from here
 DEFAULT_WINDOW = 5
 
 
+#: Shorter busy times are clock noise, not measurements (a 1e-300 s sample is an infinite rate).
+_MIN_BUSY_SECONDS = 1e-9
+
+
 def throughputs(history: Sequence[Observation]) -> np.ndarray:
     """Bytes/s of each informative observation, oldest first.
 
@@ -40,7 +44,7 @@ def throughputs(history: Sequence[Observation]) -> np.ndarray:
     nbytes = np.fromiter((o.bytes for o in history), dtype=np.float64, count=len(history))
     busy = np.fromiter((o.busy_seconds for o in history), dtype=np.float64,
                        count=len(history))
-    keep = (busy > 0) & (nbytes > 0) & np.isfinite(busy)
+    keep = (busy > _MIN_BUSY_SECONDS) & (nbytes > 0) & np.isfinite(busy)
     return nbytes[keep] / busy[keep]
 
 

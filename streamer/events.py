@@ -127,10 +127,16 @@ class GetProfile(Event):
 
 @dataclass(frozen=True)
 class Profile(Event):
-    """PROFILE (server, frame 6): answers GET_PROFILE with the same ``profile_id``."""
+    """PROFILE (server, frame 6): answers GET_PROFILE with the same ``profile_id``.
+
+    A profile larger than one frame (a Llama-sized PCA basis is hundreds of MB) is sent
+    as consecutive PROFILE frames, each but the last with ``more=True``; the receiver
+    concatenates their ``data``. The request is answered by the frame with ``more=False``.
+    """
 
     profile_id: str
     data: Buffer
+    more: bool = False
 
 
 @dataclass(frozen=True)

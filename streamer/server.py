@@ -20,6 +20,7 @@ from typing import Iterator
 import codec
 
 from . import protocol as p
+from .frames import PART_HEADER
 from .manifest import Manifest
 from .stores import ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError
 
@@ -162,6 +163,11 @@ class _ConnectionHandler:
                 self.closing = True
                 self.writer.transport.abort()
                 return
+            except Exception:  # a bug must cost this connection, never leave the peer hanging
+                log.exception("answering %r failed; closing the connection", request)
+                self.closing = True
+                self.writer.transport.abort()
+                return
             finally:
                 self.busy = False
 
@@ -171,8 +177,12 @@ class _ConnectionHandler:
                 self.manifest = await self.store.get_manifest(request.context_id)
                 await self._write(self.conn.send(p.Manifest(data=self.manifest.to_bytes())))
             elif isinstance(request, p.GetProfile):
-                data = await self.store.get_profile_bytes(request.profile_id)
-                await self._write(self.conn.send(p.Profile(profile_id=request.profile_id, data=data)))
+                data = memoryview(await self.store.get_profile_bytes(request.profile_id))
+                piece = self.conn.send_limit - 17  # the id and the continuation byte
+                for start in range(0, max(len(data), 1), piece):
+                    end = min(start + piece, len(data))
+                    await self._write(*self.conn.send_parts(p.Profile(
+                        profile_id=request.profile_id, data=data[start:end], more=end < len(data))))
             else:
                 await self._send_chunk(request)
         except (ContextNotFound, ChunkNotFound, ProfileNotFound) as exc:
@@ -201,7 +211,7 @@ class _ConnectionHandler:
         if level >= len(manifest.level_distortion):
             raise ValueError(f"level {level} out of range: context has {len(manifest.level_distortion)} levels")
         blob = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
-        parts = list(blob_parts(blob, self.conn.send_limit))
+        parts = list(blob_parts(blob, self.conn.send_limit - PART_HEADER.size))
         await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=len(blob),
                                                       parts=len(parts))))
         for index, part in enumerate(parts):

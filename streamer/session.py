@@ -5,8 +5,9 @@ level or text; the request for the next chunk goes out *before* the current one 
 fully arrived (when the bytes still to come would take about one round trip), so
 the link never idles and each decision sees the freshest measurement, including
 the partial rate of the chunk in flight. Throughput is measured at the receiver
-over busy time only: a chunk's clock starts when its first bytes arrive or when
-the previous chunk ends, whichever is later. Layer sections are handed to
+over busy time only: a chunk's clock starts when the previous chunk ended or when
+its request could first have been answered (sent + one round trip), whichever is
+later, so neither idle time nor a burst of buffered bytes distorts it. Layer sections are handed to
 ``OrderedDelivery`` as they land, so decoding overlaps receiving and layer 0 of
 chunk 0 reaches the consumer while later chunks are still on the wire.
 
@@ -29,7 +30,7 @@ from typing import Any, Callable, Sequence
 import codec
 
 from . import estimator, protocol as p
-from .adapt import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, decide
+from .adapt import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD, MIN_SAMPLE_BYTES, decide
 from .client import ClientConnection, ConnectionLost, ServerError, StreamError
 from .delivery import OrderedDelivery
 from .manifest import Manifest
@@ -37,8 +38,6 @@ from .policy import TEXT, Choice, Observation, get_policy
 from .put import decode_tokens
 from .report import ChunkReport, FetchReport
 
-#: A chunk smaller than this is dominated by round-trip time: no throughput sample.
-MIN_SAMPLE_BYTES = 64 * 1024
 #: Refetches of one chunk after corrupt sections before giving up on it.
 MAX_CORRUPT_RETRIES = 2
 
@@ -174,8 +173,7 @@ class StreamSession:
         self.manifest = manifest
         profile = _profiles.get(manifest.profile_id)
         if profile is None:
-            answer = await client.call(p.GetProfile(profile_id=manifest.profile_id), p.Profile, timeout)
-            profile = codec.Profile.from_bytes(answer.data)
+            profile = codec.Profile.from_bytes(await client.get_profile(manifest.profile_id, timeout))
             if profile.id != manifest.profile_id:
                 raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
             _profiles[manifest.profile_id] = profile
@@ -280,16 +278,31 @@ class _Fetch:
         return None
 
     # ------------------------------------------------------------------ requesting
+    def _busy_start(self, chunk: _Chunk) -> float:
+        """When the link started carrying ``chunk``: not before its request could have been
+        answered (request + one round trip), nor before the previous chunk finished.
+
+        Not the first byte's arrival: bytes queued in socket and shaper buffers arrive in
+        one burst, which would make a small chunk look arbitrarily fast.
+        """
+        rtt = self.s._client.rtt if self.s._client is not None else 0.0
+        return max(chunk.requested_at + rtt, self.last_end or 0.0)
+
     def _estimate(self, now: float) -> tuple[list[Observation], float | None]:
         """History plus the chunk in flight as a partial sample, and the robust estimate."""
         history = list(self.history)
         if self.inflight:
             head = self.chunks[self.inflight[0]]
             if head.begin_at is not None and head.received >= MIN_SAMPLE_BYTES:
-                start = max(head.begin_at, self.last_end or head.begin_at)
+                start = self._busy_start(head)
                 if now > start:
                     history.append(Observation(head.received, now - start))
         return history, estimator.robust_estimate(history, prior=self.prior)
+
+    def _pending_recompute(self) -> float:
+        """Seconds the caller will still spend recomputing chunks already sent as text."""
+        return sum(self.s._recompute * (self.manifest.chunks[c.index].end - self.manifest.chunks[c.index].start)
+                   for c in self.chunks if c.choice == TEXT and not self.delivery.is_done(c.index))
 
     def _outstanding_bytes(self) -> int:
         return sum(max(self.chunks[i].expected - self.chunks[i].received, 0) for i in self.inflight)
@@ -302,11 +315,13 @@ class _Fetch:
             history, estimate = self._estimate(now)
             outstanding = self._outstanding_bytes()
             if self.inflight:
+                if sum(self.chunks[i].choice != TEXT for i in self.inflight) > MAX_QUEUED_AHEAD:
+                    return
                 lookahead = (estimate or 0.0) * client.rtt + MIN_SAMPLE_BYTES
                 if outstanding > lookahead:
                     return
             due = outstanding / estimate if estimate else 0.0
-            time_left = self.deadline - now - due
+            time_left = self.deadline - now - due - self._pending_recompute()
             index = self.next_chunk
             choice, reason = decide(self.s._policy, self.manifest, index, time_left=time_left,
                                     history=history, prior_bps=self.prior,
@@ -407,13 +422,13 @@ class _Fetch:
         if cancelled:
             return
         chunk.end_at = at
-        start = max(chunk.begin_at or at, self.last_end or 0.0)
-        busy = max(at - start, 0.0)
+        busy = max(at - self._busy_start(chunk), 0.0)
         self.last_end = at
         report = chunk.report
         assert report is not None
         report.bytes += chunk.received
         report.seconds = at - chunk.requested_at
+        report.finished_at = at - self.start
         report.busy_seconds = busy
         report.throughput_bps = 8 * chunk.received / busy if busy > 0 else 0.0
         if chunk.received >= MIN_SAMPLE_BYTES and busy > 0:
@@ -484,7 +499,8 @@ class _Fetch:
                 now = time.monotonic()
                 history, _ = self._estimate(now)
                 choice, reason = decide(self.s._policy, self.manifest, index,
-                                        time_left=self.deadline - now, history=history,
+                                        time_left=self.deadline - now - self._pending_recompute(),
+                                        history=history,
                                         prior_bps=self.prior, recompute_seconds_per_token=self.s._recompute)
                 chunk.report.level = choice  # type: ignore[union-attr]
                 chunk.report.reason = reason  # type: ignore[union-attr]

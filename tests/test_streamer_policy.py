@@ -208,7 +208,7 @@ def test_greedy_follows_cachegens_rule(inp, rate, as_prior) -> None:
     share = inp.time_left / len(inp.sizes)
     fitting = [j for j, size in enumerate(inp.sizes[0]) if size / estimate <= share]
     text_time = inp.text_bytes[0] / estimate + inp.text_seconds[0]
-    expected = (fitting[0] if fitting else TEXT if text_time <= share
+    expected = (fitting[0] if fitting else TEXT if text_time <= inp.time_left
                 else int(np.argmin(inp.sizes[0])))
     assert greedy(inp) == expected
 

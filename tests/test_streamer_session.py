@@ -180,22 +180,50 @@ async def test_requests_are_pipelined_so_the_link_never_idles(context, sender) -
     assert report.total_seconds < 12 * 0.040 * 0.75, report.total_seconds
 
 
-@pytest.mark.parametrize("fault", [
-    LinkSpec(cut=Cut("reset", at_byte=700_000)),
-    LinkSpec(cut=Cut("close", at_byte=300_000)),
-    LinkSpec(stalls=(Stall(at=0.05, duration=30.0),)),
-])
-async def test_faults_reconnect_to_the_next_server_and_resume(context, sender, fault: LinkSpec) -> None:
+@pytest.mark.parametrize("fault", ["reset", "close", "stall"])
+async def test_faults_reconnect_to_the_next_server_and_resume(context, sender, fault: str) -> None:
+    # a first fetch fills the receiver's profile cache, so the fault lands in chunk data
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="text") as session:
+        await session.fetch()
+    down = {"reset": LinkSpec(cut=Cut("reset", at_byte=700_000)),
+            "close": LinkSpec(cut=Cut("close", at_byte=300_000)),
+            "stall": LinkSpec()}[fault]
     rec = Recorder()
-    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), down=fault) as proxy:
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), down=down) as proxy:
+        def on_chunk(report) -> None:
+            if fault == "stall" and report.index == 2:
+                proxy.set_trace(0.0, direction="down")  # the link goes silent for good
+
         async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=20.0, policy="fixed:0",
                                           servers=[("127.0.0.1", sender.port)], stall_timeout=0.5,
-                                          on_layer=rec.on_layer, on_text=rec.on_text) as session:
+                                          on_layer=rec.on_layer, on_text=rec.on_text,
+                                          on_chunk=on_chunk) as session:
             report = await session.fetch()
     assert report.reconnects >= 1
     assert rec.position == (len(context["manifest"].chunks), 0)
     got, text = rec.assemble(context["manifest"])
     assert not text and not torch.isnan(got.float()).any()
+    assert _distortion(context["kv"], got) < 2 * context["profile"].targets[0]
+
+
+async def test_profiles_and_sections_larger_than_a_frame(context) -> None:
+    """With the smallest frame limit, the profile and every layer section span many frames."""
+    from streamer import session as session_module
+    from streamer.server import ServerConfig
+
+    session_module._profiles.clear()  # force a profile download
+    assert len(context["profile"].to_bytes()) > 4 * 65536
+    store = await streamer.open_store(context["root"])
+    server = await streamer.serve(store, config=ServerConfig(max_frame=65536))
+    rec = Recorder()
+    try:
+        async with streamer.StreamSession("127.0.0.1", server.port, "ctx", slo=10.0, policy="fixed:0",
+                                          on_layer=rec.on_layer) as session:
+            await session.fetch()
+    finally:
+        await server.close()
+        await store.close()
+    got, _ = rec.assemble(context["manifest"])
     assert _distortion(context["kv"], got) < 2 * context["profile"].targets[0]
 
 

