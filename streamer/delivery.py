@@ -142,6 +142,7 @@ class OrderedDelivery:
 
     async def _deliver_layers(self, index: int, state: _ChunkSlots) -> bool:
         """Deliver the chunk's remaining layers; False if it was retargeted to text."""
+        kind = state.kind
         while state.delivered < self._layers:
             layer = state.delivered
             job = await self._slot(index, layer)
@@ -152,6 +153,8 @@ class OrderedDelivery:
             except codec.CorruptBitstream as exc:
                 del state.layers[layer]
                 self._on_corrupt(index, layer, exc)
+                if state.kind is not kind:
+                    return False  # the session gave up on the layers and resolved the chunk anew
                 continue  # the session refetches; wait for the replacement section
             state.decode_seconds += seconds
             if self.first_layer_at is None:

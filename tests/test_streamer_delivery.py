@@ -1,0 +1,102 @@
+"""OrderedDelivery on its own: order, exactly-once and corrupt-section handling,
+with a fake decoder (no codec, no sockets)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+import torch
+
+import codec
+from streamer.delivery import TEXT, OrderedDelivery
+
+LAYERS = 3
+
+
+def _decoder(bad: set[tuple[int, int]]):
+    """Decodes a section b'chunk,layer' to tensors holding those numbers; raises for ``bad``."""
+    def decode(header, profile, layer, section):
+        chunk = int(bytes(section).split(b",")[0])
+        if (chunk, layer) in bad:
+            bad.discard((chunk, layer))
+            raise codec.CorruptBitstream("bad section")
+        return torch.full((1,), float(chunk)), torch.full((1,), float(layer))
+    return decode
+
+
+async def _run(delivery: OrderedDelivery) -> None:
+    await asyncio.wait_for(delivery.run(), 5.0)
+
+
+async def test_layers_arrive_in_order_whatever_order_sections_land() -> None:
+    seen: list[tuple] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = OrderedDelivery(chunks=2, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
+                                   on_text=None, on_corrupt=lambda *a: None, executor=pool,
+                                   decode=_decoder(set()))
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(1, 0)
+        for layer in reversed(range(LAYERS)):
+            delivery.add_section(1, layer, None, None, b"1,")
+        delivery.resolve(0, 2)
+        for layer in range(LAYERS):
+            delivery.add_section(0, layer, None, None, b"0,")
+            delivery.add_section(0, layer, None, None, b"0,")  # duplicates are ignored
+        await consumer
+    assert seen == [(c, l) for c in range(2) for l in range(LAYERS)]
+
+
+async def test_corrupt_section_is_replaced_by_a_refetch() -> None:
+    seen: list[tuple] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder: dict = {}
+
+        def on_corrupt(chunk: int, layer: int, exc: Exception) -> None:
+            holder["delivery"].add_section(chunk, layer, None, None, b"0,")  # the refetched copy
+
+        delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
+                                   on_text=None, on_corrupt=on_corrupt, executor=pool,
+                                   decode=_decoder({(0, 1)}))
+        holder["delivery"] = delivery
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 0)
+        for layer in range(LAYERS):
+            delivery.add_section(0, layer, None, None, b"0,")
+        await consumer
+    assert seen == [(0, l) for l in range(LAYERS)]
+
+
+async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
+    """Regression: the session may give up on a chunk's layers inside on_corrupt."""
+    texts: list[tuple] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder: dict = {}
+
+        def on_corrupt(chunk: int, layer: int, exc: Exception) -> None:
+            holder["delivery"].resolve(chunk, TEXT)
+            holder["delivery"].add_text(chunk, [1, 2, 3])
+
+        delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda *a: pytest.fail("no layer expected"),
+                                   on_text=lambda c, ids: texts.append((c, ids)), on_corrupt=on_corrupt,
+                                   executor=pool, decode=_decoder({(0, 0)}))
+        holder["delivery"] = delivery
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 1)
+        delivery.add_section(0, 0, None, None, b"0,")
+        await consumer
+    assert texts == [(0, [1, 2, 3])]
+
+
+async def test_a_chunk_that_delivered_layers_cannot_switch_to_text() -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=None, on_text=None,
+                                   on_corrupt=lambda *a: None, executor=pool, decode=_decoder(set()))
+        consumer = asyncio.create_task(delivery.run())
+        delivery.resolve(0, 0)
+        delivery.add_section(0, 0, None, None, b"0,")
+        while delivery.delivered_layers(0) == 0:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="must complete at its level"):
+            delivery.resolve(0, TEXT)
+        consumer.cancel()
