@@ -33,10 +33,10 @@ DEFAULT_CALIBRATION_TOKENS = 8192
 
 
 def default_trace():
-    """200 Mbit/s, a drop to 25 Mbit/s after 0.4 s, recovery after 0.8 s."""
+    """200 Mbit/s, a drop to 25 Mbit/s after 0.25 s, recovery after 0.5 s."""
     from netsim import generators
 
-    return generators.steps([200.0, 25.0, 200.0], hold=0.4, step=0.05, name="demo-drop")
+    return generators.steps([200.0, 25.0, 200.0], hold=0.25, step=0.05, name="demo-drop")
 
 
 @dataclass
