@@ -2,7 +2,8 @@
 
 Per chunk the policy (``streamer.policy``, via ``adapt.decide``) picks a quality
 level or text; the request for the next chunk goes out *before* the current one has
-fully arrived (when the bytes still to come would take about one round trip), so
+fully arrived (when the bytes still to come would take about as long as a request
+takes to be answered: one round trip plus the sender's store read), so
 the link never idles and each decision sees the freshest measurement, including
 the partial rate of the chunk in flight. Throughput is measured at the receiver
 over busy time only: a chunk's clock starts when the previous chunk ended or when
@@ -210,6 +211,9 @@ class _Fetch:
                                         on_corrupt=self._on_corrupt, executor=session._executor,
                                         decode=session._decode)
         self.prior = session._prior_bps or _server_priors.get(session.address)
+        #: request-to-first-byte of a request sent to an idle sender (the first chunk's):
+        #: one round trip plus the sender's store read, the lead time the next request needs
+        self.response_latency = 0.0
         self.reconnects = 0
 
     # ------------------------------------------------------------------ main loop
@@ -308,7 +312,7 @@ class _Fetch:
         return sum(max(self.chunks[i].expected - self.chunks[i].received, 0) for i in self.inflight)
 
     def _request_ahead(self) -> None:
-        """Request the next chunk once the bytes still due would take about one round trip."""
+        """Request the next chunk once the bytes still due would take about one request's answer time."""
         client = self.s._client
         while client is not None and not client.closed and self.next_chunk < len(self.chunks):
             now = time.monotonic()
@@ -317,7 +321,7 @@ class _Fetch:
             if self.inflight:
                 if sum(self.chunks[i].choice != TEXT for i in self.inflight) > MAX_QUEUED_AHEAD:
                     return
-                lookahead = (estimate or 0.0) * client.rtt + MIN_SAMPLE_BYTES
+                lookahead = (estimate or 0.0) * max(client.rtt, self.response_latency) + MIN_SAMPLE_BYTES
                 if outstanding > lookahead:
                     return
             due = outstanding / estimate if estimate else 0.0
@@ -357,6 +361,8 @@ class _Fetch:
         if isinstance(event, p.ChunkBegin):
             chunk = self.chunks[event.chunk]
             chunk.begin_at = at
+            if event.chunk == 0 and chunk.corrupt_retries == 0:
+                self.response_latency = at - chunk.requested_at
             if event.total_bytes != chunk.expected:
                 raise ConnectionLost(f"chunk {event.chunk} is {event.total_bytes} bytes, "
                                      f"the manifest says {chunk.expected}")
