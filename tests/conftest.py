@@ -175,4 +175,18 @@ def redis_store_url(redis_url):
             client.delete(*keys)
     finally:
         client.close()
+@pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis)])
+def store_url(request, tmp_path) -> str:
+    """Each store test runs against a file store and a real redis store."""
+    if request.param == "file":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("redis_store_url")
+
+
+@pytest.fixture
+async def store(store_url: str):
+    from streamer.stores import open_store
+
+    async with await open_store(store_url) as s:
+        yield s
 # --- end redis fixture ---

@@ -28,17 +28,6 @@ def small_profile(codec_make_kv) -> codec.Profile:
     return codec.calibrate([codec_make_kv(4, layers=2, tokens=400, heads=2, head_dim=8)])
 
 
-@pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis)])
-def store_url(request, tmp_path) -> str:
-    if request.param == "file":
-        return str(tmp_path / "store")
-    return request.getfixturevalue("redis_store_url")
-
-
-@pytest.fixture
-async def store(store_url: str):
-    async with await open_store(store_url) as s:
-        yield s
 
 
 async def test_put_context_decodes_back_chunk_by_chunk(store: Store, small_kv, codec_distortion) -> None:

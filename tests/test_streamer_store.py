@@ -168,17 +168,6 @@ def test_invalid_context_ids(context_id) -> None:
 
 
 # -------------------------------------------------------------------- stores
-@pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis)])
-def store_url(request, tmp_path) -> str:
-    if request.param == "file":
-        return str(tmp_path / "store")
-    return request.getfixturevalue("redis_store_url")
-
-
-@pytest.fixture
-async def store(store_url: str):
-    async with await open_store(store_url) as s:
-        yield s
 
 
 class Version:

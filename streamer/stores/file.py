@@ -200,20 +200,17 @@ class FileStore(Store):
 
     async def get_chunk(self, context_id: str, version: str, chunk: int, level: int) -> bytes:
         name = f"chunk-{check_index(chunk, 'chunk')}-L{check_index(level, 'level')}.kvw"
-        path = self.version_dir(context_id, version) / name
-        with self._io_errors():
-            data = await _read(path)
-        if data is None:
-            raise ChunkNotFound(context_id, version, f"chunk {chunk} level {level}", self.url)
-        return data
+        return await self._get(context_id, version, name, f"chunk {chunk} level {level}")
 
     async def get_text(self, context_id: str, version: str, chunk: int) -> bytes:
         name = f"text-{check_index(chunk, 'chunk')}.zst"
-        path = self.version_dir(context_id, version) / name
+        return await self._get(context_id, version, name, f"text of chunk {chunk}")
+
+    async def _get(self, context_id: str, version: str, name: str, what: str) -> bytes:
         with self._io_errors():
-            data = await _read(path)
+            data = await _read(self.version_dir(context_id, version) / name)
         if data is None:
-            raise ChunkNotFound(context_id, version, f"text of chunk {chunk}", self.url)
+            raise ChunkNotFound(context_id, version, what, self.url)
         return data
 
     def writer(self, context_id: str) -> "FileContextWriter":
