@@ -158,14 +158,25 @@ def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
     return out[0], out[1]
 
 
+def _cuda_layers(blob: bytes | memoryview, header: BlobHeader, profile: Profile | None,
+                 device: torch.device) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    from kernels import gpu  # imported here: pycuda is an optional extra
+
+    sections = ((layer, container.section(blob, header, layer)) for layer in range(header.layers))
+    return gpu.decoder(device).decode_layers(header, profile, sections)
+
+
 def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
                   device: str | torch.device = "cpu") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield (layer, k, v) in layer order; each k, v is [tokens, heads, head_dim] on ``device``."""
     decode_one = section_decoder(device)
     header = container.parse_header(blob)
     resolve_profile(header, profile)  # fail before yielding anything
+    if decode_one is not decode_section:
+        yield from _cuda_layers(blob, header, profile, torch.device(device))
+        return
     for layer in range(header.layers):
-        k, v = decode_one(header, profile, layer, container.section(blob, header, layer))
+        k, v = decode_section(header, profile, layer, container.section(blob, header, layer))
         yield layer, k, v
 
 
@@ -178,12 +189,12 @@ def decode(blob: bytes | memoryview, profile: Profile | None = None,
         raise CorruptBitstream(f"blob is {len(blob)} bytes, its header says {header.total_size}")
     resolve_profile(header, profile)
     out = torch.empty(header.shape, dtype=header.dtype, device=device)
+    if decode_one is not decode_section:
+        for layer, k, v in _cuda_layers(blob, header, profile, torch.device(device)):
+            out[layer, 0], out[layer, 1] = k, v
+        return out
     for layer in range(header.layers):
-        section = container.section(blob, header, layer)
-        if decode_one is decode_section:
-            decode_section(header, profile, layer, section, out=out[layer])
-        else:
-            out[layer, 0], out[layer, 1] = decode_one(header, profile, layer, section)
+        decode_section(header, profile, layer, container.section(blob, header, layer), out=out[layer])
     return out
 
 

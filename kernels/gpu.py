@@ -8,7 +8,9 @@ from page-locked memory while the previous section's kernel and GEMM run on
 writes coefficients token-major ([tokens, rows]), which is exactly the GEMM's
 left operand. Entropy decoding and dequantization are bit-identical to the CPU
 decoder; the GEMM's summation order differs (cuBLAS vs MKL), so the output agrees
-with the CPU to float32 rounding of the GEMM, not bit for bit.
+with the CPU to float32 rounding of the GEMM, not bit for bit. ``decode_layers``
+runs the stages as a two-deep pipeline (``kernels.pipeline``): section l+1 uploads
+while section l decodes.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -24,6 +27,8 @@ import torch
 import codec
 from codec import container, layer_codec
 from codec.profile import Profile
+
+from .pipeline import pipelined
 
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_SOURCES = ("rans_decode.cu",)
@@ -102,41 +107,43 @@ class GpuDecoder:
             return host.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ decode
-    def decode_section(self, header: codec.BlobHeader, profile: Profile | None, layer: int,
-                       section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [tokens, heads, head_dim] on the GPU from one layer's section bytes."""
+    def stage(self, header: codec.BlobHeader, profile: Profile | None, layer: int,
+              section: bytes | memoryview) -> "_Staged":
+        """Verify and parse a section on the host, then queue its upload on the copy stream."""
         resolved, slot = codec.resolve_profile(header, profile)
         view = container.verify_section(section, header, layer)
         channels = header.heads * header.head_dim
-        sinks, tokens = header.sink_tokens, header.tokens
         item = torch.finfo(header.dtype).bits // 8
-        sink_len = 2 * sinks * channels * item
+        sink_len = 2 * header.sink_tokens * channels * item
         if len(view) < sink_len:
             raise codec.CorruptBitstream(f"layer {layer}'s section is shorter than its sink tokens")
-        lanes = layer_codec.parse_lanes(resolved, slot, layer, tokens - sinks, view[sink_len:])
+        lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, view[sink_len:])
         plan = lanes.plan
-        tables = self._device_tables(resolved)
-        # stage every input on the copy stream; the decode stream waits on one event
-        words = self._upload(lanes.words.view(np.int16))
-        lane_start = self._upload(lanes.lane_start)
-        states = self._upload(lanes.states.view(np.int32))
-        lane_rows = self._upload(plan.lane_rows)
-        step = self._upload(plan.step)
-        group = self._upload(plan.group)
-        table = self._upload(plan.table)
-        shift = self._upload(plan.shift)
-        sink_bits = self._upload(np.frombuffer(view[:sink_len], dtype=np.uint8)) if sinks else None
+        inputs = {name: self._upload(array) for name, array in (
+            ("words", lanes.words.view(np.int16)), ("lane_start", lanes.lane_start),
+            ("states", lanes.states.view(np.int32)), ("lane_rows", plan.lane_rows), ("step", plan.step),
+            ("group", plan.group), ("table", plan.table), ("shift", plan.shift))}
+        sinks = self._upload(np.frombuffer(view[:sink_len], dtype=np.uint8)) if sink_len else None
         copied = torch.cuda.Event()
         copied.record(self._torch_copy)
-        self._torch_decode.wait_event(copied)
-        coded = tokens - sinks
+        return _Staged(header, resolved, layer, plan, inputs, sinks, copied)
+
+    def launch(self, staged: "_Staged") -> "_Launched":
+        """Queue the kernel and the inverse-transform GEMM on the decode stream."""
+        header, plan, layer = staged.header, staged.plan, staged.layer
+        tables = self._device_tables(staged.profile)
+        self._torch_decode.wait_event(staged.copied)
+        coded, tokens, sinks = header.coded_tokens, header.tokens, header.sink_tokens
+        channels = header.heads * header.head_dim
         coef = torch.empty((coded, plan.rows), dtype=torch.float32, device=self.device)
         status = torch.zeros(max(plan.lanes, 1), dtype=torch.int32, device=self.device)
         if plan.lanes:
             ptr = lambda t: np.uintp(t.data_ptr())  # noqa: E731
-            self._kernel(ptr(words), ptr(lane_start), ptr(states), ptr(lane_rows), np.int32(plan.lanes),
-                         ptr(step), ptr(group), ptr(table), ptr(shift), ptr(tables.freq), ptr(tables.cdf),
-                         ptr(tables.lut), np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
+            i = staged.inputs
+            self._kernel(ptr(i["words"]), ptr(i["lane_start"]), ptr(i["states"]), ptr(i["lane_rows"]),
+                         np.int32(plan.lanes), ptr(i["step"]), ptr(i["group"]), ptr(i["table"]),
+                         ptr(i["shift"]), ptr(tables.freq), ptr(tables.cdf), ptr(tables.lut),
+                         np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
                          block=(THREADS_PER_BLOCK, 1, 1),
                          grid=(math.ceil(plan.lanes / THREADS_PER_BLOCK), 1), stream=self.decode_stream)
         out = torch.empty((2, tokens, channels), dtype=header.dtype, device=self.device)
@@ -145,17 +152,64 @@ class GpuDecoder:
             for kv in range(2):
                 mean = tables.mean[layer, kv]
                 if tables.basis is None:
-                    out[kv, sinks:] = rows[kv] + mean
+                    result = rows[kv] + mean
                 else:
-                    basis = tables.basis[layer, kv, : plan.kept[kv]]
-                    out[kv, sinks:] = torch.addmm(mean.expand(coded, channels), rows[kv], basis)
-            if sink_bits is not None:
-                out[:, :sinks] = sink_bits.view(header.dtype).reshape(2, sinks, channels)
-            failed = int(status.max().item())  # synchronises this stream only
+                    result = torch.addmm(mean.expand(coded, channels), rows[kv], tables.basis[layer, kv, : plan.kept[kv]])
+                if header.dtype != torch.float32:
+                    limit = torch.finfo(header.dtype).max
+                    result.clamp_(-limit, limit)
+                out[kv, sinks:] = result
+            if staged.sinks is not None:
+                out[:, :sinks] = staged.sinks.view(header.dtype).reshape(2, sinks, channels)
+            done = torch.cuda.Event()
+            done.record(self._torch_decode)
+        return _Launched(header, layer, out, status, done, staged)
+
+    def finish(self, launched: "_Launched") -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for one section's decode; CorruptBitstream if any lane failed its checks."""
+        launched.done.synchronize()
+        failed = int(launched.status.max().item())
         if failed:
-            raise codec.CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {failed})")
-        out = out.reshape(2, tokens, header.heads, header.head_dim)
+            raise codec.CorruptBitstream(f"layer {launched.layer}: entropy-coded data is corrupt (code {failed})")
+        header = launched.header
+        out = launched.out.reshape(2, header.tokens, header.heads, header.head_dim)
         return out[0], out[1]
+
+    def decode_section(self, header: codec.BlobHeader, profile: Profile | None, layer: int,
+                       section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [tokens, heads, head_dim] on the GPU from one layer's section bytes."""
+        return self.finish(self.launch(self.stage(header, profile, layer, section)))
+
+    def decode_layers(self, header: codec.BlobHeader, profile: Profile | None,
+                      sections: Iterable[tuple[int, bytes | memoryview]], depth: int = 2
+                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, k, v) in order, the upload of section l+1 overlapping the decode of l."""
+        def submit(item: tuple[int, bytes | memoryview]) -> _Launched:
+            return self.launch(self.stage(header, profile, item[0], item[1]))
+
+        for launched, (k, v) in pipelined(sections, submit, lambda l: (l, self.finish(l)), depth):
+            yield launched.layer, k, v
+
+
+@dataclass
+class _Staged:
+    header: codec.BlobHeader
+    profile: Profile
+    layer: int
+    plan: layer_codec.LayerPlan
+    inputs: dict[str, torch.Tensor]
+    sinks: torch.Tensor | None
+    copied: torch.cuda.Event
+
+
+@dataclass
+class _Launched:
+    header: codec.BlobHeader
+    layer: int
+    out: torch.Tensor
+    status: torch.Tensor
+    done: torch.cuda.Event
+    staged: _Staged  # keeps the device inputs alive until the kernel has run
 
 
 _decoders: dict[torch.device, GpuDecoder] = {}

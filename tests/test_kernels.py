@@ -122,3 +122,45 @@ def test_gpu_decode_matches_cpu() -> None:
             cuda = codec.decode(blob, profile, device="cuda").cpu()
             tolerance = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[dtype]
             torch.testing.assert_close(cuda.float(), cpu.float(), rtol=tolerance, atol=tolerance)
+
+
+# ------------------------------------------------------------------ host-side pipeline logic
+def test_pipeline_submits_ahead_and_keeps_order() -> None:
+    from kernels.pipeline import pipelined
+
+    log: list[tuple[str, int]] = []
+
+    def submit(i: int) -> int:
+        log.append(("submit", i))
+        return i
+
+    def finish(i: int) -> int:
+        log.append(("finish", i))
+        return i * 10
+
+    assert list(pipelined(range(5), submit, finish, depth=2)) == [0, 10, 20, 30, 40]
+    # item i+1 is submitted (its upload queued) before item i is waited for
+    for i in range(4):
+        assert log.index(("submit", i + 1)) < log.index(("finish", i))
+    # never more than `depth` submitted and unfinished
+    outstanding = 0
+    for kind, _ in log:
+        outstanding += 1 if kind == "submit" else -1
+        assert outstanding <= 2
+
+
+def test_pipeline_stops_at_the_first_failure_in_order() -> None:
+    from kernels.pipeline import pipelined
+
+    def finish(i: int) -> int:
+        if i == 2:
+            raise codec.CorruptBitstream("layer 2")
+        return i
+
+    results = []
+    with pytest.raises(codec.CorruptBitstream, match="layer 2"):
+        for value in pipelined(range(5), lambda i: i, finish, depth=3):
+            results.append(value)
+    assert results == [0, 1]
+    with pytest.raises(ValueError, match="depth"):
+        list(pipelined(range(3), lambda i: i, lambda i: i, depth=0))
