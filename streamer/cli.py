@@ -11,7 +11,8 @@ import importlib
 import sys
 
 # Modules that contribute subcommands, in help order. Each has register(subparsers).
-_COMMAND_MODULES = ("streamer.demo", "codec.cli", "streamer.put", "streamer.commands", "streamer.calibrate_cli", "streamer.bench",
+_COMMAND_MODULES = ("streamer.demo", "codec.cli", "streamer.put", "streamer.commands",
+                    "streamer.receiver.cli", "streamer.calibrate_cli", "streamer.bench",
                     "streamer.evaluate", "netsim.cli")
 
 

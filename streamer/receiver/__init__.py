@@ -1,0 +1,30 @@
+"""The receiver daemon (``kvwire receive``): a local service on an inference node that
+fetches contexts from sender daemons with ``StreamSession`` and hands them to the
+serving processes next to it over a small HTTP/JSON API.
+
+* ``cache``   - bounded LRU-by-bytes store of finished contexts (memory, or a directory
+  of safetensors files written atomically), each with its quality recorded
+* ``fetcher`` - one fetch per context however many requests ask (single-flight), with
+  its progress events for server-sent-event subscribers
+* ``http``    - the aiohttp application (``/fetch``, ``/contexts/{id}``, ``/events``,
+  ``/healthz``, ``/metrics``)
+* ``daemon``  - ``Receiver``: configuration, start, graceful close
+* ``cli``     - ``kvwire receive``
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["Receiver", "ReceiverConfig", "start_receiver"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import daemon
+
+        return getattr(daemon, name)
+    raise AttributeError(f"module 'streamer.receiver' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from .daemon import Receiver, ReceiverConfig, start_receiver

@@ -1,0 +1,127 @@
+"""``Receiver``: the receiver daemon's parts wired together, started and stopped.
+
+    receiver = await start_receiver(ReceiverConfig(servers=[("10.0.0.5", 7410)]), "127.0.0.1", 7420)
+    ...
+    await receiver.close()   # what SIGTERM does
+
+Shutdown: stop accepting connections, answer 503 to requests still arriving on open
+ones, give running fetches ``shutdown_grace`` seconds to finish (their results are
+cached), cancel the rest (their waiters get 503, their event streams an ``error``
+event), wait for cache writes in progress to land, then close the HTTP server.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .cache import ContextCache
+from .cli import DEFAULT_CACHE_BYTES, DEFAULT_PORT
+from .fetcher import Fetcher
+from .http import make_app
+from .metrics import Metrics
+
+log = logging.getLogger("kvwire.receiver")
+
+
+@dataclass
+class ReceiverConfig:
+    #: sender daemons, tried in order (the first is the primary, the others fallbacks)
+    servers: list[tuple[str, int]]
+    cache_dir: str | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    device: str = "cpu"
+    #: model (local path or "minilm") to recompute chunks that arrive as text
+    model: str | None = None
+    #: defaults of POST /fetch
+    slo: float = 1.0
+    policy: str = "mpc"
+    shutdown_grace: float = 5.0
+    #: passed to every StreamSession (connect_timeout, stall_timeout, max_reconnects, backoff, ...)
+    session_options: dict[str, Any] = field(default_factory=dict)
+
+
+class Receiver:
+    def __init__(self, config: ReceiverConfig, *, model: Any = None) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.cache = ContextCache(config.cache_bytes, config.cache_dir)
+        self.fetcher = Fetcher(config.servers, self.cache, self.metrics, device=config.device,
+                               model=model, session_options=config.session_options)
+        self.closing = False
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self.address: tuple[str, int] = ("", 0)
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    @property
+    def url(self) -> str:
+        host = self.address[0]
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> "Receiver":
+        found = await asyncio.to_thread(self.cache.load)
+        if found:
+            log.info("cache: %d contexts (%d bytes) in %s", found, self.cache.total_bytes, self.cache.directory)
+        self.metrics.cache_bytes.set(self.cache.total_bytes)
+        self.metrics.cache_entries.set(len(self.cache))
+        self._runner = web.AppRunner(make_app(self), handle_signals=False, access_log=None,
+                                     shutdown_timeout=1.0)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port)
+        await self._site.start()
+        server = self._site._server
+        sockets = getattr(server, "sockets", None) or ()
+        self.address = tuple(sockets[0].getsockname()[:2]) if sockets else (host, port)  # type: ignore[assignment]
+        return self
+
+    async def close(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        if self._site is not None:
+            await self._site.stop()  # no new connections
+        await self.fetcher.close(self.config.shutdown_grace)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def __aenter__(self) -> "Receiver":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def load_model(name: str) -> Any:
+    """(model, tokenizer) for ``--model`` (a local path, or ``minilm``)."""
+    from .. import hf
+
+    return hf.load_model(hf.resolve_model_path(name))
+
+
+def check_device(device: str) -> None:
+    """Fail at start, not on the first fetch, when ``device`` cannot decode."""
+    import codec
+
+    try:
+        codec.section_decoder(device)
+    except ValueError:
+        raise
+    except Exception as exc:  # e.g. kernels.gpu.GpuUnavailable: no GPU or no pycuda
+        raise ValueError(f"device {device!r} cannot decode: {exc}") from exc
+
+
+async def start_receiver(config: ReceiverConfig, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
+                         model: Any = None) -> Receiver:
+    """Start a receiver daemon (port 0: any free port). ``model``: an already loaded
+    (model, tokenizer); otherwise ``config.model`` is loaded."""
+    await asyncio.to_thread(check_device, config.device)
+    if model is None and config.model:
+        model = await asyncio.to_thread(load_model, config.model)
+    return await Receiver(config, model=model).start(host, port)
