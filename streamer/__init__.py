@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = ["open_store", "put_context", "serve", "Sender", "ServerConfig", "StreamSession",
            "FetchReport", "ChunkReport", "FetchFailed", "StreamError", "ServerError",
-           "ConnectionLost", "ContextChanged", "Manifest"]
+           "ConnectionLost", "ContextChanged", "Manifest", "AuthenticationFailed",
+           "InsecureConfiguration"]
 
 _EXPORTS = {
     "open_store": "stores", "put_context": "put", "serve": "server", "Sender": "server",
     "ServerConfig": "server", "StreamSession": "session", "FetchFailed": "session",
     "ContextChanged": "session", "FetchReport": "report", "ChunkReport": "report",
     "StreamError": "client", "ServerError": "client", "ConnectionLost": "client",
+    "AuthenticationFailed": "client", "InsecureConfiguration": "server",
     "Manifest": "manifest",
 }
 
@@ -30,10 +32,10 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .client import ConnectionLost, ServerError, StreamError
+    from .client import AuthenticationFailed, ConnectionLost, ServerError, StreamError
     from .manifest import Manifest
     from .put import put_context
     from .report import ChunkReport, FetchReport
-    from .server import Sender, ServerConfig, serve
+    from .server import InsecureConfiguration, Sender, ServerConfig, serve
     from .session import ContextChanged, FetchFailed, StreamSession
     from .stores import open_store

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl as _ssl
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
-from . import protocol as p
+from . import auth, protocol as p
 
 CLIENT_NAME = "kvwire-receiver/1"
 
@@ -34,10 +36,31 @@ class ConnectionLost(StreamError):
     """The connection closed, reset, stalled or broke the protocol."""
 
 
+class AuthenticationFailed(StreamError):
+    """The handshake's authentication failed: the sender refused our token (or we have
+    none and it requires one), or the sender could not prove it knows the token (or does
+    not authenticate at all while we have a token). Retrying cannot help."""
+
+
 @dataclass(frozen=True)
 class Arrival:
     event: p.Event
     at: float  # time.monotonic() of the read that completed the event
+
+
+class ArrivalQueue(asyncio.Queue):
+    """The received events, counting the payload bytes they hold (``nbytes``)."""
+
+    nbytes = 0
+
+    def _put(self, item: Arrival) -> None:
+        self.nbytes += len(getattr(item.event, "data", b""))
+        super()._put(item)
+
+    def _get(self) -> Arrival:
+        item = super()._get()
+        self.nbytes -= len(getattr(item.event, "data", b""))
+        return item
 
 
 class _ReceiverProtocol(asyncio.Protocol):
@@ -45,6 +68,8 @@ class _ReceiverProtocol(asyncio.Protocol):
         self.conn = conn
         self.queue = queue
         self.transport: asyncio.Transport | None = None
+        #: called after every read's events are queued: the session's backpressure check
+        self.on_data: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -58,11 +83,14 @@ class _ReceiverProtocol(asyncio.Protocol):
                 self.queue.put_nowait(Arrival(event, now))
             with contextlib.suppress(Exception):
                 self.transport.write(self.conn.error_frame(exc))  # type: ignore[union-attr]
-            self.queue.put_nowait(Arrival(p.Error("protocol", str(exc), fatal=True), now))
+            code = exc.code if exc.code in p.ERROR_CODES else "protocol"
+            self.queue.put_nowait(Arrival(p.Error(code, str(exc), fatal=True), now))
             self.transport.abort()  # type: ignore[union-attr]
             return
         for event in events:
             self.queue.put_nowait(Arrival(event, now))
+        if self.on_data is not None:
+            self.on_data()
 
     def eof_received(self) -> bool:
         return False
@@ -89,25 +117,77 @@ class ClientConnection:
 
     @classmethod
     async def connect(cls, host: str, port: int, *, timeout: float = 5.0,
-                      max_frame: int = p.DEFAULT_MAX_FRAME) -> "ClientConnection":
-        """Connect and complete the handshake; ConnectionLost on any failure."""
+                      max_frame: int = p.DEFAULT_MAX_FRAME,
+                      auth_token: Optional[auth.Token] = None,
+                      ssl: Union[_ssl.SSLContext, bool, None] = None,
+                      server_hostname: Optional[str] = None) -> "ClientConnection":
+        """Connect (over TLS when ``ssl`` is a context or True) and complete the handshake,
+        authenticating with ``auth_token`` when given. The whole handshake must finish
+        within ``timeout`` seconds. AuthenticationFailed when authentication fails,
+        ServerError when the sender refuses us (e.g. "unavailable": at capacity),
+        ConnectionLost on any other failure."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Arrival] = asyncio.Queue()
-        conn = p.Connection(p.Role.CLIENT, max_frame=max_frame)
+        queue = ArrivalQueue()
+        conn = p.Connection(p.Role.CLIENT, max_frame=max_frame, auth_token=auth_token)
+        if ssl is True:
+            ssl = _ssl.create_default_context()
+        tls = {} if not ssl else {"ssl": ssl, "server_hostname": server_hostname or host,
+                                  "ssl_handshake_timeout": timeout}
+        deadline = loop.time() + timeout
         try:
             transport, protocol = await asyncio.wait_for(
-                loop.create_connection(lambda: _ReceiverProtocol(conn, queue), host, port), timeout)
+                loop.create_connection(lambda: _ReceiverProtocol(conn, queue), host, port, **tls),
+                timeout)
+        except _ssl.SSLError as exc:
+            raise ConnectionLost(f"TLS handshake with {host}:{port} failed: {exc}") from exc
         except (OSError, asyncio.TimeoutError) as exc:
             raise ConnectionLost(f"cannot connect to {host}:{port}: {exc or 'timeout'}") from exc
         client = cls(transport, protocol, queue, (host, port))
-        start = time.monotonic()
-        client.send(p.Hello(versions=tuple(p.SUPPORTED_VERSIONS), client=CLIENT_NAME))
-        arrival = await client.next(timeout)
-        if not isinstance(arrival.event, p.Welcome):
+        try:
+            start = time.monotonic()
+            if conn.state is p.State.START:   # else the sender spoke first (a refusal)
+                client.send(p.Hello(versions=tuple(p.SUPPORTED_VERSIONS), client=CLIENT_NAME))
+            arrival = await client.next(max(deadline - loop.time(), 0.0))
+            client._expect_handshake(arrival.event, p.Welcome)
+            client.rtt = arrival.at - start
+            if conn.state is p.State.SEND_AUTH:
+                client.send(conn.auth_event())
+                arrival = await client.next(max(deadline - loop.time(), 0.0))
+                client._expect_handshake(arrival.event, p.AuthOk)
+        except BaseException:
             client.abort()
-            raise ConnectionLost(f"handshake with {host}:{port} failed: got {arrival.event!r}")
-        client.rtt = arrival.at - start
+            raise
         return client
+
+    def _expect_handshake(self, event: p.Event, wanted: type) -> None:
+        where = f"{self.address[0]}:{self.address[1]}"
+        if isinstance(event, wanted):
+            return
+        if isinstance(event, p.Error):
+            if event.code == "auth":
+                raise AuthenticationFailed(f"authentication with {where} failed: {event.message}")
+            raise ServerError(event.code, event.message)
+        if isinstance(event, p.ConnectionClosed):
+            raise ConnectionLost(f"handshake with {where} failed: the connection closed")
+        raise ConnectionLost(f"handshake with {where} failed: got {event!r:.200}")
+
+    @property
+    def queued_bytes(self) -> int:
+        """Payload bytes received and queued, not yet taken by the session."""
+        return getattr(self.queue, "nbytes", 0)
+
+    def set_on_data(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook`` after each socket read has been queued (backpressure checks)."""
+        self._protocol.on_data = hook
+
+    def pause_reading(self) -> None:
+        """Stop taking bytes from the socket (backpressure: TCP stalls the sender)."""
+        with contextlib.suppress(Exception):
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        with contextlib.suppress(Exception):
+            self._transport.resume_reading()
 
     def send(self, event: p.Event) -> None:
         if self.closed or self._transport.is_closing():

@@ -37,22 +37,51 @@ def run_async(main: Callable[[], Awaitable[int]]) -> int:
         return runner.run(main())
 
 
+def _token(args: argparse.Namespace):
+    """The auth token from --auth-token-file or $KVWIRE_AUTH_TOKEN (never an argument)."""
+    from .auth import load_token
+
+    return load_token(args.auth_token_file)
+
+
+def _add_auth_option(parser: argparse.ArgumentParser, who: str) -> None:
+    parser.add_argument("--auth-token-file", metavar="FILE",
+                        help=f"file holding the shared auth token {who} (default: "
+                             f"$KVWIRE_AUTH_TOKEN; tokens are never taken on the command line)")
+
+
 # ---------------------------------------------------------------------------- serve
 async def _serve(args: argparse.Namespace) -> int:
     from .server import ServerConfig, serve
     from .stores import open_store
 
-    store = await open_store(args.store)
     host, port = args.listen
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    ssl_context = None
+    if args.tls_cert:
+        from .tls import server_context
+
+        ssl_context = server_context(args.tls_cert, args.tls_key, client_ca_file=args.tls_client_ca)
     config = ServerConfig(idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
-                          shutdown_grace=args.grace)
-    sender = await serve(store, host, port, config)
+                          read_timeout=args.read_timeout, max_sessions=args.max_sessions,
+                          max_pending_requests=args.max_pending_requests,
+                          max_frame=args.max_frame, shutdown_grace=args.grace,
+                          auth_token=_token(args), ssl=ssl_context,
+                          allow_insecure=args.insecure_no_auth)
+    store = await open_store(args.store)
+    try:
+        sender = await serve(store, host, port, config)
+    except BaseException:
+        await store.close()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    print(f"kvwire serve: {args.store} on {sender.address[0]}:{sender.port}", flush=True)
+    mode = ("tls" if ssl_context else "plain") + (", auth" if config.auth_token else ", no auth")
+    print(f"kvwire serve: {args.store} ({mode}) on {sender.address[0]}:{sender.port}", flush=True)
     await stop.wait()
     print("kvwire serve: shutting down", flush=True)
     await sender.close()
@@ -80,9 +109,19 @@ async def _fetch(args: argparse.Namespace) -> int:
               f"slack {report.time_left:7.3f} s" + (f"  ({report.reason})" if report.reason else ""),
               flush=True)
 
+    ssl_context = None
+    if args.tls or args.tls_ca:
+        from .tls import client_context
+
+        ssl_context = client_context(args.tls_ca)
+    elif args.tls_server_name:
+        raise ValueError("--tls-server-name needs --tls or --tls-ca")
     async with StreamSession(*servers[0], args.context, slo=args.slo, policy=args.policy,
                              servers=servers[1:], on_chunk=on_chunk,
-                             recompute_seconds_per_token=args.recompute_ms_per_token / 1e3) as session:
+                             recompute_seconds_per_token=args.recompute_ms_per_token / 1e3,
+                             auth_token=_token(args), ssl=ssl_context,
+                             server_hostname=args.tls_server_name,
+                             max_buffered_bytes=args.max_buffered_mb << 20) as session:
         m = session.manifest
         assert m is not None
         if args.out:
@@ -142,7 +181,8 @@ def _runner(fn: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[[arg
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="run a sender daemon over a chunk store",
+    # allow_abbrev=False: "--auth-token SECRET" must be an error, not --auth-token-file
+    serve = subparsers.add_parser("serve", help="run a sender daemon over a chunk store", allow_abbrev=False,
                                   description="Serve pre-encoded KV chunks from a store (file path, "
                                               "file:///path or redis://host:port/db) over TCP.")
     serve.add_argument("--store", required=True, help="store URL")
@@ -152,9 +192,25 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     serve.add_argument("--write-timeout", type=float, default=30.0,
                        help="drop a receiver that accepts no data for S seconds")
     serve.add_argument("--grace", type=float, default=5.0, help="seconds to finish sends on SIGTERM")
+    serve.add_argument("--read-timeout", type=float, default=10.0,
+                       help="drop a client that has not finished the handshake, or a frame it "
+                            "started, within S seconds (slowloris; also the TLS handshake limit)")
+    serve.add_argument("--max-sessions", type=int, default=1024,
+                       help="connections served at once; more are refused with 'unavailable'")
+    serve.add_argument("--max-pending-requests", type=int, default=256,
+                       help="requests queued per connection before the sender stops reading it")
+    serve.add_argument("--max-frame", type=int, default=16 << 20,
+                       help="largest frame payload in bytes (default 16 MiB)")
+    _add_auth_option(serve, "receivers must present")
+    serve.add_argument("--insecure-no-auth", action="store_true",
+                       help="allow listening on a non-loopback address without an auth token")
+    serve.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain)")
+    serve.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", metavar="PEM",
+                       help="require client certificates signed by this CA (mutual TLS)")
     serve.set_defaults(handler=_runner(_serve))
 
-    fetch = subparsers.add_parser("fetch", help="fetch one context under a deadline",
+    fetch = subparsers.add_parser("fetch", help="fetch one context under a deadline", allow_abbrev=False,
                                   description="Fetch a context with StreamSession, printing each chunk's "
                                               "level, throughput and slack.")
     fetch.add_argument("--server", type=parse_address, action="append", required=True,
@@ -166,4 +222,11 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                        help="recompute cost of the text fallback, ms per token (default 0.1)")
     fetch.add_argument("--out", help="write the KV to this safetensors file")
     fetch.add_argument("--json", action="store_true", help="print the fetch report as JSON")
+    _add_auth_option(fetch, "to authenticate with")
+    fetch.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system CAs")
+    fetch.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA / certificate")
+    fetch.add_argument("--tls-server-name", metavar="NAME",
+                       help="host name to verify the certificate against (default: the --server host)")
+    fetch.add_argument("--max-buffered-mb", type=int, default=64,
+                       help="stop reading while this many MiB of received sections await decoding")
     fetch.set_defaults(handler=_runner(_fetch))

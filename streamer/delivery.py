@@ -58,6 +58,35 @@ class OrderedDelivery:
         self._chunks = [_ChunkSlots(kind=self._loop.create_future()) for _ in range(chunks)]
         self.first_layer_at: float | None = None
         self._progress = asyncio.Event()
+        #: encoded bytes of each section added and not yet delivered (decoding or decoded)
+        self._backlog: dict[tuple[int, int], int] = {}
+        self.backlog_bytes = 0
+        self._position = 0   # the chunk the consumer is on
+        #: called whenever the backlog shrinks or the consumer moves on (backpressure hook)
+        self.on_progress: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------- backlog (backpressure)
+    def _release(self, chunk: int, layer: int | None = None) -> None:
+        keys = [(chunk, layer)] if layer is not None else [k for k in self._backlog if k[0] == chunk]
+        for key in keys:
+            self.backlog_bytes -= self._backlog.pop(key, 0)
+        if self.on_progress is not None:
+            self.on_progress()
+
+    def starved(self) -> bool:
+        """True when the consumer waits for something not received yet: the receiver must
+        keep reading whatever the backlog (else a refetch stuck behind it would deadlock)."""
+        if self._position >= len(self._chunks):
+            return False
+        state = self._chunks[self._position]
+        if not state.kind.done():
+            return True
+        if state.kind.result() == TEXT:
+            return state.text is None or not state.text.done()
+        if state.delivered >= self._layers:
+            return False   # finishing this chunk; the move to the next one is checked then
+        slot = state.layers.get(state.delivered)
+        return slot is None or not slot.done()
 
     # ------------------------------------------------------------- producer side
     def _slot(self, chunk: int, layer: int) -> asyncio.Future:
@@ -80,6 +109,7 @@ class OrderedDelivery:
                 if not fut.done():
                     fut.set_result(_Retarget())
             state.layers.clear()
+            self._release(chunk)
         state.kind.set_result(kind)
 
     def kind(self, chunk: int) -> int | str | None:
@@ -104,6 +134,9 @@ class OrderedDelivery:
         job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
                                          layer, section)
         slot.set_result(job)
+        size = len(section)
+        self.backlog_bytes += size - self._backlog.get((chunk, layer), 0)
+        self._backlog[(chunk, layer)] = size
 
     def add_text(self, chunk: int, token_ids: list[int]) -> None:
         state = self._chunks[chunk]
@@ -126,6 +159,7 @@ class OrderedDelivery:
     async def run(self) -> None:
         """Deliver every chunk in order; returns when all are delivered."""
         for index, state in enumerate(self._chunks):
+            self._position = index
             while True:
                 kind = await state.kind
                 if kind == TEXT:
@@ -138,6 +172,8 @@ class OrderedDelivery:
                 if await self._deliver_layers(index, state):
                     break
             state.done = True
+            self._position = index + 1
+            self._release(index)
             self._progress.set()
 
     async def _deliver_layers(self, index: int, state: _ChunkSlots) -> bool:
@@ -152,6 +188,7 @@ class OrderedDelivery:
                 k, v, seconds = await job
             except codec.CorruptBitstream as exc:
                 del state.layers[layer]
+                self._release(index, layer)
                 self._on_corrupt(index, layer, exc)
                 if state.kind is not kind:
                     return False  # the session gave up on the layers and resolved the chunk anew
@@ -163,6 +200,7 @@ class OrderedDelivery:
                 await _call(self._on_layer, index, layer, k, v)
             state.delivered += 1
             del state.layers[layer]
+            self._release(index, layer)
         return True
 
     async def wait_progress(self) -> None:

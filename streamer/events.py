@@ -17,8 +17,9 @@ from typing import Literal, Optional, Tuple, Union
 
 __all__ = [
     "TEXT_LEVEL", "ERROR_CODES", "Buffer",
-    "ProtocolError", "LocalProtocolError", "RemoteProtocolError",
-    "Event", "Hello", "Welcome", "Open", "Manifest", "GetProfile", "Profile", "Request",
+    "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "AuthenticationError",
+    "AUTH_NONE", "AUTH_REQUIRED",
+    "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "Manifest", "GetProfile", "Profile", "Request",
     "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error", "Close",
     "ConnectionClosed",
 ]
@@ -29,6 +30,10 @@ TEXT_LEVEL = "text"
 #: Allowed values of ``Error.code``.
 ERROR_CODES = frozenset(
     {"bad_request", "not_found", "unavailable", "protocol", "internal", "auth", "timeout"})
+
+#: ``Welcome.auth`` values.
+AUTH_NONE = "none"
+AUTH_REQUIRED = "required"
 
 Buffer = Union[bytes, bytearray, memoryview]
 Level = Union[int, Literal["text"]]
@@ -64,6 +69,14 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent something the protocol forbids; the connection is now in ERROR."""
 
 
+class AuthenticationError(RemoteProtocolError):
+    """The peer failed authentication (wrong token or MAC, a request before AUTH, or an
+    authentication mode this side does not accept). ``error_frame()`` reports it with
+    code ``"auth"``."""
+
+    code = "auth"
+
+
 # ----------------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class Event:
@@ -93,11 +106,39 @@ class Welcome(Event):
     ``version`` must be the highest version common to both sides. ``max_frame`` is the
     largest frame payload either side may send for the rest of the connection (the
     server must be able to receive it: ``max_frame <= server Connection.max_frame``).
+    ``auth`` is ``"required"`` when the server has an auth token (the client must then
+    answer with AUTH before anything else), ``"none"`` otherwise; ``nonce`` is the
+    server's fresh challenge (64 lowercase hex, 32 random bytes) when auth is required,
+    ``""`` otherwise.
     """
 
     version: int
     server: str
     max_frame: int
+    auth: str = AUTH_NONE
+    nonce: str = ""
+
+
+@dataclass(frozen=True)
+class Auth(Event):
+    """AUTH (client, frame 15): answers WELCOME{auth: required}.
+
+    ``nonce`` is the client's fresh challenge (64 lowercase hex); ``mac`` is
+    HMAC-SHA256(token, "kvwire-auth-v1 client" || server nonce || client nonce ||
+    version || max_frame), hex. See :mod:`streamer.auth`.
+    """
+
+    nonce: str
+    mac: str
+
+
+@dataclass(frozen=True)
+class AuthOk(Event):
+    """AUTH_OK (server, frame 16): the client is authenticated; the server proves it
+    knows the token too: ``mac`` = HMAC-SHA256(token, "kvwire-auth-v1 server" || server
+    nonce || client nonce || version || max_frame), hex."""
+
+    mac: str
 
 
 @dataclass(frozen=True)

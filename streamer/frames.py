@@ -6,8 +6,8 @@ is :mod:`streamer.protocol`'s job). Wire format, all little-endian::
     frame   = header payload
     header  = struct "<IHH": payload length (u32), frame type (u16), flags (u16, 0 in v1)
 
-Control frames (HELLO, WELCOME, OPEN, GET_PROFILE, REQUEST, CHUNK_BEGIN, CHUNK_END,
-CANCEL, ERROR, CLOSE) carry one UTF-8 JSON object of at most ``MAX_CONTROL_PAYLOAD``
+Control frames (HELLO, WELCOME, AUTH, AUTH_OK, OPEN, GET_PROFILE, REQUEST, CHUNK_BEGIN,
+CHUNK_END, CANCEL, ERROR, CLOSE) carry one UTF-8 JSON object of at most ``MAX_CONTROL_PAYLOAD``
 bytes, checked key by key against :data:`SCHEMAS` (exact key set, exact JSON types --
 ``true`` is not an int, ``1`` is not a bool --, ranges). No NaN/Infinity, no duplicate
 keys, no BOM. Data frames are binary:
@@ -29,7 +29,7 @@ import struct
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 from .events import (
-    ERROR_CODES, TEXT_LEVEL, Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close, Error, Event,
+    AUTH_NONE, AUTH_REQUIRED, ERROR_CODES, TEXT_LEVEL, Auth, AuthOk, Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close, Error, Event,
     GetProfile, Hello, LocalProtocolError, Manifest, Open, Profile, RemoteProtocolError,
     Request, Text, Welcome,
 )
@@ -75,6 +75,8 @@ class FrameType(enum.IntEnum):
     CANCEL = 12
     ERROR = 13
     CLOSE = 14
+    AUTH = 15
+    AUTH_OK = 16
 
 
 DATA_TYPES = frozenset({FrameType.MANIFEST, FrameType.PROFILE, FrameType.CHUNK_PART,
@@ -87,7 +89,8 @@ EVENT_TYPES: Dict[type, FrameType] = {
     Profile: FrameType.PROFILE, Request: FrameType.REQUEST,
     ChunkBegin: FrameType.CHUNK_BEGIN, ChunkPart: FrameType.CHUNK_PART,
     ChunkEnd: FrameType.CHUNK_END, Text: FrameType.TEXT, Cancel: FrameType.CANCEL,
-    Error: FrameType.ERROR, Close: FrameType.CLOSE,
+    Error: FrameType.ERROR, Close: FrameType.CLOSE, Auth: FrameType.AUTH,
+    AuthOk: FrameType.AUTH_OK,
 }
 
 
@@ -138,6 +141,23 @@ _version = _int(1, MAX_VERSION)
 _u32 = _int(0, MAX_U32)
 _level_int = _int(0, MAX_LEVEL)
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _hex64(v: Any) -> str:
+    if type(v) is not str or not _HEX64.fullmatch(v):
+        raise _Invalid(f"expected 64 lowercase hex characters, got {v!r:.80}")
+    return v
+
+
+def _nonce_or_empty(v: Any) -> str:
+    return v if v == "" and type(v) is str else _hex64(v)
+
+
+def _auth_mode(v: Any) -> str:
+    if type(v) is not str or v not in (AUTH_NONE, AUTH_REQUIRED):
+        raise _Invalid(f"expected {AUTH_NONE!r} or {AUTH_REQUIRED!r}, got {v!r:.40}")
+    return v
 
 
 def _versions(v: Any) -> Tuple[int, ...]:
@@ -188,7 +208,10 @@ SCHEMAS: Dict[FrameType, Dict[str, Callable[[Any], Any]]] = {
     FrameType.HELLO: {"magic": _const(MAGIC), "versions": _versions,
                       "client": _str(0, MAX_NAME)},
     FrameType.WELCOME: {"version": _version, "server": _str(0, MAX_NAME),
-                        "max_frame": _int(MIN_MAX_FRAME, MAX_U32)},
+                        "max_frame": _int(MIN_MAX_FRAME, MAX_U32), "auth": _auth_mode,
+                        "nonce": _nonce_or_empty},
+    FrameType.AUTH: {"nonce": _hex64, "mac": _hex64},
+    FrameType.AUTH_OK: {"mac": _hex64},
     FrameType.OPEN: {"context_id": _str(1, MAX_CONTEXT_ID), "slo": _slo},
     FrameType.GET_PROFILE: {"profile_id": _profile_id},
     FrameType.REQUEST: {"chunk": _u32, "level": _level},
@@ -224,7 +247,12 @@ def _to_object(event: Event) -> Dict[str, Any]:
     if isinstance(event, Hello):
         return {"magic": MAGIC, "versions": event.versions, "client": event.client}
     if isinstance(event, Welcome):
-        return {"version": event.version, "server": event.server, "max_frame": event.max_frame}
+        return {"version": event.version, "server": event.server, "max_frame": event.max_frame,
+                "auth": event.auth, "nonce": event.nonce}
+    if isinstance(event, Auth):
+        return {"nonce": event.nonce, "mac": event.mac}
+    if isinstance(event, AuthOk):
+        return {"mac": event.mac}
     if isinstance(event, Open):
         return {"context_id": event.context_id, "slo": event.slo}
     if isinstance(event, GetProfile):
@@ -249,7 +277,12 @@ def _from_object(ftype: FrameType, o: Dict[str, Any]) -> Event:
     if ftype is FrameType.HELLO:
         return Hello(versions=o["versions"], client=o["client"])
     if ftype is FrameType.WELCOME:
-        return Welcome(version=o["version"], server=o["server"], max_frame=o["max_frame"])
+        return Welcome(version=o["version"], server=o["server"], max_frame=o["max_frame"],
+                       auth=o["auth"], nonce=o["nonce"])
+    if ftype is FrameType.AUTH:
+        return Auth(nonce=o["nonce"], mac=o["mac"])
+    if ftype is FrameType.AUTH_OK:
+        return AuthOk(mac=o["mac"])
     if ftype is FrameType.OPEN:
         return Open(context_id=o["context_id"], slo=o["slo"])
     if ftype is FrameType.GET_PROFILE:

@@ -20,6 +20,22 @@ both support (none in common: the server's ``receive_data`` raises
 ``RemoteProtocolError`` saying so; send ``error_frame(exc)``). Nothing else may be sent
 before the handshake except CLOSE or a fatal ERROR.
 
+Authentication
+--------------
+A connection built with ``auth_token`` authenticates its peer with an HMAC
+challenge-response (see :mod:`streamer.auth` for the MACs). A server with a token must
+send WELCOME{auth: "required", nonce} (the table's ``Kind.AUTH_WELCOME``); the client
+answers AUTH{nonce, mac} (build it with :meth:`Connection.auth_event`), the server checks
+the MAC in constant time and answers AUTH_OK{mac} (:meth:`Connection.auth_ok_event`),
+proving in turn that it knows the token, which the client checks. Only then are both
+sides READY. A wrong MAC raises :class:`AuthenticationError` (a ``RemoteProtocolError``
+whose ``code`` is ``"auth"``, so ``error_frame()`` sends a fatal ERROR{code: "auth"});
+so does any OPEN / GET_PROFILE / REQUEST / CANCEL received before AUTH_OK: nothing is
+served to an unauthenticated client. A client with a token refuses a server that does
+not require authentication (it could not prove itself: downgrade protection), and a
+client without one refuses a server that requires it -- both with
+``AuthenticationError`` raised by ``receive_data`` on the WELCOME.
+
 Frame size limits
 -----------------
 Control frames carry at most 64 KiB of JSON. Each side rejects, as soon as the header
@@ -99,10 +115,12 @@ from dataclasses import dataclass
 from typing import Deque, Dict, Iterable, List, Optional, Tuple, Type, Union
 
 from .events import (
-    ERROR_CODES, TEXT_LEVEL, Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close,
-    ConnectionClosed, Error, Event, GetProfile, Hello, LocalProtocolError, Manifest, Open,
-    Profile, ProtocolError, RemoteProtocolError, Request, Text, Welcome,
+    AUTH_NONE, AUTH_REQUIRED, ERROR_CODES, TEXT_LEVEL, Auth, AuthenticationError, AuthOk,
+    Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close, ConnectionClosed, Error, Event,
+    GetProfile, Hello, LocalProtocolError, Manifest, Open, Profile, ProtocolError,
+    RemoteProtocolError, Request, Text, Welcome,
 )
+from . import auth as _auth
 from .frames import (
     DEFAULT_MAX_FRAME, HEADER, MAX_CONTROL_PAYLOAD, MAX_MESSAGE, MAX_U32, MAX_VERSION,
     MIN_MAX_FRAME, FrameBuffer, FrameType, decode, encode,
@@ -113,13 +131,13 @@ __all__ = [
     "Connection", "Role", "State", "Direction", "Kind", "TRANSITIONS", "Pending",
     "ChunkProgress",
     # events
-    "Event", "Hello", "Welcome", "Open", "Manifest", "GetProfile", "Profile", "Request",
-    "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error", "Close",
-    "ConnectionClosed",
+    "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "Manifest", "GetProfile",
+    "Profile", "Request", "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error",
+    "Close", "ConnectionClosed",
     # errors
-    "ProtocolError", "LocalProtocolError", "RemoteProtocolError",
+    "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "AuthenticationError",
     # constants
-    "FrameType", "TEXT_LEVEL", "ERROR_CODES", "DEFAULT_MAX_FRAME", "MIN_MAX_FRAME",
+    "FrameType", "TEXT_LEVEL", "ERROR_CODES", "AUTH_NONE", "AUTH_REQUIRED", "DEFAULT_MAX_FRAME", "MIN_MAX_FRAME",
     "MAX_CONTROL_PAYLOAD", "HEADER", "SUPPORTED_VERSIONS",
 ]
 
@@ -135,8 +153,12 @@ class Role(enum.Enum):
 class State(enum.Enum):
     START = "START"                  # client: nothing sent yet
     AWAIT_WELCOME = "AWAIT_WELCOME"  # client: HELLO sent
+    SEND_AUTH = "SEND_AUTH"          # client: WELCOME{auth: required} received, AUTH due
+    AWAIT_AUTH_OK = "AWAIT_AUTH_OK"  # client: AUTH sent
     AWAIT_HELLO = "AWAIT_HELLO"      # server: nothing received yet
     SEND_WELCOME = "SEND_WELCOME"    # server: HELLO received, WELCOME due
+    AWAIT_AUTH = "AWAIT_AUTH"        # server: WELCOME{auth: required} sent
+    SEND_AUTH_OK = "SEND_AUTH_OK"    # server: valid AUTH received, AUTH_OK due
     READY = "READY"                  # handshake done
     CLOSING = "CLOSING"              # we sent CLOSE; still taking the peer's in-flight frames
     CLOSED = "CLOSED"                # CLOSE / fatal ERROR received or fatal ERROR sent, or EOF
@@ -151,6 +173,7 @@ class Direction(enum.Enum):
 class Kind(enum.Enum):
     """Transition triggers that are not a plain frame type."""
     FATAL_ERROR = "fatal ERROR"   # an ERROR frame with fatal=true (FrameType.ERROR = non-fatal)
+    AUTH_WELCOME = "WELCOME (auth required)"  # FrameType.WELCOME = WELCOME{auth: none}
     EOF = "EOF"
 
 
@@ -164,8 +187,12 @@ _CLIENT_REQUESTS = (FrameType.OPEN, FrameType.GET_PROFILE, FrameType.REQUEST,
 _SERVER_ANSWERS = (FrameType.MANIFEST, FrameType.PROFILE, FrameType.CHUNK_BEGIN,
                    FrameType.CHUNK_PART, FrameType.CHUNK_END, FrameType.TEXT,
                    FrameType.ERROR)
-_LIVE = {_C: (State.START, State.AWAIT_WELCOME, State.READY),
-         _S: (State.AWAIT_HELLO, State.SEND_WELCOME, State.READY)}
+_LIVE = {_C: (State.START, State.AWAIT_WELCOME, State.SEND_AUTH, State.AWAIT_AUTH_OK,
+              State.READY),
+         _S: (State.AWAIT_HELLO, State.SEND_WELCOME, State.AWAIT_AUTH, State.SEND_AUTH_OK,
+              State.READY)}
+#: States in which an authenticating server refuses requests with AuthenticationError.
+_UNAUTHENTICATED = (State.AWAIT_AUTH, State.SEND_AUTH_OK)
 
 #: The whole connection-level state machine: (role, state, direction, trigger) -> next
 #: state. A (role, state, direction, trigger) that is not a key is illegal. Content
@@ -177,6 +204,13 @@ TRANSITIONS: Dict[Tuple[Role, State, Direction, Trigger], State] = {
     (_C, State.AWAIT_WELCOME, _RECV, FrameType.WELCOME): State.READY,
     (_S, State.AWAIT_HELLO, _RECV, FrameType.HELLO): State.SEND_WELCOME,
     (_S, State.SEND_WELCOME, _SEND, FrameType.WELCOME): State.READY,
+    # authentication (WELCOME{auth: required})
+    (_C, State.AWAIT_WELCOME, _RECV, Kind.AUTH_WELCOME): State.SEND_AUTH,
+    (_C, State.SEND_AUTH, _SEND, FrameType.AUTH): State.AWAIT_AUTH_OK,
+    (_C, State.AWAIT_AUTH_OK, _RECV, FrameType.AUTH_OK): State.READY,
+    (_S, State.SEND_WELCOME, _SEND, Kind.AUTH_WELCOME): State.AWAIT_AUTH,
+    (_S, State.AWAIT_AUTH, _RECV, FrameType.AUTH): State.SEND_AUTH_OK,
+    (_S, State.SEND_AUTH_OK, _SEND, FrameType.AUTH_OK): State.READY,
     # steady state: requests one way, answers (and non-fatal ERRORs) the other
     **{(_C, State.READY, _SEND, t): State.READY for t in _CLIENT_REQUESTS},
     **{(_S, State.READY, _RECV, t): State.READY for t in _CLIENT_REQUESTS},
@@ -242,10 +276,13 @@ class Connection:
     ``role``: :attr:`Role.CLIENT` (sends HELLO and requests) or :attr:`Role.SERVER`.
     ``max_frame``: the largest data payload this side accepts (64 KiB .. 2**32-1).
     ``versions``: protocol versions this side speaks.
+    ``auth_token``: shared secret (str or bytes, >= 16 bytes); server: require clients to
+    authenticate; client: authenticate, and require the server to (see module docs).
     """
 
     def __init__(self, role: Role, *, max_frame: int = DEFAULT_MAX_FRAME,
-                 versions: Iterable[int] = SUPPORTED_VERSIONS) -> None:
+                 versions: Iterable[int] = SUPPORTED_VERSIONS,
+                 auth_token: Optional[_auth.Token] = None) -> None:
         if not isinstance(role, Role):
             raise TypeError(f"role must be a Role, got {role!r}")
         if type(max_frame) is not int or not MIN_MAX_FRAME <= max_frame <= MAX_U32:
@@ -257,6 +294,11 @@ class Connection:
         self.role = role
         self.max_frame = max_frame
         self.versions = versions
+        self._token = _auth.normalize_token(auth_token)
+        self._server_nonce: Optional[str] = None
+        self._client_nonce: Optional[str] = None
+        self._welcome: Optional[Welcome] = None
+        self._authenticated = False
         self._state = State.START if role is Role.CLIENT else State.AWAIT_HELLO
         self._rx = FrameBuffer(max_frame)
         self._queue: Deque[Pending] = deque()
@@ -304,6 +346,45 @@ class Connection:
     def peer_name(self) -> Optional[str]:
         """``Hello.client`` (server side) or ``Welcome.server`` (client side)."""
         return self._peer_name
+
+    @property
+    def auth_required(self) -> bool:
+        """Whether this side has a token (and so authenticates its peer)."""
+        return self._token is not None
+
+    @property
+    def authenticated(self) -> bool:
+        """True once the peer proved it knows the token (AUTH_OK sent / checked)."""
+        return self._authenticated
+
+    @property
+    def receiving_frame(self) -> int:
+        """Bytes of an incomplete frame buffered (0 between frames): an adapter's cue to
+        start a read deadline (slowloris protection)."""
+        return len(self._rx)
+
+    def auth_event(self, nonce: Optional[str] = None) -> Auth:
+        """Client, state SEND_AUTH: the AUTH event answering the server's challenge
+        (``nonce``: the client's challenge; default: a fresh random one). Changes nothing;
+        ``send`` it."""
+        if self.role is not Role.CLIENT or self._state is not State.SEND_AUTH:
+            raise LocalProtocolError(f"auth_event() needs a client in SEND_AUTH, "
+                                     f"not {self.role.value} in {self._state.name}")
+        assert self._token is not None and self._welcome is not None
+        nonce = _auth.new_nonce() if nonce is None else nonce
+        w = self._welcome
+        return Auth(nonce=nonce, mac=_auth.client_mac(self._token, w.nonce, nonce,
+                                                      w.version, w.max_frame))
+
+    def auth_ok_event(self) -> AuthOk:
+        """Server, state SEND_AUTH_OK: the AUTH_OK event (with the server's proof)."""
+        if self.role is not Role.SERVER or self._state is not State.SEND_AUTH_OK:
+            raise LocalProtocolError(f"auth_ok_event() needs a server in SEND_AUTH_OK, "
+                                     f"not {self.role.value} in {self._state.name}")
+        assert self._token is not None and self._welcome is not None
+        w = self._welcome
+        return AuthOk(mac=_auth.server_mac(self._token, w.nonce, self._client_nonce or "",
+                                           w.version, w.max_frame))
 
     @property
     def error(self) -> Optional[RemoteProtocolError]:
@@ -407,6 +488,12 @@ class Connection:
             return TRANSITIONS[(self.role, self._state, direction, trigger)]
         except KeyError:
             name = trigger.name if isinstance(trigger, FrameType) else trigger.value
+            if (direction is Direction.RECV and self.role is Role.SERVER
+                    and trigger is not FrameType.CLOSE and trigger is not Kind.FATAL_ERROR
+                    and (self._state in _UNAUTHENTICATED or self.auth_required and self._state in (
+                        State.AWAIT_HELLO, State.SEND_WELCOME))):
+                raise AuthenticationError(f"authentication required: {name} received before "
+                                          f"AUTH was accepted") from None
             exc = LocalProtocolError if direction is Direction.SEND else RemoteProtocolError
             verb = "send" if direction is Direction.SEND else "receive"
             raise exc(f"{self.role.value} cannot {verb} {name} in state "
@@ -419,6 +506,8 @@ class Connection:
         trigger: Trigger = ftype
         if isinstance(event, Error) and event.fatal:
             trigger = Kind.FATAL_ERROR
+        elif isinstance(event, Welcome) and event.auth == AUTH_REQUIRED:
+            trigger = Kind.AUTH_WELCOME
         new_state = self._transition(trigger, direction)
         if length > self._send_limit:
             raise LocalProtocolError(f"{ftype.name} payload of {length} bytes exceeds the "
@@ -451,6 +540,10 @@ class Connection:
         return commit
 
     def _check_welcome(self, ev: Welcome, d: Direction, fail):
+        required = ev.auth == AUTH_REQUIRED
+        if required != (ev.nonce != ""):
+            raise fail(f"WELCOME auth {ev.auth!r} needs "
+                       f"{'a nonce' if required else 'an empty nonce'}")
         if d is Direction.SEND:   # server
             if ev.version != self._chosen:
                 raise fail(f"WELCOME must choose version {self._chosen} (the highest common "
@@ -458,15 +551,57 @@ class Connection:
             if ev.max_frame > self.max_frame:
                 raise fail(f"WELCOME.max_frame {ev.max_frame} exceeds this connection's "
                            f"max_frame {self.max_frame}")
-        elif ev.version not in self._offered:
-            raise fail(f"server chose version {ev.version}, which the client did not offer "
-                       f"({list(self._offered)})")
+            if required != self.auth_required:
+                raise fail(f"WELCOME auth must be "
+                           f"{AUTH_REQUIRED if self.auth_required else AUTH_NONE!r} on a "
+                           f"connection {'with' if self.auth_required else 'without'} a token")
+        else:
+            if ev.version not in self._offered:
+                raise fail(f"server chose version {ev.version}, which the client did not "
+                           f"offer ({list(self._offered)})")
+            if required and not self.auth_required:
+                raise AuthenticationError("the sender requires authentication and no auth "
+                                          "token is configured")
+            if self.auth_required and not required:
+                raise AuthenticationError("the sender does not authenticate (auth: none) but "
+                                          "this receiver has a token and requires mutual "
+                                          "authentication")
 
         def commit() -> None:
             self._version, self._send_limit = ev.version, ev.max_frame
+            self._welcome = ev
             if d is Direction.RECV:
                 self._peer_name = ev.server
         return commit
+
+    def _check_auth(self, ev: Auth, d: Direction, fail):
+        w = self._welcome
+        assert w is not None and self._token is not None  # the table only allows it then
+        expected = _auth.client_mac(self._token, w.nonce, ev.nonce, w.version, w.max_frame)
+        if ev.nonce == w.nonce:
+            raise (fail if d is Direction.SEND else AuthenticationError)(
+                "AUTH nonce repeats the server's nonce")
+        if not _auth.verify(expected, ev.mac):
+            if d is Direction.SEND:
+                raise fail("AUTH mac is not the MAC of this connection's token; "
+                           "build the event with auth_event()")
+            raise AuthenticationError("authentication failed: wrong token")
+
+        def commit() -> None:
+            self._client_nonce = ev.nonce
+        return commit
+
+    def _check_authok(self, ev: AuthOk, d: Direction, fail):
+        w = self._welcome
+        assert w is not None and self._token is not None and self._client_nonce is not None
+        expected = _auth.server_mac(self._token, w.nonce, self._client_nonce, w.version,
+                                    w.max_frame)
+        if not _auth.verify(expected, ev.mac):
+            if d is Direction.SEND:
+                raise fail("AUTH_OK mac is wrong; build the event with auth_ok_event()")
+            raise AuthenticationError("authentication failed: the sender could not prove "
+                                      "it knows the token")
+        return lambda: setattr(self, "_authenticated", True)
 
     def _check_open(self, ev: Open, d, fail):
         def commit() -> None:

@@ -8,20 +8,29 @@ draining the socket after every part: a slow receiver holds at most one part in
 our buffers and never makes us read more from the store (backpressure).
 The daemon itself is stateless (every answer comes from the store), so any number
 of senders can share one redis store.
+
+Security and limits (all in :class:`ServerConfig`): an auth token (HMAC
+challenge-response in the handshake, required by default off loopback), TLS through
+an ``ssl.SSLContext``, a cap on concurrent sessions, on queued requests per session,
+a handshake/partial-frame read timeout (slowloris), an idle timeout and a write
+timeout (a receiver that stops reading).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import logging
-from dataclasses import dataclass
-from typing import Iterator
+import ssl as _ssl
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
 import codec
 
-from . import protocol as p
+from . import auth, protocol as p
 from .frames import PART_HEADER
-from .manifest import Manifest
+from .manifest import Manifest, validate_context_id
 from .stores import ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError
 
 log = logging.getLogger("kvwire.server")
@@ -31,15 +40,87 @@ _READ_SIZE = 256 * 1024
 _WRITE_HIGH_WATER = 4 * 1024 * 1024
 
 
+class InsecureConfiguration(ValueError):
+    """The daemon would listen off loopback with no authentication."""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    #: close a connection with nothing outstanding after this long without a byte
+    #: close a connection with nothing outstanding after this long without a request
     idle_timeout: float = 60.0
+    #: the handshake (HELLO .. AUTH) must be done, and a frame whose first byte arrived
+    #: must be complete, within this many seconds (also the TLS handshake timeout)
+    read_timeout: float = 10.0
     #: give up on a receiver that takes this long to accept one part (it stopped reading)
     write_timeout: float = 30.0
+    #: largest data frame payload accepted and announced in WELCOME (control frames: 64 KiB)
     max_frame: int = p.DEFAULT_MAX_FRAME
+    #: connections served at once; one more gets a fatal ERROR "unavailable"
+    max_sessions: int = 1024
+    #: requests (OPEN / GET_PROFILE / REQUEST) queued per connection before the sender
+    #: stops reading from it (TCP backpressure) until the answers catch up
+    max_pending_requests: int = 256
     #: on close(): how long open connections may finish what they are sending
     shutdown_grace: float = 5.0
+    #: shared secret (str/bytes, >= 16 bytes): receivers must authenticate with it
+    auth_token: Optional[auth.Token] = field(default=None, repr=False)
+    #: TLS: a server-side ssl.SSLContext (see streamer.tls.server_context)
+    ssl: Optional[_ssl.SSLContext] = None
+    #: allow listening on a non-loopback address without authentication
+    allow_insecure: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("idle_timeout", "read_timeout", "write_timeout", "shutdown_grace"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0 seconds, got {value!r}")
+        for name in ("max_sessions", "max_pending_requests"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+        if type(self.max_frame) is not int or not p.MIN_MAX_FRAME <= self.max_frame <= 0xFFFF_FFFF:
+            raise ValueError(f"ServerConfig.max_frame must be in [{p.MIN_MAX_FRAME}, 2**32-1]")
+        if self.ssl is not None and not isinstance(self.ssl, _ssl.SSLContext):
+            raise TypeError(f"ServerConfig.ssl must be an ssl.SSLContext, got {type(self.ssl).__name__}")
+        object.__setattr__(self, "auth_token", auth.normalize_token(self.auth_token))
+
+    @property
+    def authenticates(self) -> bool:
+        """True when receivers must prove who they are (a token, or TLS client certificates)."""
+        return self.auth_token is not None or (
+            self.ssl is not None and self.ssl.verify_mode == _ssl.CERT_REQUIRED)
+
+
+def is_loopback(host: Any) -> bool:
+    """Whether every address in ``host`` (a name, an address or a list; None = all
+    interfaces) is loopback. Host names other than ``localhost`` count as not loopback."""
+    if host is None:
+        return False
+    if not isinstance(host, str):
+        return all(is_loopback(h) for h in host) and bool(host)
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: Any, config: ServerConfig) -> None:
+    """Refuse (InsecureConfiguration) to listen off loopback without authentication."""
+    if is_loopback(host) or config.authenticates:
+        if not is_loopback(host) and config.ssl is None:
+            log.warning("listening on %s with an auth token but without TLS: the token is "
+                        "never sent, but the data travels in clear", host)
+        return
+    if not config.allow_insecure:
+        raise InsecureConfiguration(
+            f"refusing to listen on {host or 'all interfaces'} without authentication: set an "
+            f"auth token (kvwire serve --auth-token-file FILE or ${auth.TOKEN_ENV}; "
+            f"serve(..., auth_token=...)), or accept the risk with --insecure-no-auth "
+            f"(allow_insecure=True)")
+    log.warning("listening on %s WITHOUT authentication (insecure mode): anyone who can "
+                "reach this port can read every stored context", host or "all interfaces")
 
 
 class _Cancelled:
@@ -81,13 +162,17 @@ class _ConnectionHandler:
         self.config = config
         self.reader = reader
         self.writer = writer
-        self.conn = p.Connection(p.Role.SERVER, max_frame=config.max_frame)
+        self.conn = p.Connection(p.Role.SERVER, max_frame=config.max_frame,
+                                 auth_token=config.auth_token)
         self.requests: asyncio.Queue[p.Event | None] = asyncio.Queue()
         self.cancelled = _Cancelled()
         self.manifest: Manifest | None = None
         self.busy = False
         self.closing = False
         self._reading: asyncio.Task | None = None
+        self._answered = asyncio.Event()   # set after each answer: room in the queue
+        self._loop = asyncio.get_running_loop()
+        self._last_activity = self._loop.time()
 
     async def run(self) -> None:
         answers = asyncio.create_task(self._answer_loop())
@@ -106,8 +191,13 @@ class _ConnectionHandler:
                 with contextlib.suppress(Exception):
                     self.writer.write(self.conn.send(p.Close()))
             self.writer.close()
-            with contextlib.suppress(Exception):
-                await self.writer.wait_closed()
+            try:   # a peer that stopped reading cannot hold the socket open past this
+                await asyncio.wait_for(self.writer.wait_closed(), self.config.write_timeout)
+            except asyncio.CancelledError:
+                self.writer.transport.abort()
+                raise
+            except Exception:
+                self.writer.transport.abort()
 
     def shut_down(self) -> None:
         """Stop reading new requests; the queued ones are answered (within the grace)."""
@@ -115,26 +205,67 @@ class _ConnectionHandler:
             self._reading.cancel()
 
     # ---------------------------------------------------------------- receiving
+    _HANDSHAKE = (p.State.AWAIT_HELLO, p.State.SEND_WELCOME, p.State.AWAIT_AUTH,
+                  p.State.SEND_AUTH_OK)
+
+    def _deadline(self, handshake_end: float, frame_end: float | None) -> tuple[float | None, str]:
+        """The earliest applicable deadline and what it means; None when none applies."""
+        cfg = self.config
+        found: list[tuple[float, str]] = []
+        if self.conn.state in self._HANDSHAKE:
+            found.append((handshake_end, f"handshake not completed within {cfg.read_timeout:g} s"))
+        if frame_end is not None:
+            found.append((frame_end, f"incomplete frame for {cfg.read_timeout:g} s"))
+        if not self.busy and self.requests.empty():
+            found.append((self._last_activity + cfg.idle_timeout,
+                          f"idle for {cfg.idle_timeout:g} s"))
+        if not found:
+            return None, ""
+        return min(found)
+
     async def _read_loop(self) -> None:
+        cfg = self.config
+        handshake_end = self._loop.time() + cfg.read_timeout
+        frame_end: float | None = None   # deadline of the partial frame buffered, if any
         while not self.closing:
-            idle = not self.busy and self.requests.empty()
-            try:
-                data = await asyncio.wait_for(self.reader.read(_READ_SIZE),
-                                              self.config.idle_timeout if idle else None)
-            except asyncio.TimeoutError:
-                await self._fatal("timeout", f"idle for {self.config.idle_timeout:g} s")
+            # bounded memory whatever the client does: stop reading (TCP backpressure)
+            # while the answerer is max_pending_requests behind
+            while self.requests.qsize() >= cfg.max_pending_requests and not self.closing:
+                self._answered.clear()
+                await self._answered.wait()
+            if self.closing:
                 return
+            deadline, why = self._deadline(handshake_end, frame_end)
+            now = self._loop.time()
+            if deadline is not None and deadline <= now:
+                log.info("dropping %s: %s", self._peer(), why)
+                await self._fatal("timeout", why)
+                return
+            # while busy no deadline may apply yet; look again after idle_timeout anyway
+            wait = (deadline if deadline is not None else now + cfg.idle_timeout) - now
+            try:
+                data = await asyncio.wait_for(self.reader.read(_READ_SIZE), wait)
+            except asyncio.TimeoutError:
+                continue   # re-evaluate: the deadline may have moved (an answer finished)
             except (ConnectionError, OSError):
                 return
             try:
                 events = self.conn.receive_data(data)
             except p.ProtocolError as exc:
-                for event in exc.events:
-                    self._dispatch(event)
-                log.info("protocol error from %s: %s", self._peer(), exc)
+                for event in exc.events:   # the state is ERROR now: nothing more is sent
+                    if isinstance(event, (p.Open, p.GetProfile, p.Request, p.Cancel)):
+                        self._dispatch(event)
+                if isinstance(exc, p.AuthenticationError):
+                    log.warning("authentication failed from %s: %s", self._peer(), exc)
+                else:
+                    log.info("protocol error from %s: %s", self._peer(), exc)
                 with contextlib.suppress(Exception):
                     self.writer.write(self.conn.error_frame(exc))
                 return
+            if not self.conn.receiving_frame:
+                frame_end = None
+            elif frame_end is None or events:   # a new frame began in this read
+                frame_end = self._loop.time() + cfg.read_timeout
             for event in events:
                 if not self._dispatch(event):
                     return
@@ -143,38 +274,58 @@ class _ConnectionHandler:
         """Route one received event; False when the connection is over."""
         if isinstance(event, p.Hello):
             version = max(set(event.versions) & set(p.SUPPORTED_VERSIONS))
-            self.writer.write(self.conn.send(p.Welcome(version=version, server=SERVER_NAME,
-                                                       max_frame=self.config.max_frame)))
+            required = self.conn.auth_required
+            self.writer.write(self.conn.send(p.Welcome(
+                version=version, server=SERVER_NAME, max_frame=self.config.max_frame,
+                auth=p.AUTH_REQUIRED if required else p.AUTH_NONE,
+                nonce=auth.new_nonce() if required else "")))
+        elif isinstance(event, p.Auth):   # the connection checked the MAC already
+            self.writer.write(self.conn.send(self.conn.auth_ok_event()))
+            self._last_activity = self._loop.time()
         elif isinstance(event, (p.Open, p.GetProfile, p.Request)):
+            self._last_activity = self._loop.time()
             self.requests.put_nowait(event)
         elif isinstance(event, p.Cancel):
-            self.cancelled.add(event.chunk)
+            # only for a request still outstanding: a stale CANCEL must neither pile up
+            # nor cancel a later request for the same chunk
+            if any(isinstance(q.request, p.Request) and q.request.chunk == event.chunk
+                   for q in self.conn.outstanding):
+                self.cancelled.add(event.chunk)
         elif isinstance(event, (p.Close, p.ConnectionClosed, p.Error)):
             return False
         return True
 
     # ---------------------------------------------------------------- answering
     async def _answer_loop(self) -> None:
-        while (request := await self.requests.get()) is not None:
-            self.busy = True
-            try:
-                await self._answer(request)
-            except (ConnectionError, OSError, asyncio.TimeoutError):
-                self.closing = True
-                self.writer.transport.abort()
-                return
-            except Exception:  # a bug must cost this connection, never leave the peer hanging
-                log.exception("answering %r failed; closing the connection", request)
-                self.closing = True
-                self.writer.transport.abort()
-                return
-            finally:
-                self.busy = False
+        try:
+            while (request := await self.requests.get()) is not None:
+                self.busy = True
+                try:
+                    await self._answer(request)
+                except (ConnectionError, OSError, asyncio.TimeoutError):
+                    log.info("dropping %s: it accepted no data for %g s", self._peer(),
+                             self.config.write_timeout)
+                    self.closing = True
+                    self.writer.transport.abort()
+                    return
+                except Exception:  # a bug must cost this connection, never leave the peer hanging
+                    log.exception("answering %r failed; closing the connection", request)
+                    self.closing = True
+                    self.writer.transport.abort()
+                    return
+                finally:
+                    self.busy = False
+                    self._last_activity = self._loop.time()
+                    self._answered.set()
+        finally:
+            self._answered.set()   # never leave the reader waiting for room
 
     async def _answer(self, request: p.Event) -> None:
         try:
             if isinstance(request, p.Open):
-                self.manifest = await self.store.get_manifest(request.context_id)
+                # before the store sees it: no path traversal, no key injection
+                context_id = validate_context_id(request.context_id)
+                self.manifest = await self.store.get_manifest(context_id)
                 await self._write(self.conn.send(p.Manifest(data=self.manifest.to_bytes())))
             elif isinstance(request, p.GetProfile):
                 data = memoryview(await self.store.get_profile_bytes(request.profile_id))
@@ -189,11 +340,12 @@ class _ConnectionHandler:
             await self._write(self.conn.send(p.Error("not_found", str(exc))))
         except ValueError as exc:
             await self._write(self.conn.send(p.Error("bad_request", str(exc))))
-        except StoreError as exc:
-            await self._write(self.conn.send(p.Error("unavailable", f"store unavailable: {exc}")))
+        except StoreError as exc:   # details (paths, hosts) stay in the log
+            log.error("store error answering %r: %s", request, exc)
+            await self._write(self.conn.send(p.Error("unavailable", "store unavailable")))
         except codec.CorruptBitstream as exc:
             log.error("corrupt blob in the store: %s", exc)
-            await self._write(self.conn.send(p.Error("internal", f"stored chunk is corrupt: {exc}")))
+            await self._write(self.conn.send(p.Error("internal", "stored chunk is corrupt")))
 
     async def _send_chunk(self, request: p.Request) -> None:
         chunk, level = request.chunk, request.level
@@ -243,8 +395,17 @@ class Sender:
         self._handlers: dict[asyncio.Task, _ConnectionHandler] = {}
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Sender":
-        self._server = await asyncio.start_server(self._accept, host, port, limit=_READ_SIZE)
+        """Listen on ``host:port``; InsecureConfiguration off loopback without auth."""
+        check_exposure(host, self.config)
+        self._server = await asyncio.start_server(
+            self._accept, host, port, limit=_READ_SIZE, ssl=self.config.ssl,
+            ssl_handshake_timeout=self.config.read_timeout if self.config.ssl else None)
         return self
+
+    @property
+    def sessions(self) -> int:
+        """Connections being served now."""
+        return len(self._handlers)
 
     @property
     def port(self) -> int:
@@ -258,6 +419,9 @@ class Sender:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        if len(self._handlers) >= self.config.max_sessions:
+            await self._refuse(reader, writer)
+            return
         handler = _ConnectionHandler(self.store, self.config, reader, writer)
         task = asyncio.current_task()
         assert task is not None
@@ -268,6 +432,30 @@ class Sender:
             log.exception("connection handler failed")
         finally:
             self._handlers.pop(task, None)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """At capacity: a fatal ERROR "unavailable" (the receiver tries another sender)."""
+        limit = self.config.max_sessions
+        log.warning("refusing %s: %d sessions already (max_sessions)",
+                    writer.get_extra_info("peername"), limit)
+        frame = p.Connection(p.Role.SERVER).send(p.Error(
+            "unavailable", f"sender at capacity ({limit} sessions); try another sender", fatal=True))
+        try:
+            writer.write(frame)
+            if writer.can_write_eof():
+                writer.write_eof()
+            # read what the client already sent (its HELLO) until it closes, briefly, so
+            # closing does not reset the connection before it read the ERROR
+            async with asyncio.timeout(min(1.0, self.config.read_timeout)):
+                while await reader.read(_READ_SIZE):
+                    pass
+        except (Exception, asyncio.TimeoutError):
+            pass
+        finally:
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()
+            else:
+                writer.close()
 
     async def close(self) -> None:
         """Stop accepting; give open connections ``shutdown_grace`` seconds, then cut them."""
@@ -292,6 +480,23 @@ class Sender:
 
 
 async def serve(store: Store, host: str = "127.0.0.1", port: int = 0,
-                config: ServerConfig | None = None) -> Sender:
-    """Start a sender daemon on ``host:port`` (port 0: any free port) and return it."""
+                config: ServerConfig | None = None, *, auth_token: auth.Token | None = None,
+                ssl: _ssl.SSLContext | None = None, allow_insecure: bool | None = None) -> Sender:
+    """Start a sender daemon on ``host:port`` (port 0: any free port) and return it.
+
+    ``auth_token``, ``ssl`` and ``allow_insecure`` override the same ``config`` fields.
+    Off loopback, a token (or TLS client certificates) is required unless
+    ``allow_insecure=True``: InsecureConfiguration (a ValueError) otherwise.
+    """
+    config = config or ServerConfig()
+    overrides: dict[str, Any] = {}
+    if auth_token is not None:
+        overrides["auth_token"] = auth_token
+    if ssl is not None:
+        overrides["ssl"] = ssl
+    if allow_insecure is not None:
+        overrides["allow_insecure"] = allow_insecure
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
     return await Sender(store, config).start(host, port)
+

@@ -18,21 +18,31 @@ triggers a reconnect with bounded exponential backoff (cycling through
 re-requested at the same level and their delivered layers are skipped; the others
 are decided afresh. A corrupt section is refetched (twice at most). When the
 deadline has passed, everything not yet requested goes to text.
+
+Security and limits: ``auth_token`` authenticates to the sender (and the sender to us)
+in the handshake; a refused token raises :class:`AuthenticationFailed` at once (no
+retries). ``ssl`` (an ``ssl.SSLContext``, or True for the system CAs) wraps every
+connection in TLS. ``max_frame`` caps the frames the sender may send us.
+``max_buffered_bytes`` bounds the encoded sections received but not yet delivered:
+above it the session stops reading from the socket (TCP backpressure on the sender)
+until the consumer catches up -- except while the consumer waits for data not yet
+received, so a refetch can never deadlock behind the backlog.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
+import ssl as _ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import codec
 
-from . import estimator, protocol as p
+from . import auth, estimator, protocol as p
 from .adapt import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD, MIN_SAMPLE_BYTES, decide
-from .client import ClientConnection, ConnectionLost, ServerError, StreamError
+from .client import AuthenticationFailed, ClientConnection, ConnectionLost, ServerError, StreamError
 from .delivery import OrderedDelivery
 from .manifest import Manifest
 from .policy import TEXT, Choice, Observation, get_policy
@@ -41,6 +51,8 @@ from .report import ChunkReport, FetchReport
 
 #: Refetches of one chunk after corrupt sections before giving up on it.
 MAX_CORRUPT_RETRIES = 2
+#: Default bound on encoded sections received but not yet delivered (backpressure).
+DEFAULT_MAX_BUFFERED_BYTES = 64 * 1024 * 1024
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
@@ -89,9 +101,25 @@ class StreamSession:
                  recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
                  prior_bps: float | None = None, connect_timeout: float = 5.0,
                  stall_timeout: float = 2.0, max_reconnects: int = 4,
-                 backoff: float = 0.05, max_backoff: float = 1.0) -> None:
+                 backoff: float = 0.05, max_backoff: float = 1.0,
+                 auth_token: auth.Token | None = None,
+                 ssl: _ssl.SSLContext | bool | None = None, server_hostname: str | None = None,
+                 max_frame: int = p.DEFAULT_MAX_FRAME,
+                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> None:
         if not slo > 0:
             raise ValueError(f"slo must be > 0 seconds, got {slo}")
+        if type(max_buffered_bytes) is not int or max_buffered_bytes < 1:
+            raise ValueError(f"max_buffered_bytes must be an int >= 1, got {max_buffered_bytes!r}")
+        if type(max_frame) is not int or not p.MIN_MAX_FRAME <= max_frame <= 0xFFFF_FFFF:
+            raise ValueError(f"max_frame must be an int in [{p.MIN_MAX_FRAME}, 2**32-1]")
+        if ssl is not None and not isinstance(ssl, (bool, _ssl.SSLContext)):
+            raise TypeError(f"ssl must be an ssl.SSLContext, True or None, got {type(ssl).__name__}")
+        self._auth_token = auth.normalize_token(auth_token)   # ValueError now, not at connect
+        self._ssl = _ssl.create_default_context() if ssl is True else (ssl or None)
+        self._server_hostname = server_hostname
+        self._max_frame = max_frame
+        self.max_buffered_bytes = max_buffered_bytes
+        self._on_data: Callable[[], None] | None = None   # set by a running fetch
         self.policy_name = policy
         self._policy = get_policy(policy)
         self.context_id = context_id
@@ -145,9 +173,18 @@ class StreamSession:
         for attempt in range(self._max_reconnects + 1):
             host, port = self._servers[self._server_index]
             try:
-                self._client = await ClientConnection.connect(host, port, timeout=self._connect_timeout)
+                self._client = await ClientConnection.connect(
+                    host, port, timeout=self._connect_timeout, max_frame=self._max_frame,
+                    auth_token=self._auth_token, ssl=self._ssl,
+                    server_hostname=self._server_hostname)
+                self._client.set_on_data(self._on_data)
                 await self._open_context()
                 return
+            except AuthenticationFailed:
+                if self._client is not None:
+                    self._client.abort()
+                    self._client = None
+                raise  # a wrong token stays wrong: retrying (or another sender) cannot help
             except ServerError as exc:
                 if exc.code == "not_found":
                     raise  # the context does not exist: retrying elsewhere cannot help
@@ -215,6 +252,14 @@ class _Fetch:
         #: one round trip plus the sender's store read, the lead time the next request needs
         self.response_latency = 0.0
         self.reconnects = 0
+        #: reading paused because the delivery backlog is over max_buffered_bytes
+        self.paused = False
+        self.pauses = 0
+        self.peak_backlog = 0
+        self.delivery.on_progress = self._maybe_resume
+        session._on_data = self._maybe_pause
+        if session._client is not None:
+            session._client.set_on_data(self._maybe_pause)
 
     # ------------------------------------------------------------------ main loop
     async def run(self) -> FetchReport:
@@ -229,6 +274,7 @@ class _Fetch:
                     self._handle(arrival)
                 except (_NeedReconnect, ConnectionLost) as exc:
                     await self._reconnect(str(exc))
+                self._maybe_pause()
         except ContextChanged:
             consumer.cancel()
             raise
@@ -239,6 +285,11 @@ class _Fetch:
         finally:
             if not consumer.done():
                 consumer.cancel()
+            self.s._on_data = None
+            if self.s._client is not None:
+                self.s._client.set_on_data(None)
+                if self.paused:
+                    self.s._client.resume_reading()
         consumer.result()  # re-raise a callback's exception
         self._finish()
         estimate = estimator.robust_estimate(self.history)
@@ -263,7 +314,8 @@ class _Fetch:
         getter = asyncio.ensure_future(client.queue.get()) if client is not None else None
         waker = asyncio.ensure_future(self.wake.wait())
         waits = {consumer, waker} | ({getter} if getter else set())
-        timeout = self.s._stall_timeout if self.inflight else None
+        # while we hold reading paused, silence is ours, not a stalled link
+        timeout = self.s._stall_timeout if self.inflight and not self.paused else None
         done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waker.cancel()
         self.wake.clear()
@@ -280,6 +332,32 @@ class _Fetch:
         if not done:  # stalled: nothing arrived for stall_timeout with requests outstanding
             await self._reconnect(f"no data for {self.s._stall_timeout:g} s")
         return None
+
+    # ------------------------------------------------------------------ backpressure
+    def _buffered(self) -> int:
+        """Received payload bytes not yet delivered: queued events plus the delivery backlog."""
+        client = self.s._client
+        return self.delivery.backlog_bytes + (client.queued_bytes if client is not None else 0)
+
+    def _maybe_pause(self) -> None:
+        """After each socket read and each handled event: stop reading when over the limit."""
+        buffered = self._buffered()
+        self.peak_backlog = max(self.peak_backlog, buffered)
+        client = self.s._client
+        if (not self.paused and client is not None and buffered > self.s.max_buffered_bytes
+                and not self.delivery.starved()):
+            client.pause_reading()
+            self.paused = True
+            self.pauses += 1
+
+    def _maybe_resume(self) -> None:
+        if not self.paused:
+            return
+        if self._buffered() <= self.s.max_buffered_bytes // 2 or self.delivery.starved():
+            self.paused = False
+            if self.s._client is not None:
+                self.s._client.resume_reading()
+            self.wake.set()   # restart the stall timer from now
 
     # ------------------------------------------------------------------ requesting
     def _busy_start(self, chunk: _Chunk) -> float:
@@ -494,6 +572,7 @@ class _Fetch:
         if self.s._client is not None:
             self.s._client.abort()
         self.s._server_index = (self.s._server_index + 1) % len(self.s._servers)
+        self.paused = False   # a fresh connection reads
         await self.s._connect_any()
         pending = sorted(self.inflight)
         self.inflight.clear()

@@ -390,6 +390,7 @@ def client_after_close():
 
 
 HELLO_OK = {"magic": "kvwire", "versions": [1], "client": "c"}
+NO_AUTH = {"auth": "none", "nonce": ""}
 BEGIN = FrameType.CHUNK_BEGIN
 
 BAD_INPUT = {
@@ -442,16 +443,16 @@ BAD_INPUT = {
     "zero parts": (client_requested, raw(BEGIN, {"chunk": 1, "level": 0, "bytes": 0,
                                                  "parts": 0})),
     "welcome max_frame too small": (client_started, raw(FrameType.WELCOME, {
-        "version": 1, "server": "s", "max_frame": 1024})),
+        "version": 1, "server": "s", "max_frame": 1024, **NO_AUTH})),
     # handshake / state
     "welcome version not offered": (client_started, raw(FrameType.WELCOME, {
-        "version": 2, "server": "s", "max_frame": 1 << 20})),
+        "version": 2, "server": "s", "max_frame": 1 << 20, **NO_AUTH})),
     "open before handshake": (server_fresh, raw(FrameType.OPEN, {"context_id": "x",
                                                                  "slo": None})),
     "open before welcome sent": (lambda: _server_hello_only(), raw(
         FrameType.OPEN, {"context_id": "x", "slo": None})),
     "frame before hello sent": (lambda: Connection(Role.CLIENT), raw(FrameType.WELCOME, {
-        "version": 1, "server": "s", "max_frame": 1 << 20})),
+        "version": 1, "server": "s", "max_frame": 1 << 20, **NO_AUTH})),
     "second hello": (server_ready, raw(FrameType.HELLO, HELLO_OK)),
     "request before manifest": (server_ready, raw(FrameType.REQUEST, {"chunk": 0,
                                                                       "level": 0})),
@@ -680,7 +681,29 @@ def test_table_is_the_only_source_of_legality():
 
 
 # ----------------------------------------------------------------------------- fuzz
+_TOKEN = "fuzz-token-0123456789"
+
+
+def server_awaiting_auth():
+    from streamer.auth import new_nonce
+    s = Connection(Role.SERVER, auth_token=_TOKEN)
+    s.receive_data(raw(FrameType.HELLO, HELLO_OK))
+    s.send(Welcome(1, "s", 1 << 20, auth="required", nonce=new_nonce()))
+    return s
+
+
+def client_awaiting_auth_ok():
+    c = Connection(Role.CLIENT, auth_token=_TOKEN)
+    c.send(Hello((1,), "c"))
+    c.receive_data(raw(FrameType.WELCOME, {"version": 1, "server": "s", "max_frame": 1 << 20,
+                                           "auth": "required", "nonce": "ab" * 32}))
+    c.send(c.auth_event())
+    return c
+
+
 FUZZ_TARGETS = {
+    "server awaiting auth": server_awaiting_auth,
+    "client awaiting auth ok": client_awaiting_auth_ok,
     "server after handshake": server_ready,
     "server with context": server_open,
     "client after handshake": client_ready,

@@ -1,0 +1,381 @@
+"""Sender and receiver resource limits: each one is tripped here and must end in a clean,
+typed error (a fatal ERROR frame with its code, or a StreamError), never a hang or an
+unbounded buffer: frame size (both sides), concurrent sessions, queued requests per
+connection, receiver backpressure, handshake / partial-frame read timeouts (slowloris),
+idle timeout and write timeout (a receiver that stops reading)."""
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+
+import pytest
+import torch
+
+import codec
+import streamer
+from streamer import protocol as p
+from streamer.frames import encode
+from streamer.server import ServerConfig
+
+LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 4, 8, 32, 256, 8
+PID = "0123456789abcdef"
+
+
+def _kv(seed: int, tokens: int) -> torch.Tensor:
+    channels = HEADS * HEAD_DIM
+    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
+    scale = torch.logspace(0.5, -1.5, channels)
+    x = (torch.randn(LAYERS, 2, tokens, channels, generator=torch.Generator().manual_seed(seed)) * scale) @ mix
+    return x.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM).to(torch.float16)
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("limits-store"))
+    profile = codec.calibrate([_kv(1, 2048)])
+
+    async def put() -> None:
+        store = await streamer.open_store(root)
+        try:
+            await streamer.put_context(store, "ctx", _kv(2, CHUNKS * CHUNK_TOKENS),
+                                       [i % 3000 for i in range(CHUNKS * CHUNK_TOKENS)],
+                                       profile=profile, chunk_tokens=CHUNK_TOKENS)
+        finally:
+            await store.close()
+
+    asyncio.run(put())
+    return root
+
+
+class Sending:
+    """A real sender over the module's store with a given config."""
+
+    def __init__(self, root: str, **config) -> None:
+        self.root, self.config = root, ServerConfig(**config)
+
+    async def __aenter__(self) -> streamer.Sender:
+        self.store = await streamer.open_store(self.root)
+        self.sender = await streamer.serve(self.store, config=self.config)
+        return self.sender
+
+    async def __aexit__(self, *exc) -> None:
+        await self.sender.close()
+        await self.store.close()
+
+
+class FakeStore:
+    """Just enough of a Store for GET_PROFILE: a big profile, optionally slow."""
+
+    def __init__(self, profile: bytes = b"p", delay: float = 0.0) -> None:
+        self.profile, self.delay, self.calls = profile, delay, 0
+
+    async def get_profile_bytes(self, profile_id: str) -> bytes:
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        return self.profile
+
+    async def close(self) -> None:
+        pass
+
+
+class Raw:
+    """A hand-driven kvwire client over plain asyncio streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.conn = p.Connection(p.Role.CLIENT)
+
+    @classmethod
+    async def open(cls, port: int) -> "Raw":
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    def send(self, event: p.Event) -> bytes:
+        data = self.conn.send(event)
+        self.writer.write(data)
+        return data
+
+    async def handshake(self) -> None:
+        self.send(p.Hello(versions=(1,), client="raw"))
+        assert [type(e) for e in await self.events(1)] == [p.Welcome]
+
+    async def events(self, n: int, timeout: float = 5.0) -> list[p.Event]:
+        got: list[p.Event] = []
+        async with asyncio.timeout(timeout):
+            while len(got) < n:
+                got += self.conn.receive_data(await self.reader.read(65536))
+        return got
+
+    async def until_closed(self, timeout: float) -> tuple[list[p.Event], float]:
+        """Every event until the sender closes; and how long that took."""
+        start, got = time.monotonic(), []
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    data = await self.reader.read(65536)
+                except ConnectionError:
+                    break
+                got += self.conn.receive_data(data)
+                if not data:
+                    break
+        return got, time.monotonic() - start
+
+    def close(self) -> None:
+        self.writer.transport.abort()
+
+
+def _fatal(events: list[p.Event]) -> p.Error:
+    errors = [e for e in events if isinstance(e, p.Error) and e.fatal]
+    assert errors, f"no fatal ERROR in {events}"
+    return errors[0]
+
+
+# ------------------------------------------------------------------------ frame size
+async def test_oversize_control_frame_is_refused_at_its_header(store_root) -> None:
+    async with Sending(store_root) as sender:
+        raw = await Raw.open(sender.port)
+        await raw.handshake()
+        # an OPEN announcing 64 KiB + 1 of JSON: refused before any payload is sent
+        raw.writer.write(struct.pack("<IHH", p.MAX_CONTROL_PAYLOAD + 1, p.FrameType.OPEN, 0))
+        events, seconds = await raw.until_closed(5.0)
+        error = _fatal(events)
+        assert error.code == "protocol" and "limit" in error.message
+        assert seconds < 2.0
+
+
+async def test_oversize_data_frame_is_refused_at_its_header(store_root) -> None:
+    async with Sending(store_root, max_frame=65536) as sender:
+        raw = await Raw.open(sender.port)
+        await raw.handshake()
+        raw.writer.write(struct.pack("<IHH", 65537, p.FrameType.MANIFEST, 0))
+        events, _ = await raw.until_closed(5.0)
+        assert "65537" in _fatal(events).message
+
+
+async def _fake_sender(handler) -> tuple[asyncio.base_events.Server, int]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_receiver_refuses_a_frame_over_its_max_frame() -> None:
+    """A sender announcing a 32 MiB MANIFEST to a receiver whose limit is 1 MiB."""
+    async def handler(reader, writer):
+        conn = p.Connection(p.Role.SERVER)
+        conn.receive_data(await reader.read(65536))        # HELLO
+        writer.write(conn.send(p.Welcome(1, "evil", p.DEFAULT_MAX_FRAME)))
+        await reader.read(65536)                            # OPEN
+        writer.write(struct.pack("<IHH", 32 << 20, p.FrameType.MANIFEST, 0) + b"x" * 1000)
+        with pytest.raises(Exception):
+            await reader.read(65536)
+        writer.close()
+
+    server, port = await _fake_sender(handler)
+    try:
+        with pytest.raises(streamer.ConnectionLost, match="limit 1048576"):
+            async with streamer.StreamSession("127.0.0.1", port, "ctx", max_frame=1 << 20,
+                                              max_reconnects=0, connect_timeout=2.0):
+                pass
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------ sessions
+async def test_sessions_beyond_max_sessions_get_unavailable(store_root) -> None:
+    async with Sending(store_root, max_sessions=2) as sender:
+        first = await streamer.StreamSession("127.0.0.1", sender.port, "ctx").__aenter__()
+        second = await streamer.StreamSession("127.0.0.1", sender.port, "ctx").__aenter__()
+        assert sender.sessions == 2
+        start = time.monotonic()
+        with pytest.raises(streamer.ServerError) as refused:
+            await streamer.client.ClientConnection.connect("127.0.0.1", sender.port)
+        assert refused.value.code == "unavailable" and "capacity" in refused.value.message
+        with pytest.raises(streamer.ConnectionLost, match="unavailable"):
+            async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", max_reconnects=0):
+                pass
+        assert time.monotonic() - start < 5.0
+        await first.__aexit__(None, None, None)
+        for _ in range(100):   # the handler notices the close
+            if sender.sessions < 2:
+                break
+            await asyncio.sleep(0.02)
+        async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=10.0,
+                                          policy="fixed:4") as third:
+            report = await third.fetch()
+        assert len(report.chunks) == CHUNKS
+        await second.__aexit__(None, None, None)
+
+
+async def test_queued_requests_per_connection_are_bounded() -> None:
+    """A client pipelining 100k requests without reading: the sender stops reading it."""
+    store = FakeStore(delay=0.01)
+    sender = await streamer.serve(store, config=ServerConfig(max_pending_requests=8, write_timeout=60))
+    try:
+        raw = await Raw.open(sender.port)
+        await raw.handshake()
+        frame = raw.conn.send(p.GetProfile(PID))
+        total = 100_000
+        raw.writer.write(frame * total)      # 4 MB of requests, buffered by our transport
+        handler = next(iter(sender._handlers.values()))
+        peak = 0
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            peak = max(peak, len(handler.conn.outstanding))
+        # one read (256 KiB) of frames beyond the cap at most, far from everything sent
+        per_read = 256 * 1024 // len(frame) + 1
+        assert peak <= 8 + per_read, peak
+        assert store.calls < 1000 and peak < total // 10
+        raw.close()
+    finally:
+        await sender.close()
+
+
+# ------------------------------------------------------------------------ backpressure
+async def test_receiver_backlog_is_bounded_by_pausing_reads(store_root, monkeypatch) -> None:
+    from streamer import client as client_module, delivery, session as session_module
+
+    peaks: list[int] = []
+
+    class Measured(delivery.OrderedDelivery):
+        def add_section(self, *args, **kw):
+            super().add_section(*args, **kw)
+            peaks.append(self.backlog_bytes)
+
+    pauses = []
+    real_pause = client_module.ClientConnection.pause_reading
+
+    def pause(self):
+        pauses.append(time.monotonic())
+        real_pause(self)
+
+    monkeypatch.setattr(session_module, "OrderedDelivery", Measured)
+    monkeypatch.setattr(client_module.ClientConnection, "pause_reading", pause)
+    delivered: list[tuple[int, int]] = []
+
+    async def slow_consumer(chunk, layer, k, v):
+        await asyncio.sleep(0.01)
+        delivered.append((chunk, layer))
+
+    async def fetch(limit: int) -> int:
+        peaks.clear()
+        delivered.clear()
+        async with Sending(store_root, write_timeout=30) as sender:
+            async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=30.0,
+                                              policy="fixed:0", on_layer=slow_consumer,
+                                              max_buffered_bytes=limit, stall_timeout=0.5) as s:
+                report = await s.fetch()
+        assert delivered == [(c, l) for c in range(CHUNKS) for l in range(LAYERS)]
+        assert report.reconnects == 0     # pausing is not mistaken for a stalled link
+        return max(peaks)
+
+    unbounded = await fetch(1 << 30)
+    assert not pauses
+    limit = 128 * 1024
+    bounded = await fetch(limit)
+    assert pauses, "the backlog never reached the limit"
+    # the limit, plus what one socket read (256 KiB) and one section can overshoot
+    assert bounded <= limit + 256 * 1024 + 80 * 1024, bounded
+    assert bounded < unbounded / 2, (bounded, unbounded)
+
+
+# ------------------------------------------------------------------------ timeouts
+async def test_silent_client_is_dropped_at_read_timeout(store_root) -> None:
+    async with Sending(store_root, read_timeout=0.3, idle_timeout=60) as sender:
+        raw = await Raw.open(sender.port)         # connects, sends nothing
+        events, seconds = await raw.until_closed(5.0)
+        error = _fatal(events)
+        assert error.code == "timeout" and "handshake" in error.message
+        assert 0.25 < seconds < 2.0
+        assert sender.sessions == 0
+
+
+async def test_partial_frame_is_dropped_at_read_timeout(store_root) -> None:
+    async with Sending(store_root, read_timeout=0.3, idle_timeout=60) as sender:
+        raw = await Raw.open(sender.port)
+        await raw.handshake()
+        open_frame = encode(p.Open("ctx", None))[1][0]
+        raw.writer.write(open_frame[:10])          # header and 2 bytes of JSON, then nothing
+        events, seconds = await raw.until_closed(5.0)
+        error = _fatal(events)
+        assert error.code == "timeout" and "incomplete frame" in error.message
+        assert seconds < 2.0
+
+
+@pytest.mark.parametrize("phase", ["handshake", "after handshake"])
+async def test_slowloris_dribbling_a_frame_is_dropped(store_root, phase: str) -> None:
+    """One byte every 50 ms keeps bytes flowing, but the frame never completes in time."""
+    async with Sending(store_root, read_timeout=0.5, idle_timeout=60) as sender:
+        raw = await Raw.open(sender.port)
+        if phase == "handshake":
+            frame = encode(p.Hello((1,), "slow" * 20))[1][0]
+        else:
+            await raw.handshake()
+            frame = encode(p.Open("ctx" * 30, None))[1][0]
+        start = time.monotonic()
+        dropped = None
+        try:
+            for byte in frame:
+                raw.writer.write(bytes([byte]))
+                await raw.writer.drain()
+                data = b""
+                try:
+                    data = await asyncio.wait_for(raw.reader.read(65536), 0.05)
+                except asyncio.TimeoutError:
+                    continue
+                if data:
+                    events = raw.conn.receive_data(data)
+                    assert _fatal(events).code == "timeout"
+                dropped = time.monotonic() - start
+                break
+        except (ConnectionError, p.ProtocolError):
+            dropped = time.monotonic() - start
+        assert dropped is not None, f"dribbled all {len(frame)} bytes without being dropped"
+        assert 0.4 < dropped < 2.0, dropped
+
+
+async def test_idle_connection_is_closed_after_its_last_answer(store_root) -> None:
+    async with Sending(store_root, idle_timeout=0.4) as sender:
+        raw = await Raw.open(sender.port)
+        await raw.handshake()
+        raw.send(p.Open("ctx", None))
+        assert isinstance((await raw.events(1))[0], p.Manifest)
+        events, seconds = await raw.until_closed(5.0)   # then silence
+        error = _fatal(events)
+        assert error.code == "timeout" and "idle" in error.message
+        assert seconds < 2.0
+
+
+async def test_receiver_that_stops_reading_is_dropped_at_write_timeout() -> None:
+    store = FakeStore(profile=bytes(64 << 20))      # far more than the socket buffers hold
+    sender = await streamer.serve(store, config=ServerConfig(write_timeout=0.5))
+    try:
+        raw = await Raw.open(sender.port)
+        await raw.handshake()
+        raw.send(p.GetProfile(PID))                  # and never read again
+        start = time.monotonic()
+        while sender.sessions and time.monotonic() - start < 10:
+            await asyncio.sleep(0.05)
+        assert sender.sessions == 0 and time.monotonic() - start < 5.0
+        with pytest.raises((ConnectionError, p.ProtocolError)):  # reset, not a clean end
+            for _ in range(10_000):
+                data = await asyncio.wait_for(raw.reader.read(1 << 20), 5.0)
+                raw.conn.receive_data(data)
+                if not data:
+                    break
+        raw.close()
+    finally:
+        await sender.close()
+
+
+@pytest.mark.parametrize("kw", [{"read_timeout": 0}, {"idle_timeout": -1}, {"max_sessions": 0},
+                                {"max_pending_requests": 0}, {"max_frame": 1000},
+                                {"auth_token": "short"}])
+def test_server_config_validation(kw) -> None:
+    with pytest.raises(ValueError):
+        ServerConfig(**kw)
+
+
+@pytest.mark.parametrize("kw", [{"max_buffered_bytes": 0}, {"max_frame": 10},
+                                {"auth_token": b"short"}])
+def test_session_config_validation(kw) -> None:
+    with pytest.raises(ValueError):
+        streamer.StreamSession("127.0.0.1", 1, "ctx", **kw)
