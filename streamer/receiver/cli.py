@@ -37,9 +37,16 @@ async def _receive(args: argparse.Namespace) -> int:
     from .daemon import ReceiverConfig, start_receiver
 
     logging.basicConfig(level=logging.INFO, format="kvwire receive: %(message)s")
+    from ..commands import _token
+
+    session_options: dict = {"auth_token": _token(args)}
+    if args.tls or args.tls_ca:
+        from ..tls import client_context
+
+        session_options.update(ssl=client_context(args.tls_ca), server_hostname=args.tls_server_name)
     config = ReceiverConfig(servers=args.servers, cache_dir=args.cache, cache_bytes=args.cache_bytes,
                             device=args.device, model=args.model, slo=args.slo, policy=args.policy,
-                            shutdown_grace=args.grace)
+                            shutdown_grace=args.grace, session_options=session_options)
     if args.model:
         print(f"kvwire receive: loading model {args.model}", flush=True)
     receiver = await start_receiver(config, *args.listen)
@@ -85,6 +92,12 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                               "'minilm'); without it their token ids are reported to the caller")
     receive.add_argument("--slo", type=float, default=1.0, help="default deadline of a fetch, s (default 1)")
     receive.add_argument("--policy", default="mpc", help="default policy: mpc, greedy, fixed:N or text")
+    from ..commands import _add_auth_option
+
+    _add_auth_option(receive, "shared with the senders")
+    receive.add_argument("--tls", action="store_true", help="connect to the senders with TLS (system CAs)")
+    receive.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA / certificate")
+    receive.add_argument("--tls-server-name", help="host name to verify in the senders' certificates")
     receive.add_argument("--grace", type=float, default=5.0,
                          help="on SIGTERM, seconds running fetches may take to finish (default 5)")
     receive.set_defaults(handler=_runner(_receive))
