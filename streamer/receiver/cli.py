@@ -68,8 +68,9 @@ async def _receive(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
     from ..commands import _runner  # (no aiohttp here: --help stays light)
 
+    # allow_abbrev=False: "--auth-token SECRET" must be an error, not --auth-token-file
     receive = subparsers.add_parser(
-        "receive", help="run a receiver daemon: fetch contexts for local serving processes",
+        "receive", allow_abbrev=False, help="run a receiver daemon: fetch contexts for local serving processes",
         description="Fetch contexts from sender daemons under an SLO for the serving processes on this "
                     "host, over a local HTTP API: POST /fetch, GET /contexts/ID (safetensors), "
                     "GET /contexts/ID/events (server-sent events), GET /healthz, GET /metrics. "
