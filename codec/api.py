@@ -91,9 +91,12 @@ def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profil
         cached = _embedded_cache.get(header.profile_id)
         if cached is None:
             try:
+                declared = zstandard.frame_content_size(header.embedded_profile)
+                if declared > _MAX_EMBEDDED_PROFILE:  # checked first: the claim alone would allocate it
+                    raise CorruptBitstream(f"embedded profile claims {declared} bytes")
                 raw = zstandard.ZstdDecompressor().decompress(
                     header.embedded_profile, max_output_size=_MAX_EMBEDDED_PROFILE)
-            except zstandard.ZstdError as exc:
+            except (zstandard.ZstdError, MemoryError) as exc:
                 raise CorruptBitstream(f"embedded profile does not decompress: {exc}") from exc
             cached = Profile.from_bytes(raw)
             if cached.id != header.profile_id or len(cached.targets) != 1:

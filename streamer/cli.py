@@ -12,8 +12,8 @@ import sys
 
 # Modules that contribute subcommands, in help order. Each has register(subparsers).
 _COMMAND_MODULES = ("streamer.demo", "codec.cli", "streamer.put", "streamer.commands",
-                    "streamer.receiver.cli", "streamer.calibrate_cli", "streamer.bench",
-                    "streamer.evaluate", "netsim.cli")
+                    "streamer.receiver.cli", "streamer.calibrate_cli", "streamer.bench", "streamer.load",
+                    "streamer.evaluate", "netsim.cli", "streamer.fuzz")
 
 
 def build_parser() -> argparse.ArgumentParser:

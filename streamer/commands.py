@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import sys
 from typing import Awaitable, Callable
@@ -52,10 +53,13 @@ def _add_auth_option(parser: argparse.ArgumentParser, who: str) -> None:
 
 # ---------------------------------------------------------------------------- serve
 async def _serve(args: argparse.Namespace) -> int:
+    from .sender_metrics import SenderMetrics, configure_logging
     from .server import ServerConfig, serve
     from .stores import open_store
 
     host, port = args.listen
+    configure_logging(json_lines=args.log_json, level=getattr(logging, args.log_level.upper()))
+    metrics = SenderMetrics() if args.metrics_port is not None else None
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     ssl_context = None
@@ -68,7 +72,7 @@ async def _serve(args: argparse.Namespace) -> int:
                           max_pending_requests=args.max_pending_requests,
                           max_frame=args.max_frame, shutdown_grace=args.grace,
                           auth_token=_token(args), ssl=ssl_context,
-                          allow_insecure=args.insecure_no_auth)
+                          allow_insecure=args.insecure_no_auth, metrics=metrics)
     store = await open_store(args.store)
     try:
         sender = await serve(store, host, port, config)
@@ -82,10 +86,22 @@ async def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
     mode = ("tls" if ssl_context else "plain") + (", auth" if config.auth_token else ", no auth")
     print(f"kvwire serve: {args.store} ({mode}) on {sender.address[0]}:{sender.port}", flush=True)
-    await stop.wait()
-    print("kvwire serve: shutting down", flush=True)
-    await sender.close()
-    await store.close()
+    if metrics is not None:
+        try:
+            metrics_port = metrics.start_http(args.metrics_host, args.metrics_port)
+        except BaseException:
+            await sender.close()
+            await store.close()
+            raise
+        print(f"kvwire serve: metrics on http://{args.metrics_host}:{metrics_port}/metrics", flush=True)
+    try:
+        await stop.wait()
+        print("kvwire serve: shutting down", flush=True)
+        await sender.close()
+        await store.close()
+    finally:
+        if metrics is not None:
+            metrics.stop_http()
     return 0
 
 
@@ -208,6 +224,14 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     serve.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     serve.add_argument("--tls-client-ca", metavar="PEM",
                        help="require client certificates signed by this CA (mutual TLS)")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free port)")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address of the metrics endpoint (default 127.0.0.1)")
+    serve.add_argument("--log-json", action="store_true",
+                       help="log one JSON object per line (each connection's lines carry its session id)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="log level (default info)")
     serve.set_defaults(handler=_runner(_serve))
 
     fetch = subparsers.add_parser("fetch", help="fetch one context under a deadline", allow_abbrev=False,

@@ -31,6 +31,7 @@ import codec
 from . import auth, protocol as p
 from .frames import PART_HEADER
 from .manifest import Manifest, validate_context_id
+from .sender_metrics import SenderMetrics, new_session_id, session_logger
 from .stores import ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError
 
 log = logging.getLogger("kvwire.server")
@@ -68,6 +69,8 @@ class ServerConfig:
     ssl: Optional[_ssl.SSLContext] = None
     #: allow listening on a non-loopback address without authentication
     allow_insecure: bool = False
+    #: Prometheus metrics (a SenderMetrics, or True for a fresh one; see Sender.metrics)
+    metrics: Optional[SenderMetrics] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout", "read_timeout", "write_timeout", "shutdown_grace"):
@@ -83,6 +86,13 @@ class ServerConfig:
         if self.ssl is not None and not isinstance(self.ssl, _ssl.SSLContext):
             raise TypeError(f"ServerConfig.ssl must be an ssl.SSLContext, got {type(self.ssl).__name__}")
         object.__setattr__(self, "auth_token", auth.normalize_token(self.auth_token))
+        if self.metrics is True:
+            object.__setattr__(self, "metrics", SenderMetrics())
+        elif self.metrics is False:
+            object.__setattr__(self, "metrics", None)
+        elif self.metrics is not None and not isinstance(self.metrics, SenderMetrics):
+            raise TypeError(f"ServerConfig.metrics must be a SenderMetrics, True or None, "
+                            f"got {type(self.metrics).__name__}")
 
     @property
     def authenticates(self) -> bool:
@@ -164,7 +174,12 @@ class _ConnectionHandler:
         self.writer = writer
         self.conn = p.Connection(p.Role.SERVER, max_frame=config.max_frame,
                                  auth_token=config.auth_token)
-        self.requests: asyncio.Queue[p.Event | None] = asyncio.Queue()
+        self.metrics = config.metrics
+        self.session_id = new_session_id()
+        #: every log line of this connection carries its session id (record.session)
+        self.log = session_logger(log, self.session_id, writer.get_extra_info("peername"))
+        # (request, when it was received) in arrival order
+        self.requests: asyncio.Queue[tuple[p.Event, float] | None] = asyncio.Queue()
         self.cancelled = _Cancelled()
         self.manifest: Manifest | None = None
         self.busy = False
@@ -238,7 +253,8 @@ class _ConnectionHandler:
             deadline, why = self._deadline(handshake_end, frame_end)
             now = self._loop.time()
             if deadline is not None and deadline <= now:
-                log.info("dropping %s: %s", self._peer(), why)
+                self.log.info("dropping %s: %s", self._peer(), why)
+                self._error("timeout")
                 await self._fatal("timeout", why)
                 return
             # while busy no deadline may apply yet; look again after idle_timeout anyway
@@ -255,10 +271,12 @@ class _ConnectionHandler:
                 for event in exc.events:   # the state is ERROR now: nothing more is sent
                     if isinstance(event, (p.Open, p.GetProfile, p.Request, p.Cancel)):
                         self._dispatch(event)
+                self._error("auth" if isinstance(exc, p.AuthenticationError)
+                            else getattr(exc, "code", "protocol"))
                 if isinstance(exc, p.AuthenticationError):
-                    log.warning("authentication failed from %s: %s", self._peer(), exc)
+                    self.log.warning("authentication failed from %s: %s", self._peer(), exc)
                 else:
-                    log.info("protocol error from %s: %s", self._peer(), exc)
+                    self.log.info("protocol error from %s: %s", self._peer(), exc)
                 with contextlib.suppress(Exception):
                     self.writer.write(self.conn.error_frame(exc))
                 return
@@ -275,16 +293,16 @@ class _ConnectionHandler:
         if isinstance(event, p.Hello):
             version = max(set(event.versions) & set(p.SUPPORTED_VERSIONS))
             required = self.conn.auth_required
-            self.writer.write(self.conn.send(p.Welcome(
+            self._send_now(self.conn.send(p.Welcome(
                 version=version, server=SERVER_NAME, max_frame=self.config.max_frame,
                 auth=p.AUTH_REQUIRED if required else p.AUTH_NONE,
                 nonce=auth.new_nonce() if required else "")))
         elif isinstance(event, p.Auth):   # the connection checked the MAC already
-            self.writer.write(self.conn.send(self.conn.auth_ok_event()))
+            self._send_now(self.conn.send(self.conn.auth_ok_event()))
             self._last_activity = self._loop.time()
         elif isinstance(event, (p.Open, p.GetProfile, p.Request)):
             self._last_activity = self._loop.time()
-            self.requests.put_nowait(event)
+            self.requests.put_nowait((event, self._loop.time()))
         elif isinstance(event, p.Cancel):
             # only for a request still outstanding: a stale CANCEL must neither pile up
             # nor cancel a later request for the same chunk
@@ -298,18 +316,25 @@ class _ConnectionHandler:
     # ---------------------------------------------------------------- answering
     async def _answer_loop(self) -> None:
         try:
-            while (request := await self.requests.get()) is not None:
+            while (item := await self.requests.get()) is not None:
+                request, received = item
                 self.busy = True
                 try:
-                    await self._answer(request)
-                except (ConnectionError, OSError, asyncio.TimeoutError):
-                    log.info("dropping %s: it accepted no data for %g s", self._peer(),
-                             self.config.write_timeout)
+                    kind = await self._answer(request)
+                    if self.metrics is not None:
+                        self.metrics.request_seconds.labels(kind=kind).observe(
+                            self._loop.time() - received)
+                except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
+                    self._error("write_timeout" if isinstance(exc, asyncio.TimeoutError)
+                                else "connection_lost")
+                    self.log.info("dropping %s: it accepted no data for %g s", self._peer(),
+                                  self.config.write_timeout)
                     self.closing = True
                     self.writer.transport.abort()
                     return
                 except Exception:  # a bug must cost this connection, never leave the peer hanging
-                    log.exception("answering %r failed; closing the connection", request)
+                    self._error("handler_failed")
+                    self.log.exception("answering %r failed; closing the connection", request)
                     self.closing = True
                     self.writer.transport.abort()
                     return
@@ -320,7 +345,10 @@ class _ConnectionHandler:
         finally:
             self._answered.set()   # never leave the reader waiting for room
 
-    async def _answer(self, request: p.Event) -> None:
+    async def _answer(self, request: p.Event) -> str:
+        """Answer one request; its kind for the latency histogram."""
+        kind = ("open" if isinstance(request, p.Open) else "profile" if isinstance(request, p.GetProfile)
+                else "text" if request.level == p.TEXT_LEVEL else "chunk")  # type: ignore[attr-defined]
         try:
             if isinstance(request, p.Open):
                 # before the store sees it: no path traversal, no key injection
@@ -337,20 +365,27 @@ class _ConnectionHandler:
             else:
                 await self._send_chunk(request)
         except (ContextNotFound, ChunkNotFound, ProfileNotFound) as exc:
+            self._error("not_found")
             await self._write(self.conn.send(p.Error("not_found", str(exc))))
         except ValueError as exc:
+            self._error("bad_request")
             await self._write(self.conn.send(p.Error("bad_request", str(exc))))
         except StoreError as exc:   # details (paths, hosts) stay in the log
-            log.error("store error answering %r: %s", request, exc)
+            self._error("unavailable")
+            self.log.error("store error answering %r: %s", request, exc)
             await self._write(self.conn.send(p.Error("unavailable", "store unavailable")))
         except codec.CorruptBitstream as exc:
-            log.error("corrupt blob in the store: %s", exc)
+            self._error("internal")
+            self.log.error("corrupt blob in the store: %s", exc)
             await self._write(self.conn.send(p.Error("internal", "stored chunk is corrupt")))
+        return kind
 
     async def _send_chunk(self, request: p.Request) -> None:
         chunk, level = request.chunk, request.level
         if self.cancelled.take(chunk):
             await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
+            if self.metrics is not None:
+                self.metrics.cancelled.inc()
             return
         manifest = self.manifest
         assert manifest is not None  # the protocol refuses REQUEST before MANIFEST
@@ -359,6 +394,9 @@ class _ConnectionHandler:
         if level == p.TEXT_LEVEL:
             data = await self.store.get_text(manifest.context_id, manifest.version, chunk)
             await self._write(self.conn.send(p.Text(chunk=chunk, data=data)))
+            if self.metrics is not None:
+                self.metrics.chunks.labels(level="text").inc()
+                self.metrics.text_fallbacks.inc()
             return
         if level >= len(manifest.level_distortion):
             raise ValueError(f"level {level} out of range: context has {len(manifest.level_distortion)} levels")
@@ -369,13 +407,29 @@ class _ConnectionHandler:
         for index, part in enumerate(parts):
             if self.cancelled.take(chunk):
                 await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
+                if self.metrics is not None:
+                    self.metrics.cancelled.inc()
                 return
             await self._write(*self.conn.send_parts(p.ChunkPart(chunk=chunk, part=index, data=part)))
         await self._write(self.conn.send(p.ChunkEnd(chunk=chunk)))
+        if self.metrics is not None:
+            self.metrics.chunks.labels(level=str(level)).inc()
 
     async def _write(self, *pieces: bytes | memoryview) -> None:
         self.writer.writelines(pieces)
+        if self.metrics is not None:
+            self.metrics.bytes_sent.inc(sum(len(piece) for piece in pieces))
         await asyncio.wait_for(self.writer.drain(), self.config.write_timeout)
+
+    def _send_now(self, data: bytes) -> None:
+        """Write without draining (handshake answers, small)."""
+        self.writer.write(data)
+        if self.metrics is not None:
+            self.metrics.bytes_sent.inc(len(data))
+
+    def _error(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(code=code).inc()
 
     async def _fatal(self, code: str, message: str) -> None:
         with contextlib.suppress(Exception):
@@ -391,6 +445,8 @@ class Sender:
     def __init__(self, store: Store, config: ServerConfig | None = None) -> None:
         self.store = store
         self.config = config or ServerConfig()
+        #: the Prometheus metrics (ServerConfig.metrics), None when not collected
+        self.metrics: SenderMetrics | None = self.config.metrics
         self._server: asyncio.base_events.Server | None = None
         self._handlers: dict[asyncio.Task, _ConnectionHandler] = {}
 
@@ -419,19 +475,31 @@ class Sender:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        metrics = self.metrics
         if len(self._handlers) >= self.config.max_sessions:
+            if metrics is not None:
+                metrics.refused.inc()
+                metrics.errors.labels(code="unavailable").inc()
             await self._refuse(reader, writer)
             return
         handler = _ConnectionHandler(self.store, self.config, reader, writer)
         task = asyncio.current_task()
         assert task is not None
         self._handlers[task] = handler
+        if metrics is not None:
+            metrics.sessions.inc()
+            metrics.sessions_open.inc()
+        handler.log.debug("session opened from %s", handler._peer())
         try:
             await handler.run()
         except Exception:  # one broken connection must never take the daemon down
-            log.exception("connection handler failed")
+            handler._error("handler_failed")
+            handler.log.exception("connection handler failed")
         finally:
             self._handlers.pop(task, None)
+            if metrics is not None:
+                metrics.sessions_open.dec()
+            handler.log.debug("session closed")
 
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """At capacity: a fatal ERROR "unavailable" (the receiver tries another sender)."""
