@@ -24,6 +24,7 @@ import torch
 import codec
 import netsim
 import streamer
+from streamer_helpers import synthetic_kv
 from netsim.proxy import LinkSpec
 from netsim.shaping import Cut
 from streamer import frames
@@ -38,12 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _kv(seed: int, tokens: int) -> torch.Tensor:
-    channels = HEADS * HEAD_DIM
-    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
-    scale = torch.logspace(0.5, -1.5, channels)
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(LAYERS, 2, tokens, channels, generator=gen) * scale) @ mix
-    return x.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM).to(torch.float16)
+    return synthetic_kv(seed, tokens, LAYERS, HEADS, HEAD_DIM)
 
 
 async def _put(url: str, context_id: str, ctx: dict, tokens: int = TOKENS) -> streamer.Manifest:

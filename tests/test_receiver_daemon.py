@@ -20,6 +20,7 @@ from safetensors.torch import load as load_safetensors
 import codec
 import netsim
 import streamer
+from streamer_helpers import synthetic_kv
 from streamer.receiver import ReceiverConfig, start_receiver
 from streamer.stores.file import FileStore
 
@@ -31,12 +32,7 @@ CONTEXTS = ("a", "b", "c")
 
 
 def _kv(seed: int, tokens: int) -> torch.Tensor:
-    channels = HEADS * HEAD_DIM
-    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
-    scale = torch.logspace(0.5, -1.5, channels)
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(LAYERS, 2, tokens, channels, generator=gen) * scale) @ mix
-    return x.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM).to(torch.float16)
+    return synthetic_kv(seed, tokens, LAYERS, HEADS, HEAD_DIM)
 
 
 def _distortion(x: torch.Tensor, y: torch.Tensor) -> float:

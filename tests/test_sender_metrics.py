@@ -12,6 +12,7 @@ import torch
 
 import codec
 import streamer
+from streamer_helpers import put_context_now, synthetic_kv
 from streamer import commands
 from streamer.client import ServerError
 from streamer.sender_metrics import JsonFormatter, SenderMetrics, TextFormatter
@@ -21,10 +22,7 @@ LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 2, 4, 32, 64, 4
 
 
 def _kv(seed: int, tokens: int) -> torch.Tensor:
-    channels = HEADS * HEAD_DIM
-    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
-    x = torch.randn(LAYERS, 2, tokens, channels, generator=torch.Generator().manual_seed(seed)) @ mix
-    return x.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM).to(torch.float16)
+    return synthetic_kv(seed, tokens, LAYERS, HEADS, HEAD_DIM)
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +30,8 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("metrics-store"))
     profile = codec.calibrate([_kv(1, 1024)])
 
-    async def put() -> None:
-        store = await streamer.open_store(root)
-        try:
-            await streamer.put_context(store, "ctx", _kv(2, CHUNKS * CHUNK_TOKENS),
-                                       [i % 3000 for i in range(CHUNKS * CHUNK_TOKENS)],
-                                       profile=profile, chunk_tokens=CHUNK_TOKENS)
-        finally:
-            await store.close()
-
-    asyncio.run(put())
+    put_context_now(root, "ctx", _kv(2, CHUNKS * CHUNK_TOKENS), [i % 3000 for i in range(CHUNKS * CHUNK_TOKENS)],
+                    profile=profile, chunk_tokens=CHUNK_TOKENS)
     return root
 
 

@@ -14,6 +14,7 @@ import torch
 
 import codec
 import streamer
+from streamer_helpers import put_context_now, synthetic_kv
 from streamer import protocol as p
 from streamer.frames import encode
 from streamer.server import ServerConfig
@@ -23,11 +24,7 @@ PID = "0123456789abcdef"
 
 
 def _kv(seed: int, tokens: int) -> torch.Tensor:
-    channels = HEADS * HEAD_DIM
-    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
-    scale = torch.logspace(0.5, -1.5, channels)
-    x = (torch.randn(LAYERS, 2, tokens, channels, generator=torch.Generator().manual_seed(seed)) * scale) @ mix
-    return x.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM).to(torch.float16)
+    return synthetic_kv(seed, tokens, LAYERS, HEADS, HEAD_DIM)
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +32,8 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("limits-store"))
     profile = codec.calibrate([_kv(1, 2048)])
 
-    async def put() -> None:
-        store = await streamer.open_store(root)
-        try:
-            await streamer.put_context(store, "ctx", _kv(2, CHUNKS * CHUNK_TOKENS),
-                                       [i % 3000 for i in range(CHUNKS * CHUNK_TOKENS)],
-                                       profile=profile, chunk_tokens=CHUNK_TOKENS)
-        finally:
-            await store.close()
-
-    asyncio.run(put())
+    put_context_now(root, "ctx", _kv(2, CHUNKS * CHUNK_TOKENS), [i % 3000 for i in range(CHUNKS * CHUNK_TOKENS)],
+                    profile=profile, chunk_tokens=CHUNK_TOKENS)
     return root
 
 

@@ -18,6 +18,7 @@ import torch
 import codec
 import netsim
 import streamer
+from streamer_helpers import synthetic_kv
 from netsim.proxy import LinkSpec
 from netsim.shaping import Cut, Stall
 from streamer.policy import TEXT
@@ -28,12 +29,7 @@ TOKENS = 12 * CHUNK_TOKENS
 
 
 def _kv(seed: int, tokens: int) -> torch.Tensor:
-    channels = HEADS * HEAD_DIM
-    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
-    scale = torch.logspace(0.5, -1.5, channels)
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(LAYERS, 2, tokens, channels, generator=gen) * scale) @ mix
-    return x.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM).to(torch.float16)
+    return synthetic_kv(seed, tokens, LAYERS, HEADS, HEAD_DIM)
 
 
 @pytest.fixture(scope="module")

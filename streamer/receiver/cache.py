@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..stores.file import fsync_dir
+
 log = logging.getLogger("kvwire.receiver")
 
 _SUFFIX = ".safetensors"
@@ -120,14 +122,6 @@ class Entry:
                 "text": text, "created": self.created}
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
     temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
     try:
@@ -140,7 +134,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def serialize(entry: Entry, tensors: dict[str, Any]) -> bytes:

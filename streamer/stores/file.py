@@ -45,7 +45,7 @@ _STALE_TEMP_S = 3600.0
 _LOCK_POLL_S = 0.005
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -71,7 +71,7 @@ async def _atomic_write(path: Path, data: BytesLike, *, sync_dir: bool = True) -
             os.unlink(temp)
         raise
     if sync_dir:
-        await asyncio.to_thread(_fsync_dir, path.parent)
+        await asyncio.to_thread(fsync_dir, path.parent)
 
 
 async def _read(path: Path) -> bytes | None:
@@ -240,7 +240,7 @@ class FileStore(Store):
                 await aiofiles.os.remove(context_dir / _MANIFEST)
             except FileNotFoundError:
                 raise ContextNotFound(context_id, self.url) from None
-            await asyncio.to_thread(_fsync_dir, context_dir)
+            await asyncio.to_thread(fsync_dir, context_dir)
             await asyncio.to_thread(self._sweep_locked, context_dir, None)
 
     def _sweep_locked(self, context_dir: Path, keep: str | None) -> int:
@@ -329,11 +329,11 @@ class FileContextWriter(ContextWriter):
             await self._switch(manifest)
 
     async def _switch(self, manifest: Manifest) -> None:
-        await asyncio.to_thread(_fsync_dir, self._dir)  # staged files durable before the switch
+        await asyncio.to_thread(fsync_dir, self._dir)  # staged files durable before the switch
         async with self._store._context_lock(self.context_id) as context_dir:
             await _atomic_write(context_dir / _MANIFEST, manifest.to_bytes(), sync_dir=False)
             self._committed = True  # the rename is the commit point
-            await asyncio.to_thread(_fsync_dir, context_dir)
+            await asyncio.to_thread(fsync_dir, context_dir)
             await asyncio.to_thread(_remove_unlocked_versions, context_dir, self.version)
 
     async def _discard(self) -> None:

@@ -1,0 +1,33 @@
+"""Helpers shared by the streaming tests (imported by name: pytest puts tests/ on sys.path)."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+import streamer
+
+
+def synthetic_kv(seed: int, tokens: int, layers: int, heads: int, head_dim: int) -> torch.Tensor:
+    """fp16 KV with cross-channel correlation; the mixing is fixed, the draw depends on ``seed``,
+    so a profile calibrated on one seed fits another."""
+    channels = heads * head_dim
+    mix = torch.randn(channels, channels, generator=torch.Generator().manual_seed(11)) / channels ** 0.5
+    scale = torch.logspace(0.5, -1.5, channels)
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(layers, 2, tokens, channels, generator=gen) * scale) @ mix
+    return x.reshape(layers, 2, tokens, heads, head_dim).to(torch.float16)
+
+
+def put_context_now(root: str, context_id: str, kv: torch.Tensor, token_ids: list[int], *,
+                    profile, chunk_tokens: int) -> streamer.Manifest:
+    """Put a context into the file store at ``root`` from synchronous (fixture) code."""
+    async def put() -> streamer.Manifest:
+        store = await streamer.open_store(root)
+        try:
+            return await streamer.put_context(store, context_id, kv, token_ids, profile=profile,
+                                              chunk_tokens=chunk_tokens)
+        finally:
+            await store.close()
+
+    return asyncio.run(put())
