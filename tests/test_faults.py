@@ -257,7 +257,8 @@ async def test_stall_past_the_deadline(ctx, reference, fallback: bool) -> None:
     deadline has passed by then, so every chunk not yet requested comes as text (a chunk
     already partly delivered is finished at its level). Without one, every reconnect
     stalls too and the fetch fails with a FetchFailed whose report says what was
-    delivered. Either way: no duplicate, no wrong tensor."""
+    delivered (or, if the shaper's leftover burst lets the tiny text answers through,
+    completes with the rest as text). Either way: no duplicate, no wrong tensor."""
     store = await open_store(ctx["root"])
     sender = await streamer.serve(store)
     rec = Recorder()
@@ -272,20 +273,22 @@ async def test_stall_past_the_deadline(ctx, reference, fallback: bool) -> None:
             async with _session(proxy.port, rec, slo=1.0, servers=servers, stall_timeout=1.2,
                                 max_reconnects=2, backoff=0.01, connect_timeout=0.5,
                                 on_chunk=on_chunk) as session:
-                if fallback:
+                try:
                     report = await session.fetch()
-                else:
-                    with pytest.raises(streamer.FetchFailed) as failure:
-                        await session.fetch()
-                    report = failure.value.report
+                    completed = True
+                except streamer.FetchFailed as failure:
+                    assert not fallback, f"the fallback sender should have finished the fetch: {failure}"
+                    report, completed = failure.report, False
     finally:
         await sender.close()
         await store.close()
     assert report.reconnects >= 1
-    check_delivery(rec, report, ctx, reference, complete=fallback)
-    if fallback:
+    check_delivery(rec, report, ctx, reference, complete=completed)
+    if completed:
+        # Without a fallback this happens only when the shaper's leftover burst lets the
+        # tiny text answers through the dead link; either way the rest went to text.
         text = {e[0] for e in rec.events if e[1] == TEXT}
-        assert text and max(text) == CHUNKS - 1, text     # the rest went to text
+        assert text and max(text) == CHUNKS - 1, text
     else:
         assert rec.position < (CHUNKS, 0)
 
