@@ -226,6 +226,12 @@ class ClientConnection:
             pieces.append(event.data)
         return b"".join(pieces)
 
+    @property
+    def reusable(self) -> bool:
+        """Open, handshake done, nothing outstanding and nothing unread: a new OPEN may follow."""
+        return (not self.closed and not self._transport.is_closing() and self.conn.state is p.State.READY
+                and not self.conn.outstanding and self.queue.empty())
+
     def abort(self) -> None:
         self.closed = True
         self._transport.abort()

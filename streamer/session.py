@@ -105,7 +105,8 @@ class StreamSession:
                  auth_token: auth.Token | None = None,
                  ssl: _ssl.SSLContext | bool | None = None, server_hostname: str | None = None,
                  max_frame: int = p.DEFAULT_MAX_FRAME,
-                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES) -> None:
+                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+                 connection: ClientConnection | None = None) -> None:
         if not slo > 0:
             raise ValueError(f"slo must be > 0 seconds, got {slo}")
         if type(max_buffered_bytes) is not int or max_buffered_bytes < 1:
@@ -118,6 +119,7 @@ class StreamSession:
         self._ssl = _ssl.create_default_context() if ssl is True else (ssl or None)
         self._server_hostname = server_hostname
         self._max_frame = max_frame
+        self._given_connection = connection
         self.max_buffered_bytes = max_buffered_bytes
         self._on_data: Callable[[], None] | None = None   # set by a running fetch
         self.policy_name = policy
@@ -140,12 +142,16 @@ class StreamSession:
         self._client: ClientConnection | None = None
         self.manifest: Manifest | None = None
         self.profile: codec.Profile | None = None
+        #: the level (or "text") each chunk was last requested at, as soon as it is requested:
+        #: lets a consumer label layers before the chunk's report exists
+        self.levels: dict[int, Choice] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "StreamSession":
         try:
-            await self._connect_any()
+            if not await self._reuse(self._given_connection):
+                await self._connect_any()
         except BaseException:
             self._executor.shutdown(wait=False)
             raise
@@ -161,6 +167,40 @@ class StreamSession:
         """Set the consumers after entering, once ``manifest`` tells their shapes."""
         self._on_layer = on_layer
         self._on_text = on_text
+
+    async def _reuse(self, client: ClientConnection | None) -> bool:
+        """Open the context on an idle connection handed in by the caller (a pool): no new
+        handshake. False, with the connection dropped, if it turns out to be unusable."""
+        if client is None:
+            return False
+        if not client.reusable:
+            client.abort()
+            return False
+        self._client = client
+        client.set_on_data(self._on_data)
+        client.resume_reading()
+        try:
+            await self._open_context()
+            return True
+        except ServerError as exc:
+            if exc.code == "not_found":
+                raise
+        except ConnectionLost:
+            pass
+        client.abort()
+        self._client = None
+        return False
+
+    def detach_connection(self) -> ClientConnection | None:
+        """After ``fetch()``: hand the connection back for reuse (None if it is not reusable);
+        the session then leaves it open on exit."""
+        client, self._client = self._client, None
+        if client is not None and client.reusable:
+            client.set_on_data(None)
+            return client
+        if client is not None:
+            client.abort()
+        return None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -416,6 +456,7 @@ class _Fetch:
 
     def _send_request(self, chunk: _Chunk, choice: Choice) -> None:
         chunk.choice = choice
+        self.s.levels[chunk.index] = choice
         chunk.requested_at = time.monotonic()
         chunk.begin_at = chunk.end_at = None
         chunk.received = 0

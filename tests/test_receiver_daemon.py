@@ -255,7 +255,7 @@ async def test_events_arrive_in_order_before_the_fetch_ends(contexts, sender, re
     layers = [(d["chunk"], d["layer"]) for _, kind, d in events if kind == "layer"]
     assert layers == [(c, l) for c in range(CHUNKS) for l in range(LAYERS)]
     assert [d["chunk"] for _, kind, d in events if kind == "chunk"] == list(range(CHUNKS))
-    assert all(d["level"] in (None, 2) for _, kind, d in events if kind in ("layer", "chunk"))
+    assert all(d["level"] == 2 for _, kind, d in events if kind in ("layer", "chunk"))
     first_layer = next(t for t, kind, _ in events if kind == "layer")
     done_at = events[-1][0]
     assert done_at - first_layer > 0.3, "layer 0 must be usable well before the fetch ends"
@@ -487,3 +487,11 @@ async def test_a_device_that_cannot_decode_fails_at_start() -> None:
         pass
     with pytest.raises(ValueError, match="cannot decode"):
         await start_receiver(ReceiverConfig(servers=[("127.0.0.1", 1)], device="cuda"), "127.0.0.1", 0)
+
+
+async def test_fetches_reuse_the_connection_to_the_sender(contexts, sender, receive, http) -> None:
+    receiver = await receive([("127.0.0.1", sender.port)])
+    for context_id in ("a", "b"):
+        status, body = await _post(http, receiver, context_id=context_id, slo=5.0, policy="fixed:3")
+        assert status == 200 and body["status"] == "fetched", body
+    assert await _metric(http, receiver, "kvwire_receiver_connections_reused_total") == 1

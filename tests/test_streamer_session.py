@@ -341,3 +341,31 @@ def test_serve_cli_shuts_down_cleanly_on_sigterm(context, tmp_path: Path) -> Non
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_a_detached_connection_serves_the_next_fetch_without_a_new_handshake(context) -> None:
+    from streamer.server import ServerConfig
+
+    store = await streamer.open_store(context["root"])
+    server = await streamer.serve(store, config=ServerConfig(metrics=True))
+    try:
+        async with streamer.StreamSession("127.0.0.1", server.port, "ctx", slo=5.0, policy="fixed:4") as first:
+            await first.fetch()
+            client = first.detach_connection()
+        assert client is not None and client.reusable
+        rec = Recorder()
+        async with streamer.StreamSession("127.0.0.1", server.port, "ctx", slo=5.0, policy="fixed:2",
+                                          on_layer=rec.on_layer, connection=client) as second:
+            report = await second.fetch()
+        assert rec.position == (len(context["manifest"].chunks), 0)
+        assert [c.level for c in report.chunks] == [2] * len(context["manifest"].chunks)
+        assert server.metrics.value("kvwire_sender_sessions_total") == 1  # one connection, two fetches
+        client.abort()
+        # a dead connection handed in is dropped and the session connects anew
+        async with streamer.StreamSession("127.0.0.1", server.port, "ctx", slo=5.0, policy="fixed:4",
+                                          connection=client) as third:
+            await third.fetch()
+        assert server.metrics.value("kvwire_sender_sessions_total") == 2
+    finally:
+        await server.close()
+        await store.close()

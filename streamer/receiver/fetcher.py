@@ -152,6 +152,10 @@ class FetchJob:
         self.finished.set()
 
 
+#: Idle connections kept to the primary sender for reuse by later fetches.
+MAX_IDLE_CONNECTIONS = 4
+
+
 class Fetcher:
     """Single-flight fetches into ``cache``; see the module docstring."""
 
@@ -168,6 +172,9 @@ class Fetcher:
         self.inflight: dict[str, FetchJob] = {}
         self.closing = False
         self._changed = asyncio.Event()
+        #: idle, already authenticated connections to the primary sender, reused by the
+        #: next fetches (a new OPEN on the same connection) instead of a new handshake
+        self._idle: list[Any] = []
 
     def _notify(self) -> None:
         self._changed.set()
@@ -292,9 +299,13 @@ class Fetcher:
         recomputed: list[int] = []
         levels: dict[int, int | str] = {}
         host, port = self.servers[0]
+        pooled = self._idle.pop() if self._idle else None
+        if pooled is not None:
+            self.metrics.connections_reused.inc()
         async with StreamSession(host, port, req.context_id, slo=req.slo, policy=req.policy,
                                  servers=self.servers[1:], device=self.device,
                                  on_chunk=lambda r: self._on_chunk(job, levels, r),
+                                 connection=pooled,
                                  **self.session_options) as session:
             m = session.manifest
             assert m is not None
@@ -314,7 +325,7 @@ class Fetcher:
                     info = m.chunks[chunk]
                     kv[layer, 0, info.start:info.end] = k
                     kv[layer, 1, info.start:info.end] = v
-                job.emit("layer", chunk=chunk, layer=layer, level=levels.get(chunk))
+                job.emit("layer", chunk=chunk, layer=layer, level=session.levels.get(chunk))
 
             async def on_text(chunk: int, token_ids: list[int]) -> None:
                 info = m.chunks[chunk]
@@ -334,6 +345,13 @@ class Fetcher:
             except FetchFailed as exc:
                 self.metrics.bytes.inc(exc.report.bytes)
                 raise
+            client = session.detach_connection()
+            if client is not None:
+                if client.address == self.servers[0] and len(self._idle) < MAX_IDLE_CONNECTIONS \
+                        and not self.closing:
+                    self._idle.append(client)
+                else:
+                    await client.close()
         self.metrics.bytes.inc(report.bytes)
         self.metrics.fetch_seconds.observe(report.total_seconds)
         if not report.deadline_met:
@@ -387,6 +405,9 @@ class Fetcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.cache.flush()
+        idle, self._idle = self._idle, []
+        for client in idle:
+            await client.close()
 
 
 def _json_safe(value: Any) -> Any:

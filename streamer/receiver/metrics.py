@@ -19,6 +19,8 @@ class Metrics:
                                 "(cached, fetched, joined, error)", ["result"], registry=r)
         self.bytes = Counter(f"{p}_received_bytes", "Bytes received from senders (KV blobs and text)", registry=r)
         self.chunks = Counter(f"{p}_chunks", "Chunks received, by level (or text)", ["level"], registry=r)
+        self.connections_reused = Counter(f"{p}_connections_reused", "Fetches that reused an idle "
+                                          "connection to the primary sender (no new handshake)", registry=r)
         self.recomputed = Counter(f"{p}_recomputed_chunks", "Text chunks recomputed with --model", registry=r)
         self.deadline_missed = Counter(f"{p}_deadline_missed", "Fetches that ended after their SLO", registry=r)
         self.cache_hits = Counter(f"{p}_cache_hits", "Requests served from the local cache", registry=r)
