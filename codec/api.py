@@ -140,23 +140,19 @@ def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
     if not 0 <= layer < header.layers:
         raise ValueError(f"layer {layer} out of range [0, {header.layers})")
     resolved, slot = resolve_profile(header, profile)
-    view = container.verify_section(section, header, layer)
+    sink_bytes, lanes = container.split_section(section, header, layer)
     sinks, tokens = header.sink_tokens, header.tokens
     channels = header.heads * header.head_dim
-    item = torch.finfo(header.dtype).bits // 8
-    sink_len = 2 * sinks * channels * item
-    if len(view) < sink_len:
-        raise CorruptBitstream(f"layer {layer}'s section is shorter than its sink tokens")
     shape = (2, tokens, header.heads, header.head_dim)
     if out is None:
         out = torch.empty(shape, dtype=header.dtype)
     elif out.shape != shape or out.dtype != header.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {header.dtype} tensor of shape {shape}")
     flat = out.view(2, tokens, channels)
-    layer_codec.decode_layer(resolved, slot, layer, view[sink_len:], flat[:, sinks:])
+    layer_codec.decode_layer(resolved, slot, layer, lanes, flat[:, sinks:])
     if sinks:
         item_dtype = torch.empty(0, dtype=_ITEM_VIEW[header.dtype]).numpy().dtype.newbyteorder("<")
-        bits = np.frombuffer(view[:sink_len], dtype=item_dtype).astype(item_dtype.newbyteorder("="))
+        bits = np.frombuffer(sink_bytes, dtype=item_dtype).astype(item_dtype.newbyteorder("="))
         flat[:, :sinks] = torch.from_numpy(bits).view(header.dtype).reshape(2, sinks, channels)
     return out[0], out[1]
 

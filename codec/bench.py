@@ -144,15 +144,13 @@ def coder_overhead(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
                    blobs: Sequence[bytes]) -> float:
     """Lane payload bits (final states and lane tables included) over the ideal bits."""
     ideal = real = 0.0
-    for index, (chunk, blob) in enumerate(zip(chunks, blobs)):
+    for chunk, blob in zip(chunks, blobs):
         header = api.parse_header(blob)
-        sinks = header.sink_tokens
-        body = split_tokens(chunk, sinks)
-        sink_bytes = 2 * sinks * profile.channels * (torch.finfo(header.dtype).bits // 8)
+        body = split_tokens(chunk, header.sink_tokens)
         for layer in range(header.layers):
             plan, q, _ = layer_codec.quantize_layer(profile, level, layer, body[layer][0], body[layer][1])
             ideal += layer_codec.ideal_layer_bits(profile, plan, q)
-            real += 8 * (header.sections[layer][0] - sink_bytes)
+            real += 8 * len(container.split_section(container.section(blob, header, layer), header, layer)[1])
     return real / ideal - 1.0 if ideal else 0.0
 
 

@@ -133,6 +133,16 @@ def section(data: bytes | memoryview, header: BlobHeader, layer: int) -> memoryv
     return verify_section(view, header, layer)
 
 
+def split_section(section: bytes | memoryview, header: BlobHeader, layer: int) -> tuple[memoryview, memoryview]:
+    """(sink token bytes, lane payload) of a verified layer section (see FORMAT.md)."""
+    view = verify_section(section, header, layer)
+    item = torch.finfo(header.dtype).bits // 8
+    sink_len = 2 * header.sink_tokens * header.heads * header.head_dim * item
+    if len(view) < sink_len:
+        raise CorruptBitstream(f"layer {layer}'s section is shorter than its sink tokens")
+    return view[:sink_len], view[sink_len:]
+
+
 def verify_section(view: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:
     """Check a received section against the header's length and checksum."""
     length, expected = header.sections[layer]

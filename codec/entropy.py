@@ -21,8 +21,6 @@ ALPHABET = 128
 ESCAPE = ALPHABET - 1
 #: symbol index of the quantized value 0
 ZERO_SYMBOL = 63
-#: the largest |q >> shift| a table can code; anything beyond escapes
-MAX_CODED = ZERO_SYMBOL
 
 #: Components are shifted right until their std is at most this many steps, so the
 #: alphabet always spans ~8 sigma and the dropped low bits are nearly uniform.

@@ -68,7 +68,12 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
         result = bias.clone()
     else:
         result = torch.addmm(bias, coef.T, basis[:kept])
-    if out.dtype != torch.float32:
-        limit = torch.finfo(out.dtype).max
-        result.clamp_(-limit, limit)
-    out.copy_(result)
+    out.copy_(clamp_to(result, out.dtype))
+
+
+def clamp_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` clamped in place to ``dtype``'s finite range (a no-op for float32)."""
+    if dtype != torch.float32:
+        limit = torch.finfo(dtype).max
+        values.clamp_(-limit, limit)
+    return values

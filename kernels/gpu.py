@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import codec
-from codec import container, layer_codec
+from codec import container, layer_codec, transform
 from codec.profile import Profile
 
 from .pipeline import pipelined
@@ -81,7 +81,6 @@ class GpuDecoder:
         self._module = SourceModule(kernel_source(), no_extern_c=True, cache_dir=str(cache),
                                     options=["-O3", "--fmad=false"])
         self._kernel = self._module.get_function("rans_decode_lanes")
-        self._cuda = cuda
         self.copy_stream = cuda.Stream()
         self.decode_stream = cuda.Stream()
         self._torch_copy = torch.cuda.ExternalStream(self.copy_stream.handle, device=self.device)
@@ -111,19 +110,14 @@ class GpuDecoder:
               section: bytes | memoryview) -> "_Staged":
         """Verify and parse a section on the host, then queue its upload on the copy stream."""
         resolved, slot = codec.resolve_profile(header, profile)
-        view = container.verify_section(section, header, layer)
-        channels = header.heads * header.head_dim
-        item = torch.finfo(header.dtype).bits // 8
-        sink_len = 2 * header.sink_tokens * channels * item
-        if len(view) < sink_len:
-            raise codec.CorruptBitstream(f"layer {layer}'s section is shorter than its sink tokens")
-        lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, view[sink_len:])
+        sink_bytes, payload = container.split_section(section, header, layer)
+        lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, payload)
         plan = lanes.plan
         inputs = {name: self._upload(array) for name, array in (
             ("words", lanes.words.view(np.int16)), ("lane_start", lanes.lane_start),
             ("states", lanes.states.view(np.int32)), ("lane_rows", plan.lane_rows), ("step", plan.step),
             ("group", plan.group), ("table", plan.table), ("shift", plan.shift))}
-        sinks = self._upload(np.frombuffer(view[:sink_len], dtype=np.uint8)) if sink_len else None
+        sinks = self._upload(np.frombuffer(sink_bytes, dtype=np.uint8)) if len(sink_bytes) else None
         copied = torch.cuda.Event()
         copied.record(self._torch_copy)
         return _Staged(header, resolved, layer, plan, inputs, sinks, copied)
@@ -155,10 +149,7 @@ class GpuDecoder:
                     result = rows[kv] + mean
                 else:
                     result = torch.addmm(mean.expand(coded, channels), rows[kv], tables.basis[layer, kv, : plan.kept[kv]])
-                if header.dtype != torch.float32:
-                    limit = torch.finfo(header.dtype).max
-                    result.clamp_(-limit, limit)
-                out[kv, sinks:] = result
+                out[kv, sinks:] = transform.clamp_to(result, header.dtype)
             if staged.sinks is not None:
                 out[:, :sinks] = staged.sinks.view(header.dtype).reshape(2, sinks, channels)
             done = torch.cuda.Event()

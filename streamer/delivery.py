@@ -57,7 +57,6 @@ class OrderedDelivery:
         self._decode = decode
         self._chunks = [_ChunkSlots(kind=self._loop.create_future()) for _ in range(chunks)]
         self.first_layer_at: float | None = None
-        self._progress = asyncio.Event()
         #: encoded bytes of each section added and not yet delivered (decoding or decoded)
         self._backlog: dict[tuple[int, int], int] = {}
         self.backlog_bytes = 0
@@ -174,7 +173,6 @@ class OrderedDelivery:
             state.done = True
             self._position = index + 1
             self._release(index)
-            self._progress.set()
 
     async def _deliver_layers(self, index: int, state: _ChunkSlots) -> bool:
         """Deliver the chunk's remaining layers; False if it was retargeted to text."""
@@ -202,10 +200,6 @@ class OrderedDelivery:
             del state.layers[layer]
             self._release(index, layer)
         return True
-
-    async def wait_progress(self) -> None:
-        self._progress.clear()
-        await self._progress.wait()
 
 
 def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: codec.Profile, layer: int,

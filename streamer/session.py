@@ -78,7 +78,6 @@ class _Chunk:
     choice: Choice | None = None
     requested_at: float = 0.0
     begin_at: float | None = None
-    end_at: float | None = None
     expected: int = 0
     received: int = 0
     buffer: bytearray = field(default_factory=bytearray)
@@ -421,6 +420,11 @@ class _Fetch:
                     history.append(Observation(head.received, now - start))
         return history, estimator.robust_estimate(history, prior=self.prior)
 
+    def _decide(self, index: int, time_left: float, history: list[Observation]) -> tuple[Choice, str | None]:
+        """The policy's choice (and the rule's reason, if any) for chunk ``index``."""
+        return decide(self.s._policy, self.manifest, index, time_left=time_left,
+                      history=history, prior_bps=self.prior, recompute_seconds_per_token=self.s._recompute)
+
     def _pending_recompute(self) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text."""
         return sum(self.s._recompute * (self.manifest.chunks[c.index].end - self.manifest.chunks[c.index].start)
@@ -445,9 +449,7 @@ class _Fetch:
             due = outstanding / estimate if estimate else 0.0
             time_left = self.deadline - now - due - self._pending_recompute()
             index = self.next_chunk
-            choice, reason = decide(self.s._policy, self.manifest, index, time_left=time_left,
-                                    history=history, prior_bps=self.prior,
-                                    recompute_seconds_per_token=self.s._recompute)
+            choice, reason = self._decide(index, time_left, history)
             chunk = self.chunks[index]
             chunk.report = ChunkReport(index=index, level=choice, time_left=time_left, reason=reason,
                                        estimate_bps=None if estimate is None else 8 * estimate)
@@ -458,7 +460,7 @@ class _Fetch:
         chunk.choice = choice
         self.s.levels[chunk.index] = choice
         chunk.requested_at = time.monotonic()
-        chunk.begin_at = chunk.end_at = None
+        chunk.begin_at = None
         chunk.received = 0
         chunk.buffer = bytearray()
         chunk.consumed = 0
@@ -546,7 +548,6 @@ class _Fetch:
             self.inflight.remove(chunk.index)
         if cancelled:
             return
-        chunk.end_at = at
         busy = max(at - self._busy_start(chunk), 0.0)
         self.last_end = at
         report = chunk.report
@@ -624,10 +625,7 @@ class _Fetch:
                 # nothing went out yet: this chunk may be decided afresh
                 now = time.monotonic()
                 history, _ = self._estimate(now)
-                choice, reason = decide(self.s._policy, self.manifest, index,
-                                        time_left=self.deadline - now - self._pending_recompute(),
-                                        history=history,
-                                        prior_bps=self.prior, recompute_seconds_per_token=self.s._recompute)
+                choice, reason = self._decide(index, self.deadline - now - self._pending_recompute(), history)
                 chunk.report.level = choice  # type: ignore[union-attr]
                 chunk.report.reason = reason  # type: ignore[union-attr]
                 chunk.choice = choice

@@ -3,34 +3,25 @@ child): zero errors and the report's structure; no timing or memory thresholds (
 machine may be busy)."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
 import pytest
 
 from streamer import load
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvwire")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench_parser = sub.add_parser("bench")
-    bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
-    load.register(sub, bench_sub)
-    return parser
+from streamer.cli import build_parser
 
 
 def test_options() -> None:
-    args = _parser().parse_args(["bench", "load"])
+    args = build_parser().parse_args(["bench", "load"])
     cfg = load._config(args)
     assert (cfg.sessions, cfg.seconds, cfg.soak) == (256, 60.0, False)
-    cfg = load._config(_parser().parse_args(["bench", "load", "--soak"]))
+    cfg = load._config(build_parser().parse_args(["bench", "load", "--soak"]))
     assert cfg.soak and math.isinf(cfg.seconds)
-    cfg = load._config(_parser().parse_args(["bench", "load", "--quick", "--sessions", "4", "--seconds", "1"]))
+    cfg = load._config(build_parser().parse_args(["bench", "load", "--quick", "--sessions", "4", "--seconds", "1"]))
     assert (cfg.sessions, cfg.seconds) == (4, 1.0)
     with pytest.raises(SystemExit):
-        load._config(_parser().parse_args(["bench", "load", "--sessions", "0"]))
+        load._config(build_parser().parse_args(["bench", "load", "--sessions", "0"]))
 
 
 def test_reservoir_is_bounded_and_percentiles() -> None:
@@ -53,7 +44,7 @@ def test_rss_bytes() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_quick_json_run(capsys: pytest.CaptureFixture[str]) -> None:
-    args = _parser().parse_args(["bench", "load", "--quick", "--json"])
+    args = build_parser().parse_args(["bench", "load", "--quick", "--json"])
     assert args.handler(args) == 0
     out = json.loads(capsys.readouterr().out)
 

@@ -2,32 +2,23 @@
 no timing thresholds (the machine may be busy)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from streamer import bench
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvwire")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench_parser = sub.add_parser("bench")
-    bench_sub = bench_parser.add_subparsers(dest="bench", required=True)
-    bench.register(sub, bench_sub)
-    return parser
+from streamer.cli import build_parser
 
 
 def test_register_adds_bench_stream() -> None:
-    args = _parser().parse_args(["bench", "stream", "--quick", "--json"])
+    args = build_parser().parse_args(["bench", "stream", "--quick", "--json"])
     assert args.quick and args.json and args.handler is bench._cmd_bench
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_json_run_completes(capsys: pytest.CaptureFixture[str]) -> None:
-    args = _parser().parse_args(["bench", "stream", "--quick", "--json"])
+    args = build_parser().parse_args(["bench", "stream", "--quick", "--json"])
     assert args.handler(args) == 0
     out = json.loads(capsys.readouterr().out)
 
