@@ -18,7 +18,7 @@ import argparse
 from aiohttp import web
 
 import streamer
-from streamer.commands import parse_address
+from streamer.tools.serve_fetch import parse_address
 
 
 def make_app(sender: tuple[str, int]) -> web.Application:

@@ -13,12 +13,12 @@ __all__ = ["open_store", "put_context", "serve", "Sender", "ServerConfig", "Stre
            "InsecureConfiguration"]
 
 _EXPORTS = {
-    "open_store": "stores", "put_context": "put", "serve": "server", "Sender": "server",
-    "ServerConfig": "server", "StreamSession": "session", "FetchFailed": "session",
-    "ContextChanged": "session", "FetchReport": "report", "ChunkReport": "report",
-    "StreamError": "client", "ServerError": "client", "ConnectionLost": "client",
-    "AuthenticationFailed": "client", "InsecureConfiguration": "server",
-    "Manifest": "manifest",
+    "open_store": "store", "put_context": "store.put", "serve": "net.sender",
+    "Sender": "net.sender", "ServerConfig": "net.sender", "StreamSession": "net.session",
+    "FetchFailed": "net.session", "ContextChanged": "net.session", "FetchReport": "net.report",
+    "ChunkReport": "net.report", "StreamError": "net.client", "ServerError": "net.client",
+    "ConnectionLost": "net.client", "AuthenticationFailed": "net.client",
+    "InsecureConfiguration": "net.sender", "Manifest": "wire.manifest",
 }
 
 
@@ -32,10 +32,10 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .client import AuthenticationFailed, ConnectionLost, ServerError, StreamError
-    from .manifest import Manifest
-    from .put import put_context
-    from .report import ChunkReport, FetchReport
-    from .server import InsecureConfiguration, Sender, ServerConfig, serve
-    from .session import ContextChanged, FetchFailed, StreamSession
-    from .stores import open_store
+    from streamer.net.client import AuthenticationFailed, ConnectionLost, ServerError, StreamError
+    from streamer.wire.manifest import Manifest
+    from streamer.store.put import put_context
+    from streamer.net.report import ChunkReport, FetchReport
+    from streamer.net.sender import InsecureConfiguration, Sender, ServerConfig, serve
+    from streamer.net.session import ContextChanged, FetchFailed, StreamSession
+    from streamer.store import open_store

@@ -90,7 +90,7 @@ def minilm_kv():
     pytest.importorskip("transformers")
     import torch
 
-    from streamer import hf
+    from streamer.model import hf
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -160,7 +160,7 @@ def redis_url():
 @pytest.fixture
 def redis_store_url(redis_url):
     """``redis_url`` with a fresh key prefix (``?prefix=test-<hex>``, understood by
-    streamer.stores), so tests sharing one server never see each other's keys; the
+    streamer.store), so tests sharing one server never see each other's keys; the
     prefix's keys are deleted afterwards."""
     import uuid
 
@@ -185,7 +185,7 @@ def store_url(request, tmp_path) -> str:
 
 @pytest.fixture
 async def store(store_url: str):
-    from streamer.stores import open_store
+    from streamer.store import open_store
 
     async with await open_store(store_url) as s:
         yield s

@@ -63,7 +63,7 @@ def test_ladder_on_real_kv(minilm_kv, minilm_profile, codec_distortion):
 
 
 def test_sentence_embedding_survives(minilm_kv, minilm_profile):
-    from streamer import hf
+    from streamer.model import hf
 
     model = minilm_kv["model"]
     ids = minilm_kv["measure_ids"][:256]

@@ -27,9 +27,9 @@ import streamer
 from streamer_helpers import synthetic_kv
 from netsim.proxy import LinkSpec
 from netsim.shaping import Cut
-from streamer import frames
-from streamer.policy import TEXT
-from streamer.stores import StoreError, open_store
+from streamer.wire import frames
+from streamer.adapt.policies import TEXT
+from streamer.store import StoreError, open_store
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 32
 CHUNK_TOKENS = 256
@@ -137,7 +137,7 @@ def _free_port() -> int:
 def _spawn_sender(root: str, port: int = 0) -> tuple[subprocess.Popen, int]:
     """``kvwire serve`` as a separate process; returns it and its port."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "serve", "--store", root,
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.tools.cli", "serve", "--store", root,
                              "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     if "kvwire serve:" not in line:
@@ -556,7 +556,7 @@ async def test_disk_full_during_a_put_keeps_the_previous_version(ctx, tiny_tmpfs
         ref = await _reference(str(root), old, ctx["profile"])
         assert len(ref) == sum(len(c.sizes) for c in old.chunks)
         text = await store.get_text("ctx", old.version, 1)
-        assert streamer.put.decode_tokens(text) == ctx["tokens"][CHUNK_TOKENS:2 * CHUNK_TOKENS]
+        assert streamer.store.put.decode_tokens(text) == ctx["tokens"][CHUNK_TOKENS:2 * CHUNK_TOKENS]
     finally:
         await store.close()
     # no partial files left visible: nothing but what the old version had

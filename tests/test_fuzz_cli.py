@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from streamer import fuzz
-from streamer.cli import main
+from streamer.tools import fuzz
+from streamer.tools.cli import main
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,8 +46,8 @@ def test_random_bytes_fuzz_finds_nothing(target: str) -> None:
 
 def test_valid_traffic_passes_the_protocol_check() -> None:
     """A sanity check that the fuzz states are live: a well-formed frame is accepted."""
-    from streamer.events import Request
-    from streamer.protocol import Connection, Role
+    from streamer.wire.events import Request
+    from streamer.wire.protocol import Connection, Role
 
     client = Connection(Role.CLIENT)
     # the "server with context" state accepts a REQUEST without error

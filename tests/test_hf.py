@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import codec
-from streamer import hf
-from streamer.manifest import ChunkInfo, Manifest
+from streamer.model import hf
+from streamer.wire.manifest import ChunkInfo, Manifest
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 4, 2, 16, 128
 

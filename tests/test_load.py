@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from streamer import load
-from streamer.cli import build_parser
+from streamer.tools import bench_load as load
+from streamer.tools.cli import build_parser
 
 
 def test_options() -> None:

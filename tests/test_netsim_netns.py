@@ -128,7 +128,7 @@ def test_play_follows_a_trace() -> None:
 def test_cli_runs_both_commands(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from netsim import cli
+    from streamer.tools import netsim_cli as cli
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     parser = argparse.ArgumentParser()

@@ -199,7 +199,7 @@ def test_make_traces_reproduces_the_committed_files() -> None:
 def test_cli_registers_handlers_and_lists_traces(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from netsim import cli
+    from streamer.tools import netsim_cli as cli
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()

@@ -11,11 +11,12 @@ import json
 import pytest
 
 import codec
-from streamer import calibrate_cli, hf
+from streamer.tools import calibrate as calibrate_cli
+from streamer.model import hf
 
 
 def _main(argv: list[str]) -> int:
-    """Run a subcommand through the parser these modules register (as streamer.cli does)."""
+    """Run a subcommand through the parser these modules register (as streamer.tools.cli does)."""
     parser = argparse.ArgumentParser(prog="kvwire")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench")

@@ -22,7 +22,7 @@ import netsim
 import streamer
 from streamer_helpers import synthetic_kv
 from streamer.receiver import ReceiverConfig, start_receiver
-from streamer.stores.file import FileStore
+from streamer.store.file import FileStore
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 32
 CHUNK_TOKENS = 128
@@ -421,7 +421,7 @@ async def test_shutdown_cancels_a_running_fetch_and_leaves_the_cache_consistent(
 async def test_sigterm_stops_the_cli_daemon_cleanly(contexts, sender, http, tmp_path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "streamer.cli", "receive", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "streamer.tools.cli", "receive", "--listen", "127.0.0.1:0",
         "--servers", f"127.0.0.1:{sender.port}", "--cache", str(tmp_path / "cache"), "--cache-bytes", "64M",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
     try:
@@ -461,8 +461,8 @@ async def test_shutdown_lets_a_fetch_finish_within_the_grace(contexts, sender, r
 def test_cli_arguments() -> None:
     import argparse
 
-    from streamer.cli import build_parser
-    from streamer.receiver.cli import parse_bytes, parse_servers
+    from streamer.tools.cli import build_parser
+    from streamer.tools.receive import parse_bytes, parse_servers
 
     assert parse_bytes("65536") == 65536 and parse_bytes("512M") == 512 << 20 and parse_bytes("1.5g") == 3 << 29
     assert parse_bytes("4GiB") == 4 << 30

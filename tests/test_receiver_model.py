@@ -15,7 +15,7 @@ import streamer
 from streamer.receiver import ReceiverConfig, start_receiver
 
 pytest.importorskip("transformers")
-from streamer import hf  # noqa: E402
+from streamer.model import hf  # noqa: E402
 
 VOCAB = 128
 

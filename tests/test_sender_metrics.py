@@ -13,10 +13,10 @@ import torch
 import codec
 import streamer
 from streamer_helpers import put_context_now, synthetic_kv
-from streamer import commands
-from streamer.client import ServerError
-from streamer.sender_metrics import JsonFormatter, SenderMetrics, TextFormatter
-from streamer.server import ServerConfig
+from streamer.tools import serve_fetch as commands
+from streamer.net.client import ServerError
+from streamer.net.sender_metrics import JsonFormatter, SenderMetrics, TextFormatter
+from streamer.net.sender import ServerConfig
 
 LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 2, 4, 32, 64, 4
 

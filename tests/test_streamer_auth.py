@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 import streamer
-from streamer import auth, tls
-from streamer import protocol as p
-from streamer.frames import encode
-from streamer.server import ServerConfig, is_loopback
+from streamer.wire import auth
+from streamer.net import tls
+from streamer.wire import protocol as p
+from streamer.wire.frames import encode
+from streamer.net.sender import ServerConfig, is_loopback
 
 from test_streamer_limits import CHUNKS, Raw, _fatal, store_root  # noqa: F401  (fixture)
 
@@ -164,7 +165,7 @@ def test_token_from_file_and_env(tmp_path: Path):
 
 
 def test_cli_takes_no_token_argument():
-    from streamer.cli import build_parser
+    from streamer.tools.cli import build_parser
 
     for command in (["serve", "--store", "x"], ["fetch", "--server", "h:1", "--context", "c"]):
         with pytest.raises(SystemExit):
@@ -191,7 +192,7 @@ async def test_non_loopback_without_auth_refuses_to_start(store_root):
 
 
 def test_cli_serve_refuses_non_loopback_without_token(store_root, capsys, monkeypatch):
-    from streamer.cli import main
+    from streamer.tools.cli import main
 
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     assert main(["serve", "--store", store_root, "--listen", "0.0.0.0:0"]) == 1
@@ -380,14 +381,14 @@ def test_cli_serve_and_fetch_with_tls_and_token(store_root, certificate, tmp_pat
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     env = dict(os.environ, PYTHONUNBUFFERED="1", KVWIRE_AUTH_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "serve", "--store", store_root,
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.tools.cli", "serve", "--store", store_root,
                              "--listen", "127.0.0.1:0", "--tls-cert", cert, "--tls-key", key],
                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
         assert "(tls, auth)" in line, line
         port = int(line.rsplit(":", 1)[1])
-        fetch = [sys.executable, "-m", "streamer.cli", "fetch", "--server", f"localhost:{port}",
+        fetch = [sys.executable, "-m", "streamer.tools.cli", "fetch", "--server", f"localhost:{port}",
                  "--context", "ctx", "--slo", "5", "--json", "--tls-ca", cert]
         env.pop("KVWIRE_AUTH_TOKEN")
         ok = subprocess.run(fetch + ["--auth-token-file", str(token_file)], capture_output=True,

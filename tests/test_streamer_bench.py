@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from streamer import bench
-from streamer.cli import build_parser
+from streamer.tools import bench_stream as bench
+from streamer.tools.cli import build_parser
 
 
 def test_register_adds_bench_stream() -> None:

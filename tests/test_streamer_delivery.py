@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import codec
-from streamer.delivery import TEXT, OrderedDelivery
+from streamer.net.delivery import TEXT, OrderedDelivery
 
 LAYERS = 3
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamer.estimator import (harmonic_mean, last_sample, prediction_errors, robust_estimate,
-                                throughputs)
-from streamer.policy.base import Observation
+from streamer.adapt.estimator import (harmonic_mean, last_sample, prediction_errors,
+                                      robust_estimate, throughputs)
+from streamer.adapt.base import Observation
 
 observations = st.builds(
     Observation,

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from netsim.trace import Trace
-from streamer import evaluate as ev
+from streamer.tools import bench_policies as ev
 
 
 def test_llama_manifest_sizes_follow_bits_per_element() -> None:

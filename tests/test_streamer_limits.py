@@ -15,9 +15,9 @@ import torch
 import codec
 import streamer
 from streamer_helpers import put_context_now, synthetic_kv
-from streamer import protocol as p
-from streamer.frames import encode
-from streamer.server import ServerConfig
+from streamer.wire import protocol as p
+from streamer.wire.frames import encode
+from streamer.net.sender import ServerConfig
 
 LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 4, 8, 32, 256, 8
 PID = "0123456789abcdef"
@@ -176,7 +176,7 @@ async def test_sessions_beyond_max_sessions_get_unavailable(store_root) -> None:
         assert sender.sessions == 2
         start = time.monotonic()
         with pytest.raises(streamer.ServerError) as refused:
-            await streamer.client.ClientConnection.connect("127.0.0.1", sender.port)
+            await streamer.net.client.ClientConnection.connect("127.0.0.1", sender.port)
         assert refused.value.code == "unavailable" and "capacity" in refused.value.message
         with pytest.raises(streamer.ConnectionLost, match="unavailable"):
             async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", max_reconnects=0):
@@ -220,7 +220,7 @@ async def test_queued_requests_per_connection_are_bounded() -> None:
 
 # ------------------------------------------------------------------------ backpressure
 async def test_receiver_backlog_is_bounded_by_pausing_reads(store_root, monkeypatch) -> None:
-    from streamer import client as client_module, delivery, session as session_module
+    from streamer.net import client as client_module, delivery, session as session_module
 
     peaks: list[int] = []
 

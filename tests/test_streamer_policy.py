@@ -8,11 +8,11 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from streamer.estimator import last_sample, robust_estimate
-from streamer.policy import (TEXT, Observation, PlanInput, describe, get_policy, greedy, mpc,
-                             mpc_plan, names, predicted_seconds)
-from streamer.policy.base import choice_of, option_costs, option_seconds
-from streamer.policy.plan import DEFAULT_BINS, fastest, solve
+from streamer.adapt.estimator import last_sample, robust_estimate
+from streamer.adapt.policies import (Observation, PlanInput, TEXT, describe, get_policy, greedy,
+                                     mpc, mpc_plan, names, predicted_seconds)
+from streamer.adapt.base import choice_of, option_costs, option_seconds
+from streamer.adapt.plan import DEFAULT_BINS, fastest, solve
 
 REL = 1e-9  # float slack on "fits the budget"
 

@@ -1,4 +1,4 @@
-"""streamer.protocol: the sans-I/O kvwire state machine, driven with bytes only (h11 style).
+"""streamer.wire.protocol: the sans-I/O kvwire state machine, driven with bytes only (h11 style).
 
 A client and a server Connection are wired back to back (client.send -> server.receive_data
 and vice versa); byte streams are re-fed split at every offset and at random offsets;
@@ -16,13 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamer import frames
-from streamer.protocol import (
-    DEFAULT_MAX_FRAME, MAX_CONTROL_PAYLOAD, TRANSITIONS, Cancel, ChunkBegin, ChunkEnd,
-    ChunkPart, Close, Connection, ConnectionClosed, Direction, Error, FrameType, GetProfile,
-    Hello, LocalProtocolError, Manifest, Open, Pending, Profile, ProtocolError,
-    RemoteProtocolError, Request, Role, State, Text, Welcome,
-)
+from streamer.wire import frames
+from streamer.wire.protocol import (DEFAULT_MAX_FRAME, MAX_CONTROL_PAYLOAD, TRANSITIONS, Cancel,
+                                    ChunkBegin, ChunkEnd, ChunkPart, Close, Connection,
+                                    ConnectionClosed, Direction, Error, FrameType, GetProfile,
+                                    Hello, LocalProtocolError, Manifest, Open, Pending, Profile,
+                                    ProtocolError, RemoteProtocolError, Request, Role, State, Text,
+                                    Welcome)
 
 PID = "0123456789abcdef"
 FUZZ = settings(max_examples=300, deadline=None,
@@ -685,7 +685,7 @@ _TOKEN = "fuzz-token-0123456789"
 
 
 def server_awaiting_auth():
-    from streamer.auth import new_nonce
+    from streamer.wire.auth import new_nonce
     s = Connection(Role.SERVER, auth_token=_TOKEN)
     s.receive_data(raw(FrameType.HELLO, HELLO_OK))
     s.send(Welcome(1, "s", 1 << 20, auth="required", nonce=new_nonce()))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import codec
-from streamer import put as put_module
-from streamer.put import decode_tokens, encode_tokens, put_context
-from streamer.stores import ChunkNotFound, ContextNotFound, Store, open_store
+from streamer.store import put as put_module
+from streamer.store.put import decode_tokens, encode_tokens, put_context
+from streamer.store import ChunkNotFound, ContextNotFound, Store, open_store
 
 TOKENS = 100
 CHUNK = 32

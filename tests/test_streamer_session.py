@@ -21,7 +21,7 @@ import streamer
 from streamer_helpers import synthetic_kv
 from netsim.proxy import LinkSpec
 from netsim.shaping import Cut, Stall
-from streamer.policy import TEXT
+from streamer.adapt.policies import TEXT
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 32
 CHUNK_TOKENS = 256
@@ -204,8 +204,8 @@ async def test_faults_reconnect_to_the_next_server_and_resume(context, sender, f
 
 async def test_profiles_and_sections_larger_than_a_frame(context) -> None:
     """With the smallest frame limit, the profile and every layer section span many frames."""
-    from streamer import session as session_module
-    from streamer.server import ServerConfig
+    from streamer.net import session as session_module
+    from streamer.net.sender import ServerConfig
 
     session_module._profiles.clear()  # force a profile download
     assert len(context["profile"].to_bytes()) > 4 * 65536
@@ -325,13 +325,13 @@ async def test_senders_share_a_redis_store(context, redis_store_url) -> None:
 @pytest.mark.slow
 def test_serve_cli_shuts_down_cleanly_on_sigterm(context, tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "serve", "--store", context["root"],
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.tools.cli", "serve", "--store", context["root"],
                              "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
         assert "kvwire serve:" in line
         port = int(line.rsplit(":", 1)[1])
-        out = subprocess.run([sys.executable, "-m", "streamer.cli", "fetch", "--server", f"127.0.0.1:{port}",
+        out = subprocess.run([sys.executable, "-m", "streamer.tools.cli", "fetch", "--server", f"127.0.0.1:{port}",
                               "--context", "ctx", "--slo", "5", "--json"], capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, out.stderr
@@ -344,7 +344,7 @@ def test_serve_cli_shuts_down_cleanly_on_sigterm(context, tmp_path: Path) -> Non
 
 
 async def test_a_detached_connection_serves_the_next_fetch_without_a_new_handshake(context) -> None:
-    from streamer.server import ServerConfig
+    from streamer.net.sender import ServerConfig
 
     store = await streamer.open_store(context["root"])
     server = await streamer.serve(store, config=ServerConfig(metrics=True))

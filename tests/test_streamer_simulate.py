@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from netsim.trace import Trace
-from streamer import estimator
-from streamer.manifest import ChunkInfo, Manifest
-from streamer.policy import TEXT, Observation, PlanInput, get_policy, predicted_seconds
-from streamer.simulate import MIN_SAMPLE_BYTES, Simulator, _Link, oracle
+from streamer.adapt import estimator
+from streamer.wire.manifest import ChunkInfo, Manifest
+from streamer.adapt.policies import TEXT, Observation, PlanInput, get_policy, predicted_seconds
+from streamer.adapt.simulate import MIN_SAMPLE_BYTES, Simulator, _Link, oracle
 
 TARGETS = (2.5e-4, 1e-3, 4.2e-3, 1.3e-2, 3.5e-2)
 
@@ -243,7 +243,7 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     import codec
     import netsim
     import streamer
-    import streamer.session as session_mod
+    import streamer.net.session as session_mod
 
     recorded = []
     real_decide = session_mod.decide

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamer.manifest import ChunkInfo, Manifest, ManifestError, validate_context_id
-from streamer.stores import (ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError,
-                             open_store)
-from streamer.stores.file import FileStore
-from streamer.stores.redis import RedisStore
+from streamer.wire.manifest import ChunkInfo, Manifest, ManifestError, validate_context_id
+from streamer.store import (ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError,
+                            open_store)
+from streamer.store.file import FileStore
+from streamer.store.redis import RedisStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -412,7 +412,7 @@ async def test_redis_prefixes_isolate_stores(redis_store_url: str) -> None:
 # ------------------------------------------------------------ crash recovery
 _CRASHING_PUT = """
 import asyncio, sys
-from streamer.stores import open_store
+from streamer.store import open_store
 
 async def main(url, context_id):
     store = await open_store(url)

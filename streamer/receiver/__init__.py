@@ -20,11 +20,11 @@ __all__ = ["Receiver", "ReceiverConfig", "start_receiver"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import daemon
+        from streamer.receiver import daemon
 
         return getattr(daemon, name)
     raise AttributeError(f"module 'streamer.receiver' has no attribute {name!r}")
 
 
 if TYPE_CHECKING:
-    from .daemon import Receiver, ReceiverConfig, start_receiver
+    from streamer.receiver.daemon import Receiver, ReceiverConfig, start_receiver

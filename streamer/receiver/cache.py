@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..stores.file import fsync_dir
+from streamer.store.file import fsync_dir
 
 log = logging.getLogger("kvwire.receiver")
 

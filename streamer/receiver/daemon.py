@@ -18,11 +18,11 @@ from typing import Any
 
 from aiohttp import web
 
-from .cache import ContextCache
-from .cli import DEFAULT_CACHE_BYTES, DEFAULT_PORT
-from .fetcher import Fetcher
-from .http import make_app
-from .metrics import Metrics
+from streamer.receiver.cache import ContextCache
+from streamer.tools.receive import DEFAULT_CACHE_BYTES, DEFAULT_PORT
+from streamer.receiver.fetcher import Fetcher
+from streamer.receiver.http import make_app
+from streamer.receiver.metrics import Metrics
 
 log = logging.getLogger("kvwire.receiver")
 
@@ -100,7 +100,7 @@ class Receiver:
 
 def load_model(name: str) -> Any:
     """(model, tokenizer) for ``--model`` (a local path, or ``minilm``)."""
-    from .. import hf
+    from streamer.model import hf
 
     return hf.load_model(hf.resolve_model_path(name))
 

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .cache import ContextCache, Entry, Quality
-from .metrics import Metrics
+from streamer.receiver.cache import ContextCache, Entry, Quality
+from streamer.receiver.metrics import Metrics
 
 log = logging.getLogger("kvwire.receiver")
 
@@ -240,8 +240,8 @@ class Fetcher:
         return job
 
     async def _run(self, job: FetchJob) -> None:
-        from ..client import ServerError, StreamError
-        from ..session import ContextChanged
+        from streamer.net.client import ServerError, StreamError
+        from streamer.net.session import ContextChanged
 
         req = job.request
         outcome = "error"
@@ -292,7 +292,7 @@ class Fetcher:
     async def _fetch_into(self, job: FetchJob) -> None:
         import torch
 
-        from ..session import FetchFailed, StreamSession
+        from streamer.net.session import FetchFailed, StreamSession
 
         req = job.request
         text: dict[int, list[int]] = {}
@@ -383,7 +383,7 @@ class Fetcher:
     def _assembler(self, job: FetchJob, manifest: Any) -> Any:
         if self.model is None:
             return None
-        from ..hf import CacheAssembler
+        from streamer.model.hf import CacheAssembler
 
         try:
             return CacheAssembler(self.model[0], manifest)

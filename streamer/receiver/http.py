@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .fetcher import Event, FetchError, FetchRequest
-from .metrics import CONTENT_TYPE_LATEST
+from streamer.receiver.fetcher import Event, FetchError, FetchRequest
+from streamer.receiver.metrics import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from .daemon import Receiver
+    from streamer.receiver.daemon import Receiver
 
 log = logging.getLogger("kvwire.receiver")
 
@@ -45,7 +45,7 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def _context_id(value: Any) -> str:
-    from ..manifest import validate_context_id
+    from streamer.wire.manifest import validate_context_id
 
     try:
         return validate_context_id(value)
@@ -55,7 +55,7 @@ def _context_id(value: Any) -> str:
 
 def parse_fetch(body: Any, *, default_slo: float, default_policy: str) -> tuple[FetchRequest, bool]:
     """Validate a POST /fetch body; FetchError(400) naming what is wrong."""
-    from ..policy import get_policy
+    from streamer.adapt.policies import get_policy
 
     if not isinstance(body, dict):
         raise FetchError(400, f"the body must be a JSON object, got {type(body).__name__}")

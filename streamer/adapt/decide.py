@@ -1,0 +1,53 @@
+"""One adaptation decision, built from a manifest: shared by StreamSession and the simulator.
+
+Both the live receiver and the socket-free simulator call ``decide`` with what they
+observed, so a recorded throughput history gives the same choices in both.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from streamer.wire.manifest import Manifest
+from streamer.adapt.policies import TEXT, Choice, Observation, PlanInput, Policy
+
+#: A transfer smaller than this is dominated by round-trip time: no throughput sample.
+MIN_SAMPLE_BYTES = 64 * 1024
+#: Chunks requested beyond the one in progress (text requests are tiny and not counted):
+#: one keeps the link busy; more would commit decisions to an estimate the next samples
+#: may overturn.
+MAX_QUEUED_AHEAD = 1
+#: Size the planners see for a level the context was not stored at: never affordable.
+UNAVAILABLE_BYTES = 1 << 50
+#: Default recompute cost: seconds of prefill per token on the serving GPU. The caller
+#: knows its model and hardware and should pass its own figure.
+DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN = 1e-4
+
+
+def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
+               history: Sequence[Observation], prior_bps: float | None,
+               recompute_seconds_per_token: float, text_penalty: float = 1.0) -> PlanInput:
+    """The policy's view of chunks ``first_chunk..`` of a manifest."""
+    chunks = manifest.chunks[first_chunk:]
+    return PlanInput(
+        sizes=[[size if size > 0 else UNAVAILABLE_BYTES for size in c.sizes] for c in chunks],
+        text_bytes=[c.text_bytes for c in chunks],
+        text_seconds=[recompute_seconds_per_token * (c.end - c.start) for c in chunks],
+        distortion=list(manifest.level_distortion),
+        time_left=time_left, history=list(history), prior_bps=prior_bps, text_penalty=text_penalty)
+
+
+def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: float,
+           history: Sequence[Observation], prior_bps: float | None,
+           recompute_seconds_per_token: float) -> tuple[Choice, str | None]:
+    """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
+
+    Once the deadline has passed nothing fetched can make it, so the rest goes to
+    text (the caller recomputes) without asking the policy.
+    """
+    if time_left <= 0:
+        return TEXT, "deadline passed"
+    choice = policy(plan_input(manifest, first_chunk, time_left=time_left, history=history,
+                               prior_bps=prior_bps, recompute_seconds_per_token=recompute_seconds_per_token))
+    if choice != TEXT and manifest.chunks[first_chunk].sizes[choice] == 0:
+        raise ValueError(f"policy chose level {choice}, which chunk {first_chunk} was not stored at")
+    return choice, None

@@ -1,0 +1,508 @@
+"""Socket-free simulation of one fetch, and the oracle: the best schedule in hindsight.
+
+The simulator replays what :class:`streamer.net.session.StreamSession` does against a link
+whose capacity follows a :class:`netsim.Trace`, without sockets or clocks, so the
+whole trace set x SLOs x policies runs in seconds. It shares the decision code with
+the session (:func:`streamer.adapt.decide`, hence the very same policy functions and
+throughput estimator) and mirrors the session's measurement and timing rules:
+
+* **Link.** One FIFO pipe: the sender starts a chunk when its request has arrived
+  (one-way delay ``rtt / 2`` after the receiver sent it) and the previous chunk has
+  left; the link carries it at the trace's capacity (exact integral,
+  :meth:`Trace.time_to_send`); the receiver sees the first byte ``rtt / 2`` after it
+  left the sender and the last byte ``rtt / 2`` after the link finished it. A text
+  chunk (token ids) arrives as one event, like the session's TEXT frame. Framing
+  overhead, TCP dynamics and the proxy's 20 ms token-bucket burst are not modelled
+  (validated against the real proxy: :func:`streamer.tools.bench_policies.validate`).
+* **Requests, just in time.** Chunk 0 is requested at time 0; every later chunk when
+  the bytes still due on the requests in flight drop to ``estimate * rtt + 64 KiB``
+  (``adapt.MIN_SAMPLE_BYTES``; at most ``adapt.MAX_QUEUED_AHEAD`` KV chunk queued
+  behind the one arriving), or at once when nothing is in flight, exactly the
+  session's ``_request_ahead`` rule (including requesting several tiny text chunks
+  at the same instant). The condition is re-checked at every chunk end, where the
+  estimate changes by a whole sample, and in between at the exact crossing time
+  (the session checks at each arriving part, at most one part later).
+* **Measurement.** The receiver only sees its own observations, as the session does:
+  per finished chunk of >= 64 KiB, ``Observation(bytes, busy)`` with busy time from
+  ``max(request + rtt, previous chunk's end)`` (here the first byte) to the last byte;
+  at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived.
+  ``time_left`` is ``slo - now - outstanding / estimate`` minus the recompute seconds
+  of the chunks already sent to text; the prior is the caller's (the session's
+  per-server prior is the previous fetch's robust estimate: :attr:`SimResult.next_prior`).
+* **After the link.** Decoding is ordered and pipelined with the transfer: a KV chunk
+  is decoded by ``max(arrival + decode / layers, previous done + decode)`` (its
+  layers decode as they land; only the last layer's share is left after the last
+  byte unless the decoder is the bottleneck). Text chunks are recomputed after the
+  fetch, in series (the policies' own cost model): ``completion = finish +
+  recompute_seconds_per_token * text tokens``. A fetch meets its SLO when
+  ``completion <= slo``.
+
+The oracle (:func:`oracle`) knows the true trace in advance and minimises the
+policies' own objective (sum of each chunk's level distortion from the manifest,
+``text_penalty`` per text chunk) subject to the deadline, by an exact dynamic
+program over chunks whose states are the Pareto-optimal (link free time, cost) pairs
+per number of recomputed tokens (no time discretisation). Its timing is the link
+with no idle gaps (requests sent ahead, as the oracle can) and only the last chunk's
+decode tail, which is never later than the simulator's timing of the same schedule,
+so the oracle's cost is a true lower bound on every policy that met the deadline.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from netsim.trace import Trace
+
+from streamer.adapt import estimator
+from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD,
+                                   MIN_SAMPLE_BYTES, decide)
+from streamer.wire.manifest import Manifest
+from streamer.adapt.policies import TEXT, Choice, Observation, Policy, get_policy
+
+#: Tolerance (seconds) on deadline comparisons, against float rounding in the integrals.
+EPS = 1e-9
+#: The objective weight of a text chunk the policies use (``adapt.decide`` passes the default).
+TEXT_PENALTY = 1.0
+#: Bound on request-timing re-evaluations per chunk (a safety net; typically 1-3).
+_MAX_WAKEUPS = 64
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The inputs one ``adapt.decide`` call saw, and what it returned."""
+
+    chunk: int
+    at: float
+    time_left: float
+    history: tuple[Observation, ...]
+    prior_bps: float | None
+    estimate: float | None
+    choice: Choice
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class ChunkTiming:
+    """One simulated chunk: receiver-clock times (0 = fetch start), bytes, choice."""
+
+    index: int
+    choice: Choice
+    bytes: int
+    requested: float
+    begin: float          # first byte at the receiver
+    end: float            # last byte at the receiver
+    done: float           # decoded and delivered (ordered)
+    busy: float           # receiver-measured busy seconds (0 for text)
+
+
+@dataclass
+class SimResult:
+    """One simulated fetch."""
+
+    choices: list[Choice]
+    chunks: list[ChunkTiming]
+    decisions: list[Decision]
+    history: list[Observation]
+    finish: float          # last chunk delivered (what the session reports as total_seconds)
+    recompute: float       # seconds of text-chunk recompute after the fetch
+    slo: float
+    cost: float            # the policies' objective: distortion per level + TEXT_PENALTY per text
+    distortion: float      # token-weighted mean distortion (``distortion`` given; text = 0)
+    text_chunks: int
+    next_prior: float | None = None   # the session's per-server prior after this fetch
+
+    @property
+    def completion(self) -> float:
+        """KV of the whole context ready: fetch, decode, then recompute of text chunks."""
+        return self.finish + self.recompute
+
+    @property
+    def met(self) -> bool:
+        return self.completion <= self.slo + EPS
+
+
+# ----------------------------------------------------------------------------- helpers
+class _Link:
+    """Vectorised :meth:`Trace.time_to_send` (the oracle evaluates thousands of starts at once)."""
+
+    def __init__(self, trace: Trace) -> None:
+        t = np.asarray(trace.times, dtype=np.float64)
+        r = np.asarray(trace.rates, dtype=np.float64) * 1e6 / 8.0  # bytes/s
+        self.times, self.rates = t, r
+        lead = t[0] * r[0]
+        self.cum = np.concatenate(([lead], lead + np.cumsum(r[:-1] * np.diff(t))))  # bytes by times[i]
+
+    def bytes_until(self, at: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(self.times, at, side="right") - 1
+        before = i < 0
+        j = np.maximum(i, 0)
+        out = self.cum[j] + self.rates[j] * (at - self.times[j])
+        return np.where(before, at * self.rates[0], out)
+
+    def time_to_send(self, nbytes: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Seconds from ``start`` until ``nbytes`` have been carried (``inf`` if never)."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        start = np.asarray(start, dtype=np.float64)
+        target = self.bytes_until(start) + nbytes
+        cum, times, rates = self.cum, self.times, self.rates
+        j = np.searchsorted(cum, target, side="left")
+        inside = j < len(cum)
+        jj = np.clip(j - 1, 0, len(cum) - 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            end_in = np.where(j == 0, target / rates[0], times[jj] + (target - cum[jj]) / rates[jj])
+            last = rates[-1]
+            end_after = times[-1] + (target - cum[-1]) / last if last > 0 else np.full_like(target, np.inf)
+        end = np.where(inside, end_in, end_after)
+        return np.where(nbytes <= 0, 0.0, np.maximum(end - start, 0.0))
+
+
+def _as_policy(policy: str | Policy) -> tuple[Policy, str]:
+    if isinstance(policy, str):
+        return get_policy(policy), policy
+    return policy, getattr(policy, "__name__", "policy")
+
+
+def _default_decode(manifest: Manifest) -> np.ndarray:
+    return np.zeros(len(manifest.chunks))
+
+
+# --------------------------------------------------------------------------- simulator
+class Simulator:
+    """Simulates fetches of one context (manifest) over traces; see the module docstring.
+
+    ``decode_seconds`` is each chunk's decode time (a scalar for all chunks, or one per
+    chunk); ``distortion`` the per-level distortion to report (default: the manifest's
+    targets, which are also what the policies optimise).
+    """
+
+    def __init__(self, manifest: Manifest, *, rtt: float,
+                 recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
+                 decode_seconds: float | Sequence[float] = 0.0,
+                 distortion: Sequence[float] | None = None) -> None:
+        if not rtt >= 0:
+            raise ValueError(f"rtt must be >= 0, got {rtt}")
+        self.manifest = manifest
+        self.rtt = float(rtt)
+        self.recompute = float(recompute_seconds_per_token)
+        n = len(manifest.chunks)
+        dec = np.broadcast_to(np.asarray(decode_seconds, dtype=np.float64), (n,)).copy()
+        if (dec < 0).any():
+            raise ValueError("decode_seconds must be >= 0")
+        self.decode = dec
+        self.distortion = tuple(manifest.level_distortion if distortion is None else distortion)
+        if len(self.distortion) != manifest.levels:
+            raise ValueError(f"distortion needs one value per level ({manifest.levels})")
+        self.tokens = np.array([c.tokens for c in manifest.chunks], dtype=np.float64)
+        self.sizes = [tuple(c.sizes) for c in manifest.chunks]
+        self.text_bytes = [c.text_bytes for c in manifest.chunks]
+        self._links: dict[int, _Link] = {}
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, policy: str | Policy, chunk: int, *, time_left: float,
+               history: Sequence[Observation], prior_bps: float | None) -> tuple[Choice, str | None]:
+        """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
+        context's manifest and recompute cost (the session calls the same function)."""
+        fn, _ = _as_policy(policy)
+        return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
+                      prior_bps=prior_bps, recompute_seconds_per_token=self.recompute)
+
+    def _bytes_of(self, chunk: int, choice: Choice) -> int:
+        return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]
+
+    def cost_of(self, choices: Sequence[Choice]) -> float:
+        """The policies' objective for a whole schedule."""
+        d = self.manifest.level_distortion
+        return float(sum(TEXT_PENALTY if c == TEXT else d[c] for c in choices))
+
+    def distortion_of(self, choices: Sequence[Choice]) -> float:
+        """Token-weighted mean reported distortion (text chunks are recomputed exactly: 0)."""
+        per = np.array([0.0 if c == TEXT else self.distortion[c] for c in choices])
+        return float((per * self.tokens).sum() / self.tokens.sum())
+
+    def kv_distortion_of(self, choices: Sequence[Choice]) -> float:
+        """Token-weighted mean distortion of the chunks fetched as KV (nan if none was)."""
+        kv = [j for j, c in enumerate(choices) if c != TEXT]
+        if not kv:
+            return math.nan
+        w = self.tokens[kv]
+        return float(sum(self.distortion[choices[j]] * wj for j, wj in zip(kv, w)) / w.sum())
+
+    # ------------------------------------------------------------------ one fetch
+    def run(self, policy: str | Policy, trace: Trace, *, slo: float, start: float = 0.0,
+            prior_bps: float | None = None, schedule: Sequence[Choice] | None = None,
+) -> SimResult:
+        """Simulate one fetch starting at trace time ``start``.
+
+        ``schedule`` replays fixed choices instead of asking the policy (e.g. the
+        oracle's schedule), with the same timing model. As in the session, ``time_left``
+        excludes the recompute seconds of chunks already sent to text (here every one of
+        them is still pending: recompute runs after the transfers).
+        """
+        if not slo > 0:
+            raise ValueError(f"slo must be > 0, got {slo}")
+        fn, _ = _as_policy(policy)
+        n = len(self.sizes)
+        owd = self.rtt / 2
+        rtt = self.rtt
+
+        # per requested chunk (in order): bytes, link start (sender clock), begin, end
+        nbytes: list[int] = []
+        link_start: list[float] = []
+        begin: list[float] = []
+        end: list[float] = []
+        is_text: list[bool] = []
+        requested: list[float] = []
+        choices: list[Choice] = []
+        decisions: list[Decision] = []
+        history: list[Observation] = []
+        busy_of: list[float] = [0.0] * n
+        completed = 0          # chunks whose end has been processed
+        last_end: float | None = None
+        link_free = 0.0
+
+        def received(j: int, now: float) -> float:
+            if now >= end[j]:
+                return float(nbytes[j])
+            if is_text[j] or now <= begin[j]:
+                return 0.0
+            return min(float(nbytes[j]),
+                       trace.bits_between(start + link_start[j], start + now - owd) / 8.0)
+
+        def complete_until(now: float) -> None:
+            nonlocal completed, last_end
+            while completed < len(end) and end[completed] <= now:
+                j = completed
+                at = end[j]
+                b0 = at if is_text[j] else begin[j]
+                busy = max(at - max(b0, last_end if last_end is not None else 0.0), 0.0)
+                busy_of[j] = busy
+                last_end = at
+                if nbytes[j] >= MIN_SAMPLE_BYTES and busy > 0:
+                    history.append(Observation(nbytes[j], busy))
+                completed += 1
+
+        def estimate_at(now: float) -> tuple[list[Observation], float | None]:
+            hist = list(history)
+            if completed < len(end):
+                j = completed
+                got = received(j, now)
+                if now >= begin[j] and got >= MIN_SAMPLE_BYTES:
+                    s = max(begin[j], last_end if last_end is not None else begin[j])
+                    if now > s:
+                        hist.append(Observation(int(got), now - s))
+            return hist, estimator.robust_estimate(hist, prior=prior_bps)
+
+        def outstanding(now: float) -> float:
+            return sum(nbytes[j] - received(j, now) for j in range(completed, len(end)))
+
+        def crossing(now: float, limit: float) -> float:
+            """Earliest time >= now when the bytes still due drop to ``limit``.
+
+            While chunk m is arriving (FIFO: later chunks untouched) the bytes due are
+            ``size_m - received_m + (sizes after m)``, so the crossing lies in the first
+            in-flight chunk m whose later chunks alone are within ``limit``.
+            """
+            tails = np.cumsum([0.0] + [float(nbytes[j]) for j in range(len(end) - 1, completed, -1)])
+            for m in range(completed, len(end)):
+                tail = float(tails[len(end) - 1 - m])
+                need = nbytes[m] + tail - limit   # bytes of chunk m that must have arrived
+                if need > nbytes[m]:
+                    continue
+                if need <= 0:
+                    return now
+                if is_text[m]:
+                    return max(now, end[m])
+                dt = trace.time_to_send(8.0 * need, start + link_start[m])
+                return max(now, link_start[m] + dt + owd)
+            return max(now, end[-1])
+
+        now = 0.0
+        for index in range(n):
+            # wait, as the session does, until the bytes due would take about one RTT
+            for _ in range(_MAX_WAKEUPS):
+                complete_until(now)
+                hist, est = estimate_at(now)
+                if completed == len(end):
+                    break
+                if sum(not is_text[j] for j in range(completed, len(end))) > MAX_QUEUED_AHEAD:
+                    now = max(now, end[completed])  # the session keeps one chunk queued at most
+                    continue
+                limit = (est or 0.0) * rtt + MIN_SAMPLE_BYTES
+                due = outstanding(now)
+                if due <= limit + 1e-6:
+                    break
+                nxt = min(crossing(now, limit), end[completed])
+                if nxt <= now:  # crossing is now (the integrals differ in the last bits)
+                    break
+                now = nxt
+            else:  # pragma: no cover - safety net: request when the link drains
+                now = max(now, end[-1])
+                complete_until(now)
+                hist, est = estimate_at(now)
+            due = outstanding(now)
+            time_left = slo - now - (due / est if est else 0.0)
+            time_left -= self.recompute * float(sum(self.tokens[j] for j in range(index) if is_text[j]))
+            if schedule is not None:
+                choice: Choice = schedule[index] if time_left > 0 else TEXT
+                reason = None if time_left > 0 else "deadline passed"
+            else:
+                choice, reason = decide(fn, self.manifest, index, time_left=time_left, history=hist,
+                                        prior_bps=prior_bps, recompute_seconds_per_token=self.recompute)
+            decisions.append(Decision(index, now, time_left, tuple(hist), prior_bps, est, choice, reason))
+            size = self._bytes_of(index, choice)
+            s = max(now + owd, link_free)
+            e = s + trace.time_to_send(8.0 * size, start + s)
+            link_free = e
+            choices.append(choice)
+            nbytes.append(size)
+            link_start.append(s)
+            is_text.append(choice == TEXT)
+            requested.append(now)
+            begin.append(e + owd if choice == TEXT else s + owd)
+            end.append(e + owd)
+        complete_until(math.inf)
+
+        layers = self.manifest.layers
+        done = 0.0
+        timings: list[ChunkTiming] = []
+        for j in range(n):
+            if is_text[j]:
+                done = max(end[j], done)
+            else:
+                dec = float(self.decode[j])
+                done = max(end[j] + dec / layers, done + dec)
+            timings.append(ChunkTiming(j, choices[j], nbytes[j], requested[j], begin[j], end[j],
+                                       done, busy_of[j]))
+        text_tokens = float(sum(self.tokens[j] for j in range(n) if is_text[j]))
+        return SimResult(choices=choices, chunks=timings, decisions=decisions, history=history,
+                         finish=done, recompute=self.recompute * text_tokens, slo=float(slo),
+                         cost=self.cost_of(choices), distortion=self.distortion_of(choices),
+                         text_chunks=sum(is_text), next_prior=estimator.robust_estimate(history))
+
+    # ------------------------------------------------------------------ oracle
+    def oracle(self, trace: Trace, *, slo: float, start: float = 0.0) -> "OracleResult":
+        """:func:`oracle` for this context."""
+        key = id(trace)
+        link = self._links.get(key)
+        if link is None or len(self._links) > 256:
+            if len(self._links) > 256:
+                self._links.clear()
+            link = self._links[key] = _Link(trace)
+        return _oracle(self, link, slo=slo, start=start)
+
+
+@dataclass
+class OracleResult:
+    """The best schedule in hindsight (``feasible``), else the fastest one."""
+
+    choices: list[Choice]
+    feasible: bool
+    cost: float
+    completion: float     # under the oracle's timing (a lower bound on the simulator's)
+    distortion: float
+    text_chunks: int
+    slo: float
+    states: int = 0       # Pareto states explored (for the curious)
+
+    @property
+    def met(self) -> bool:
+        return self.feasible
+
+
+def oracle(manifest: Manifest, trace: Trace, *, slo: float, rtt: float, start: float = 0.0,
+           recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
+           decode_seconds: float | Sequence[float] = 0.0,
+           distortion: Sequence[float] | None = None) -> OracleResult:
+    """The minimum-objective schedule that meets ``slo`` on ``trace`` (known in advance)."""
+    sim = Simulator(manifest, rtt=rtt, recompute_seconds_per_token=recompute_seconds_per_token,
+                    decode_seconds=decode_seconds, distortion=distortion)
+    return sim.oracle(trace, slo=slo, start=start)
+
+
+def _pareto(t: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Indices of the points not dominated in (time, cost), lower is better in both."""
+    order = np.lexsort((c, t))
+    cs = c[order]
+    best_before = np.minimum.accumulate(np.concatenate(([np.inf], cs[:-1])))
+    return order[cs < best_before - 1e-15]
+
+
+def _oracle(sim: Simulator, link: _Link, *, slo: float, start: float) -> OracleResult:
+    n = len(sim.sizes)
+    L = sim.manifest.levels
+    owd = sim.rtt / 2
+    costs = np.append(np.asarray(sim.manifest.level_distortion, dtype=np.float64), TEXT_PENALTY)
+    size = np.array([[*s, tb] for s, tb in zip(sim.sizes, sim.text_bytes)], dtype=np.float64)
+    size[:, :L][size[:, :L] <= 0] = np.inf  # levels not stored
+    tokens = sim.tokens.astype(np.int64)
+    layers = sim.manifest.layers
+    tail = sim.decode / layers                    # the last chunk's decode after its last byte
+    rate = sim.recompute
+
+    def run(deadline: float | None):
+        # states: link-free time T (sender clock), cost C, text tokens K, parent, column
+        T = np.array([owd])
+        C = np.array([0.0])
+        K = np.array([0], dtype=np.int64)
+        parents: list[np.ndarray] = []
+        columns: list[np.ndarray] = []
+        explored = 0
+        for i in range(n):
+            opts = np.flatnonzero(np.isfinite(size[i]))
+            S = T.size
+            nt = (T[:, None] + link.time_to_send(size[i][opts][None, :], start + T[:, None])).ravel()
+            nc = (C[:, None] + costs[opts][None, :]).ravel()
+            is_text = (opts == L)
+            nk = (K[:, None] + np.where(is_text, tokens[i], 0)[None, :]).ravel()
+            par = np.repeat(np.arange(S), opts.size)
+            col = np.tile(opts, S)
+            ok = np.isfinite(nt)
+            if deadline is not None:
+                # times only grow: a state already late (even without a decode tail) is dead
+                ok &= nt + owd + rate * nk <= deadline + EPS
+            idx = np.flatnonzero(ok)
+            if idx.size == 0:
+                return None
+            keep_all = []
+            for k in np.unique(nk[idx]):
+                sel = idx[nk[idx] == k]
+                if deadline is None:  # fastest: only time matters within a token group
+                    keep_all.append(sel[[int(np.argmin(nt[sel]))]])
+                else:
+                    keep_all.append(sel[_pareto(nt[sel], nc[sel])])
+            keep = np.concatenate(keep_all)
+            explored += keep.size
+            T, C, K = nt[keep], nc[keep], nk[keep]
+            parents.append(par[keep])
+            columns.append(col[keep])
+        last_col = columns[-1]
+        finish = T + owd + np.where(last_col == L, 0.0, tail[-1]) + rate * K
+        return T, C, K, finish, parents, columns, explored
+
+    out = run(slo)
+    feasible = False
+    if out is not None:
+        T, C, K, finish, parents, columns, explored = out
+        ok = np.flatnonzero(finish <= slo + EPS)
+        if ok.size:
+            feasible = True
+            best = ok[np.lexsort((finish[ok], C[ok]))[0]]
+    if not feasible:
+        T, C, K, finish, parents, columns, explored = run(None)
+        best = int(np.argmin(finish))
+    cols = []
+    j = int(best)
+    for i in range(n - 1, -1, -1):
+        cols.append(int(columns[i][j]))
+        j = int(parents[i][j])
+    cols.reverse()
+    choices: list[Choice] = [TEXT if c == L else c for c in cols]
+    return OracleResult(choices=choices, feasible=feasible, cost=sim.cost_of(choices),
+                        completion=float(finish[best]), distortion=sim.distortion_of(choices),
+                        text_chunks=sum(c == TEXT for c in choices), slo=float(slo), states=explored)
+
+
+__all__ = ["ChunkTiming", "Decision", "OracleResult", "SimResult", "Simulator", "oracle"]

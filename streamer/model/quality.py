@@ -1,0 +1,342 @@
+"""``kvwire bench quality``: what each quality level does to the model, not just to the KV.
+
+For every codec level (and the raw fp16 / int8 baselines) on real text the model
+has not been calibrated on:
+
+* **distortion**: sum((x_hat - x)^2) / sum((x - mean)^2) over the measured KV
+  (as in ``kvwire bench codec``), and bits per element (blob bytes, header and
+  attention-sink tokens included; the profile is shared per model and left out);
+* **attention-output relative error per layer**, with the model's own queries:
+  ``softmax(Q K^T * scale) V`` per head (causal for decoders, grouped-query heads
+  repeated) with the original vs the decoded K/V, error ||A_hat - A||_F / ||A||_F
+  pooled over the measured windows. Each layer's queries are the ones the model
+  computed with the original cache, so the figure isolates that layer's KV error
+  (it does not compound the error of earlier layers into the queries);
+* **end-task proxy**: for an encoder (MiniLM) the cosine between the sentence
+  embedding computed over the original and over the decoded K/V (the error does
+  compound through the layers here); for a decoder (a causal LM given by path)
+  the perplexity of a continuation run after the decoded context KV vs after the
+  original one, and the top-1 agreement of their next-token predictions.
+
+The profile is calibrated on ``hf.CALIBRATION_TEXTS``; windows of
+``hf.MEASURE_TEXT`` are measured. A PNG plots quality against bits per element.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+import codec
+from codec import baselines
+
+from streamer.model import hf
+
+
+@dataclass
+class QualityRow:
+    method: str                      # "kvwire", "fp16", "int8"
+    level: int | None
+    bits_per_element: float
+    distortion: float
+    attention_error: list[float]     # per layer: ||A_hat - A||_F / ||A||_F
+    attention_error_mean: float
+    cosine: float | None = None      # encoders: sentence-embedding cosine (mean over windows)
+    cosine_min: float | None = None
+    perplexity: float | None = None  # decoders: continuation perplexity after the decoded KV
+    perplexity_change: float | None = None   # relative to the original KV's perplexity
+    top1_agreement: float | None = None      # next-token argmax equal to the original KV's
+
+
+@dataclass
+class QualityReport:
+    config: dict
+    levels: list[dict]               # the profile's levels: target distortion, estimated bits
+    reference: dict                  # decoders: perplexity with the original KV
+    rows: list[QualityRow] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+# ------------------------------------------------------------------------ calibration
+def calibration_samples(model, tokenizer, token_ids: Sequence[int], *,
+                        window: int | None = None) -> list[torch.Tensor]:
+    """Real KV to calibrate on: one sample for an encoder (``capture_kv``'s windows),
+    independent contexts of ``window`` tokens for a decoder (each with its own start)."""
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("no calibration tokens")
+    if not hf.is_decoder(model):
+        return [hf.capture_kv(model, tokenizer, ids, window=window)]
+    window = window or default_decoder_window(model)
+    return [hf.capture_kv(model, tokenizer, piece) for piece in hf.windows(ids, window)
+            if len(piece) > 16]
+
+
+def default_decoder_window(model) -> int:
+    return min(getattr(model.config, "max_position_embeddings", None) or 2048, 2048)
+
+
+def calibrate_profile(model, tokenizer, token_ids: Sequence[int], *, window: int | None = None,
+                      **calibrate_kwargs) -> codec.Profile:
+    return codec.calibrate(calibration_samples(model, tokenizer, token_ids, window=window),
+                           **calibrate_kwargs)
+
+
+def profile_levels(profile: codec.Profile) -> list[dict]:
+    return [{"level": lv.index, "target_distortion": lv.target_distortion,
+             "estimated_bits": lv.estimated_bits, "x_fp16": 16 / lv.estimated_bits if lv.estimated_bits else None}
+            for lv in profile.levels]
+
+
+# ------------------------------------------------------------------------ measuring
+@dataclass
+class _Window:
+    ids: list[int]                    # the context whose KV is transmitted
+    continuation: list[int]           # decoders: tokens scored after it
+    kv: torch.Tensor
+    attention: list[torch.Tensor]     # per layer, with the original K/V
+    queries: torch.Tensor
+    meta: list[dict]
+    embedding: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class _Accumulator:
+    def __init__(self, layers: int) -> None:
+        self.bits = 0.0
+        self.elements = 0
+        self.err2 = 0.0
+        self.var = 0.0
+        self.att_err2 = [0.0] * layers
+        self.att_ref2 = [0.0] * layers
+        self.cosines: list[float] = []
+        self.nll = 0.0
+        self.scored = 0
+        self.agree = 0
+        self.predicted = 0
+
+    def add(self, window: _Window, decoded: torch.Tensor, nbytes: int, model) -> None:
+        x, y = window.kv.double(), decoded.double()
+        self.bits += 8.0 * nbytes
+        self.elements += x.numel()
+        self.err2 += float(((y - x) ** 2).sum())
+        self.var += float(((x - x.mean(dim=2, keepdim=True)) ** 2).sum())
+        for layer, reference in enumerate(window.attention):
+            meta = window.meta[layer]
+            out = hf.attention_output(window.queries[layer], decoded[layer, 0], decoded[layer, 1],
+                                      scaling=meta["scaling"], causal=meta["causal"])
+            self.att_err2[layer] += float(((out - reference) ** 2).sum())
+            self.att_ref2[layer] += float((reference ** 2).sum())
+        if window.embedding is not None:
+            embedding = hf.sentence_embedding(model, window.ids, decoded)
+            self.cosines.append(float(window.embedding @ embedding))
+        if window.logits is not None:
+            logits = hf.continuation_logits(model, decoded, window.continuation)
+            nll, count = _nll(logits, window.continuation)
+            self.nll += nll
+            self.scored += count
+            self.agree += int((logits.argmax(-1) == window.logits.argmax(-1)).sum())
+            self.predicted += logits.shape[0]
+
+    def row(self, method: str, level: int | None, reference_ppl: float | None) -> QualityRow:
+        errors = [math.sqrt(e / r) if r > 0 else 0.0 for e, r in zip(self.att_err2, self.att_ref2)]
+        row = QualityRow(method=method, level=level, bits_per_element=self.bits / self.elements,
+                         distortion=self.err2 / self.var if self.var else 0.0,
+                         attention_error=errors, attention_error_mean=sum(errors) / len(errors))
+        if self.cosines:
+            row.cosine = sum(self.cosines) / len(self.cosines)
+            row.cosine_min = min(self.cosines)
+        if self.scored:
+            row.perplexity = math.exp(self.nll / self.scored)
+            if reference_ppl:
+                row.perplexity_change = row.perplexity / reference_ppl - 1.0
+            row.top1_agreement = self.agree / self.predicted
+        return row
+
+
+def _nll(logits: torch.Tensor, continuation: Sequence[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of continuation[1:] (logits[i] predicts token i + 1)."""
+    if len(continuation) < 2:
+        return 0.0, 0
+    targets = torch.tensor(list(continuation[1:]))
+    logp = torch.log_softmax(logits[:-1].double(), dim=-1)
+    return float(-logp.gather(1, targets.unsqueeze(1)).sum()), len(targets)
+
+
+def measure_windows(token_ids: Sequence[int], count: int, size: int) -> list[list[int]]:
+    """``count`` windows of ``size`` tokens spread evenly over the text."""
+    ids = list(token_ids)
+    if len(ids) < size:
+        raise ValueError(f"the measured text has {len(ids)} tokens, fewer than one window of {size}")
+    starts = range(0, len(ids) - size + 1)
+    stride = max(len(starts) // max(count, 1), 1)
+    return [ids[s:s + size] for s in list(starts)[::stride][:count]]
+
+
+def _prepare(model, tokenizer, window_ids: list[int], context_tokens: int | None) -> _Window:
+    decoder = hf.is_decoder(model)
+    if decoder:
+        context_tokens = context_tokens or (len(window_ids) * 3) // 4
+        ids, continuation = window_ids[:context_tokens], window_ids[context_tokens:]
+    else:
+        ids, continuation = window_ids, []
+    kv = hf.capture_kv(model, tokenizer, ids)
+    queries, meta = hf.queries(model, ids)
+    attention = [hf.attention_output(queries[l], kv[l, 0], kv[l, 1], scaling=meta[l]["scaling"],
+                                     causal=meta[l]["causal"]) for l in range(kv.shape[0])]
+    window = _Window(ids, continuation, kv, attention, queries, meta)
+    if decoder:
+        if continuation:
+            window.logits = hf.continuation_logits(model, kv, continuation)
+    else:
+        window.embedding = hf.sentence_embedding(model, ids)
+    return window
+
+
+def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_tokens: int = 8192,
+        windows: int = 6, window_tokens: int = 512, context_tokens: int | None = None,
+        levels: Sequence[int] | None = None, baselines_too: bool = True,
+        calibration_text: Sequence[Path] = hf.CALIBRATION_TEXTS,
+        measure_text: Sequence[Path] = (hf.MEASURE_TEXT,), model_name: str = "") -> QualityReport:
+    """Measure every level of ``profile`` (calibrated here when None) on the measure text."""
+    decoder = hf.is_decoder(model)
+    started = time.perf_counter()
+    calibration_seconds = 0.0
+    if profile is None:
+        cal_ids = hf.tokenize(tokenizer, hf.read_text(calibration_text))[:calibration_tokens]
+        profile = calibrate_profile(model, tokenizer, cal_ids)
+        calibration_seconds = time.perf_counter() - started
+    measure_ids = hf.tokenize(tokenizer, hf.read_text(measure_text))
+    prepared = [_prepare(model, tokenizer, w, context_tokens)
+                for w in measure_windows(measure_ids, windows, window_tokens)]
+    layers = prepared[0].kv.shape[0]
+    reference_ppl = None
+    reference: dict = {}
+    if decoder:
+        nll = scored = 0
+        for w in prepared:
+            if w.logits is not None:
+                a, b = _nll(w.logits, w.continuation)
+                nll, scored = nll + a, scored + b
+        reference_ppl = math.exp(nll / scored) if scored else None
+        reference = {"perplexity": reference_ppl, "scored_tokens": scored}
+    report = QualityReport(
+        config={"model": model_name or type(model).__name__, "kind": "decoder" if decoder else "encoder",
+                "kv_shape": list(prepared[0].kv.shape[:1]) + list(prepared[0].kv.shape[3:]),
+                "profile_id": profile.id, "calibration_tokens": calibration_tokens,
+                "calibration_seconds": round(calibration_seconds, 2), "windows": len(prepared),
+                "window_tokens": window_tokens,
+                "context_tokens": len(prepared[0].ids) if decoder else None,
+                "calibration_text": [str(p) for p in calibration_text],
+                "measure_text": [str(p) for p in measure_text]},
+        levels=profile_levels(profile), reference=reference)
+    methods: list[tuple[str, int | None]] = []
+    if baselines_too:
+        methods += [("fp16", None), ("int8", None)]
+    methods += [("kvwire", lv) for lv in (range(len(profile.targets)) if levels is None else levels)]
+    for method, level in methods:
+        acc = _Accumulator(layers)
+        for w in prepared:
+            if method == "kvwire":
+                blob = codec.encode(w.kv, level, profile)
+                decoded, nbytes = codec.decode(blob, profile).float(), len(blob)
+            else:
+                encoded = baselines.raw_fp16(w.kv) if method == "fp16" else baselines.int8(w.kv)
+                decoded, nbytes = encoded.reconstruction, encoded.nbytes
+            acc.add(w, decoded, nbytes, model)
+        report.rows.append(acc.row(method, level, reference_ppl))
+    report.config["seconds"] = round(time.perf_counter() - started, 2)
+    return report
+
+
+# ---------------------------------------------------------------------------- output
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(report: QualityReport) -> str:
+    c = report.config
+    decoder = c["kind"] == "decoder"
+    lines = [f"kvwire bench quality: {c['model']} ({c['kind']}, KV layers x heads x head_dim "
+             f"{'x'.join(map(str, c['kv_shape']))}), {c['windows']} windows of {c['window_tokens']} tokens"
+             + (f" ({c['context_tokens']} context + continuation)" if decoder else "")
+             + f", profile {c['profile_id']} calibrated on {c['calibration_tokens']} other tokens"
+             f" in {c['calibration_seconds']} s; {c['seconds']} s in all", ""]
+    end = (f"{'ppl':>9}{'ppl chg':>9}{'top-1':>8}" if decoder else f"{'cosine':>10}{'min cos':>10}")
+    lines.append(f"{'method':<8}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'attn err':>10}   "
+                 f"{'attention error per layer':<34}{end}")
+    for r in report.rows:
+        per_layer = " ".join(f"{e:.1e}" for e in r.attention_error)
+        if decoder:
+            tail = (f"{_fmt(r.perplexity, '.3f'):>9}{_fmt(None if r.perplexity_change is None else 100 * r.perplexity_change, '+.2f'):>8}%"
+                    f"{_fmt(r.top1_agreement, '.4f'):>8}")
+        else:
+            tail = f"{_fmt(r.cosine, '.6f'):>10}{_fmt(r.cosine_min, '.6f'):>10}"
+        lines.append(f"{r.method:<8}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
+                     f"{r.attention_error_mean:>10.2e}   {per_layer:<34}{tail}")
+    if decoder and report.reference.get("perplexity"):
+        lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
+                     f"{report.reference['scored_tokens']} tokens")
+    lines.append("attn err: ||A_hat - A||_F / ||A||_F of softmax(QK^T/sqrt(d))V with the model's own "
+                 "queries (mean over layers; per layer alongside).")
+    return "\n".join(lines)
+
+
+def plot(report: QualityReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decoder = report.config["kind"] == "decoder"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"kvwire": dict(marker="o", linestyle="-"), "fp16": dict(marker="s", linestyle="none"),
+              "int8": dict(marker="^", linestyle="none")}
+    for method, style in styles.items():
+        rows = sorted((r for r in report.rows if r.method == method), key=lambda r: r.bits_per_element)
+        if not rows:
+            continue
+        bits = [r.bits_per_element for r in rows]
+        axes[0].plot(bits, [max(r.attention_error_mean, 1e-9) for r in rows], label=method, **style)
+        if decoder:
+            y = [max(1.0 - (r.top1_agreement or 0.0), 1e-6) for r in rows]
+        else:
+            y = [max(1.0 - (r.cosine or 0.0), 1e-9) for r in rows]
+        axes[1].plot(bits, y, label=method, **style)
+        for r in rows:
+            if r.level is not None:
+                axes[0].annotate(f"L{r.level}", (r.bits_per_element, max(r.attention_error_mean, 1e-9)),
+                                 fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes[0].set_ylabel("attention-output relative error (mean over layers)")
+    axes[1].set_ylabel("1 - top-1 agreement" if decoder else "1 - embedding cosine")
+    for ax in axes:
+        ax.set_xlabel("bits per element")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kvwire quality vs rate: {report.config['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(model: str | None = "minilm", *, as_json: bool = False, plot_path: str | None = "quality.png",
+         profile_path: str | None = None, **kwargs) -> QualityReport:
+    path = hf.resolve_model_path(model)
+    loaded, tokenizer = hf.load_model(path)
+    profile = codec.Profile.load(profile_path) if profile_path else None
+    name = "all-MiniLM-L6-v2" if model in (None, "minilm") else str(model)
+    report = run(loaded, tokenizer, profile=profile, model_name=name, **kwargs)
+    print(report.to_json() if as_json else render(report))
+    if plot_path:
+        plot(report, Path(plot_path))
+        if not as_json:
+            print(f"\nquality plot written to {Path(plot_path).resolve()}")
+    return report

@@ -1,0 +1,570 @@
+"""The sender daemon: serves pre-encoded chunks from a store over kvwire's protocol.
+
+A thin asyncio adapter around the sans-I/O ``protocol.Connection``: one reader
+task per connection turns bytes into events, one answer task answers requests in
+FIFO order (the protocol's rule). A chunk is sent as its blob header followed by
+its layer sections (split further only when a section exceeds the frame limit),
+draining the socket after every part: a slow receiver holds at most one part in
+our buffers and never makes us read more from the store (backpressure).
+The daemon itself is stateless (every answer comes from the store), so any number
+of senders can share one redis store.
+
+Security and limits (all in :class:`ServerConfig`): an auth token (HMAC
+challenge-response in the handshake, required by default off loopback), TLS through
+an ``ssl.SSLContext``, a cap on concurrent sessions, on queued requests per session,
+a handshake/partial-frame read timeout (slowloris), an idle timeout and a write
+timeout (a receiver that stops reading).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import ssl as _ssl
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import codec
+
+from streamer.wire import auth, protocol as p
+from streamer.wire.frames import PART_HEADER
+from streamer.wire.manifest import Manifest, validate_context_id
+from streamer.net.sender_metrics import SenderMetrics, new_session_id, session_logger
+from streamer.store import ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError
+
+log = logging.getLogger("kvwire.server")
+
+SERVER_NAME = "kvwire-sender/1"
+_READ_SIZE = 256 * 1024
+_WRITE_HIGH_WATER = 4 * 1024 * 1024
+
+
+class InsecureConfiguration(ValueError):
+    """The daemon would listen off loopback with no authentication."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    #: close a connection with nothing outstanding after this long without a request
+    idle_timeout: float = 60.0
+    #: the handshake (HELLO .. AUTH) must be done, and a frame whose first byte arrived
+    #: must be complete, within this many seconds (also the TLS handshake timeout)
+    read_timeout: float = 10.0
+    #: give up on a receiver that takes this long to accept one part (it stopped reading)
+    write_timeout: float = 30.0
+    #: largest data frame payload accepted and announced in WELCOME (control frames: 64 KiB)
+    max_frame: int = p.DEFAULT_MAX_FRAME
+    #: connections served at once; one more gets a fatal ERROR "unavailable"
+    max_sessions: int = 1024
+    #: requests (OPEN / GET_PROFILE / REQUEST) queued per connection before the sender
+    #: stops reading from it (TCP backpressure) until the answers catch up
+    max_pending_requests: int = 256
+    #: on close(): how long open connections may finish what they are sending
+    shutdown_grace: float = 5.0
+    #: shared secret (str/bytes, >= 16 bytes): receivers must authenticate with it
+    auth_token: Optional[auth.Token] = field(default=None, repr=False)
+    #: TLS: a server-side ssl.SSLContext (see streamer.net.tls.server_context)
+    ssl: Optional[_ssl.SSLContext] = None
+    #: allow listening on a non-loopback address without authentication
+    allow_insecure: bool = False
+    #: Prometheus metrics (a SenderMetrics, or True for a fresh one; see Sender.metrics)
+    metrics: Optional[SenderMetrics] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("idle_timeout", "read_timeout", "write_timeout", "shutdown_grace"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0 seconds, got {value!r}")
+        for name in ("max_sessions", "max_pending_requests"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
+        if type(self.max_frame) is not int or not p.MIN_MAX_FRAME <= self.max_frame <= 0xFFFF_FFFF:
+            raise ValueError(f"ServerConfig.max_frame must be in [{p.MIN_MAX_FRAME}, 2**32-1]")
+        if self.ssl is not None and not isinstance(self.ssl, _ssl.SSLContext):
+            raise TypeError(f"ServerConfig.ssl must be an ssl.SSLContext, got {type(self.ssl).__name__}")
+        object.__setattr__(self, "auth_token", auth.normalize_token(self.auth_token))
+        if self.metrics is True:
+            object.__setattr__(self, "metrics", SenderMetrics())
+        elif self.metrics is False:
+            object.__setattr__(self, "metrics", None)
+        elif self.metrics is not None and not isinstance(self.metrics, SenderMetrics):
+            raise TypeError(f"ServerConfig.metrics must be a SenderMetrics, True or None, "
+                            f"got {type(self.metrics).__name__}")
+
+    @property
+    def authenticates(self) -> bool:
+        """True when receivers must prove who they are (a token, or TLS client certificates)."""
+        return self.auth_token is not None or (
+            self.ssl is not None and self.ssl.verify_mode == _ssl.CERT_REQUIRED)
+
+
+def is_loopback(host: Any) -> bool:
+    """Whether every address in ``host`` (a name, an address or a list; None = all
+    interfaces) is loopback. Host names other than ``localhost`` count as not loopback."""
+    if host is None:
+        return False
+    if not isinstance(host, str):
+        return all(is_loopback(h) for h in host) and bool(host)
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: Any, config: ServerConfig) -> None:
+    """Refuse (InsecureConfiguration) to listen off loopback without authentication."""
+    if is_loopback(host) or config.authenticates:
+        if not is_loopback(host) and config.ssl is None:
+            log.warning("listening on %s with an auth token but without TLS: the token is "
+                        "never sent, but the data travels in clear", host)
+        return
+    if not config.allow_insecure:
+        raise InsecureConfiguration(
+            f"refusing to listen on {host or 'all interfaces'} without authentication: set an "
+            f"auth token (kvwire serve --auth-token-file FILE or ${auth.TOKEN_ENV}; "
+            f"serve(..., auth_token=...)), or accept the risk with --insecure-no-auth "
+            f"(allow_insecure=True)")
+    log.warning("listening on %s WITHOUT authentication (insecure mode): anyone who can "
+                "reach this port can read every stored context", host or "all interfaces")
+
+
+class _Cancelled:
+    """Set of chunk indexes the receiver cancelled, shared by reader and answerer."""
+
+    def __init__(self) -> None:
+        self._chunks: set[int] = set()
+
+    def add(self, chunk: int) -> None:
+        self._chunks.add(chunk)
+
+    def take(self, chunk: int) -> bool:
+        if chunk in self._chunks:
+            self._chunks.discard(chunk)
+            return True
+        return False
+
+
+def blob_parts(blob: bytes, limit: int) -> Iterator[memoryview]:
+    """The blob header, then each layer section, each cut to at most ``limit`` bytes.
+
+    Receivers cut sections by the header's lengths, not by part boundaries, so a
+    section may span parts when it exceeds the frame limit.
+    """
+    view = memoryview(blob)
+    header = codec.parse_header(view)
+    bounds = [0, header.size] + [header.section_offset(l + 1) for l in range(header.layers)]
+    if bounds[-1] != len(blob):
+        raise codec.CorruptBitstream(f"stored blob is {len(blob)} bytes, its header says {bounds[-1]}")
+    for start, end in zip(bounds, bounds[1:]):
+        for piece in range(start, end, limit):
+            yield view[piece:min(end, piece + limit)]
+
+
+class _ConnectionHandler:
+    def __init__(self, store: Store, config: ServerConfig, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.store = store
+        self.config = config
+        self.reader = reader
+        self.writer = writer
+        self.conn = p.Connection(p.Role.SERVER, max_frame=config.max_frame,
+                                 auth_token=config.auth_token)
+        self.metrics = config.metrics
+        self.session_id = new_session_id()
+        #: every log line of this connection carries its session id (record.session)
+        self.log = session_logger(log, self.session_id, writer.get_extra_info("peername"))
+        # (request, when it was received) in arrival order
+        self.requests: asyncio.Queue[tuple[p.Event, float] | None] = asyncio.Queue()
+        self.cancelled = _Cancelled()
+        self.manifest: Manifest | None = None
+        self.busy = False
+        self.closing = False
+        self._reading: asyncio.Task | None = None
+        self._answered = asyncio.Event()   # set after each answer: room in the queue
+        self._loop = asyncio.get_running_loop()
+        self._last_activity = self._loop.time()
+
+    async def run(self) -> None:
+        answers = asyncio.create_task(self._answer_loop())
+        self._reading = asyncio.create_task(self._read_loop())
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reading
+        finally:
+            self.requests.put_nowait(None)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(answers, self.config.shutdown_grace)
+            answers.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await answers
+            if self.conn.state is p.State.READY:
+                with contextlib.suppress(Exception):
+                    self.writer.write(self.conn.send(p.Close()))
+            self.writer.close()
+            try:   # a peer that stopped reading cannot hold the socket open past this
+                await asyncio.wait_for(self.writer.wait_closed(), self.config.write_timeout)
+            except asyncio.CancelledError:
+                self.writer.transport.abort()
+                raise
+            except Exception:
+                self.writer.transport.abort()
+
+    def shut_down(self) -> None:
+        """Stop reading new requests; the queued ones are answered (within the grace)."""
+        if self._reading is not None:
+            self._reading.cancel()
+
+    # ---------------------------------------------------------------- receiving
+    _HANDSHAKE = (p.State.AWAIT_HELLO, p.State.SEND_WELCOME, p.State.AWAIT_AUTH,
+                  p.State.SEND_AUTH_OK)
+
+    def _deadline(self, handshake_end: float, frame_end: float | None) -> tuple[float | None, str]:
+        """The earliest applicable deadline and what it means; None when none applies."""
+        cfg = self.config
+        found: list[tuple[float, str]] = []
+        if self.conn.state in self._HANDSHAKE:
+            found.append((handshake_end, f"handshake not completed within {cfg.read_timeout:g} s"))
+        if frame_end is not None:
+            found.append((frame_end, f"incomplete frame for {cfg.read_timeout:g} s"))
+        if not self.busy and self.requests.empty():
+            found.append((self._last_activity + cfg.idle_timeout,
+                          f"idle for {cfg.idle_timeout:g} s"))
+        if not found:
+            return None, ""
+        return min(found)
+
+    async def _read_loop(self) -> None:
+        cfg = self.config
+        handshake_end = self._loop.time() + cfg.read_timeout
+        frame_end: float | None = None   # deadline of the partial frame buffered, if any
+        while not self.closing:
+            # bounded memory whatever the client does: stop reading (TCP backpressure)
+            # while the answerer is max_pending_requests behind
+            while self.requests.qsize() >= cfg.max_pending_requests and not self.closing:
+                self._answered.clear()
+                await self._answered.wait()
+            if self.closing:
+                return
+            deadline, why = self._deadline(handshake_end, frame_end)
+            now = self._loop.time()
+            if deadline is not None and deadline <= now:
+                self.log.info("dropping %s: %s", self._peer(), why)
+                self._error("timeout")
+                await self._fatal("timeout", why)
+                return
+            # while busy no deadline may apply yet; look again after idle_timeout anyway
+            wait = (deadline if deadline is not None else now + cfg.idle_timeout) - now
+            try:
+                data = await asyncio.wait_for(self.reader.read(_READ_SIZE), wait)
+            except asyncio.TimeoutError:
+                continue   # re-evaluate: the deadline may have moved (an answer finished)
+            except (ConnectionError, OSError):
+                return
+            try:
+                events = self.conn.receive_data(data)
+            except p.ProtocolError as exc:
+                for event in exc.events:   # the state is ERROR now: nothing more is sent
+                    if isinstance(event, (p.Open, p.GetProfile, p.Request, p.Cancel)):
+                        self._dispatch(event)
+                self._error("auth" if isinstance(exc, p.AuthenticationError)
+                            else getattr(exc, "code", "protocol"))
+                if isinstance(exc, p.AuthenticationError):
+                    self.log.warning("authentication failed from %s: %s", self._peer(), exc)
+                else:
+                    self.log.info("protocol error from %s: %s", self._peer(), exc)
+                with contextlib.suppress(Exception):
+                    self.writer.write(self.conn.error_frame(exc))
+                return
+            if not self.conn.receiving_frame:
+                frame_end = None
+            elif frame_end is None or events:   # a new frame began in this read
+                frame_end = self._loop.time() + cfg.read_timeout
+            for event in events:
+                if not self._dispatch(event):
+                    return
+
+    def _dispatch(self, event: p.Event) -> bool:
+        """Route one received event; False when the connection is over."""
+        if isinstance(event, p.Hello):
+            version = max(set(event.versions) & set(p.SUPPORTED_VERSIONS))
+            required = self.conn.auth_required
+            self._send_now(self.conn.send(p.Welcome(
+                version=version, server=SERVER_NAME, max_frame=self.config.max_frame,
+                auth=p.AUTH_REQUIRED if required else p.AUTH_NONE,
+                nonce=auth.new_nonce() if required else "")))
+        elif isinstance(event, p.Auth):   # the connection checked the MAC already
+            self._send_now(self.conn.send(self.conn.auth_ok_event()))
+            self._last_activity = self._loop.time()
+        elif isinstance(event, (p.Open, p.GetProfile, p.Request)):
+            self._last_activity = self._loop.time()
+            self.requests.put_nowait((event, self._loop.time()))
+        elif isinstance(event, p.Cancel):
+            # only for a request still outstanding: a stale CANCEL must neither pile up
+            # nor cancel a later request for the same chunk
+            if any(isinstance(q.request, p.Request) and q.request.chunk == event.chunk
+                   for q in self.conn.outstanding):
+                self.cancelled.add(event.chunk)
+        elif isinstance(event, (p.Close, p.ConnectionClosed, p.Error)):
+            return False
+        return True
+
+    # ---------------------------------------------------------------- answering
+    async def _answer_loop(self) -> None:
+        try:
+            while (item := await self.requests.get()) is not None:
+                request, received = item
+                self.busy = True
+                try:
+                    kind = await self._answer(request)
+                    if self.metrics is not None:
+                        self.metrics.request_seconds.labels(kind=kind).observe(
+                            self._loop.time() - received)
+                except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
+                    self._error("write_timeout" if isinstance(exc, asyncio.TimeoutError)
+                                else "connection_lost")
+                    self.log.info("dropping %s: it accepted no data for %g s", self._peer(),
+                                  self.config.write_timeout)
+                    self.closing = True
+                    self.writer.transport.abort()
+                    return
+                except Exception:  # a bug must cost this connection, never leave the peer hanging
+                    self._error("handler_failed")
+                    self.log.exception("answering %r failed; closing the connection", request)
+                    self.closing = True
+                    self.writer.transport.abort()
+                    return
+                finally:
+                    self.busy = False
+                    self._last_activity = self._loop.time()
+                    self._answered.set()
+        finally:
+            self._answered.set()   # never leave the reader waiting for room
+
+    async def _answer(self, request: p.Event) -> str:
+        """Answer one request; its kind for the latency histogram."""
+        kind = ("open" if isinstance(request, p.Open) else "profile" if isinstance(request, p.GetProfile)
+                else "text" if request.level == p.TEXT_LEVEL else "chunk")  # type: ignore[attr-defined]
+        try:
+            if isinstance(request, p.Open):
+                # before the store sees it: no path traversal, no key injection
+                context_id = validate_context_id(request.context_id)
+                self.manifest = await self.store.get_manifest(context_id)
+                await self._write(self.conn.send(p.Manifest(data=self.manifest.to_bytes())))
+            elif isinstance(request, p.GetProfile):
+                data = memoryview(await self.store.get_profile_bytes(request.profile_id))
+                piece = self.conn.send_limit - 17  # the id and the continuation byte
+                for start in range(0, max(len(data), 1), piece):
+                    end = min(start + piece, len(data))
+                    await self._write(*self.conn.send_parts(p.Profile(
+                        profile_id=request.profile_id, data=data[start:end], more=end < len(data))))
+            else:
+                await self._send_chunk(request)
+        except (ContextNotFound, ChunkNotFound, ProfileNotFound) as exc:
+            self._error("not_found")
+            await self._write(self.conn.send(p.Error("not_found", str(exc))))
+        except ValueError as exc:
+            self._error("bad_request")
+            await self._write(self.conn.send(p.Error("bad_request", str(exc))))
+        except StoreError as exc:   # details (paths, hosts) stay in the log
+            self._error("unavailable")
+            self.log.error("store error answering %r: %s", request, exc)
+            await self._write(self.conn.send(p.Error("unavailable", "store unavailable")))
+        except codec.CorruptBitstream as exc:
+            self._error("internal")
+            self.log.error("corrupt blob in the store: %s", exc)
+            await self._write(self.conn.send(p.Error("internal", "stored chunk is corrupt")))
+        return kind
+
+    async def _send_chunk(self, request: p.Request) -> None:
+        chunk, level = request.chunk, request.level
+        if self.cancelled.take(chunk):
+            await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
+            if self.metrics is not None:
+                self.metrics.cancelled.inc()
+            return
+        manifest = self.manifest
+        assert manifest is not None  # the protocol refuses REQUEST before MANIFEST
+        if chunk >= len(manifest.chunks):
+            raise ValueError(f"chunk {chunk} out of range: context has {len(manifest.chunks)} chunks")
+        if level == p.TEXT_LEVEL:
+            data = await self.store.get_text(manifest.context_id, manifest.version, chunk)
+            await self._write(self.conn.send(p.Text(chunk=chunk, data=data)))
+            if self.metrics is not None:
+                self.metrics.chunks.labels(level="text").inc()
+                self.metrics.text_fallbacks.inc()
+            return
+        if level >= len(manifest.level_distortion):
+            raise ValueError(f"level {level} out of range: context has {len(manifest.level_distortion)} levels")
+        blob = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
+        parts = list(blob_parts(blob, self.conn.send_limit - PART_HEADER.size))
+        await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=len(blob),
+                                                      parts=len(parts))))
+        for index, part in enumerate(parts):
+            if self.cancelled.take(chunk):
+                await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
+                if self.metrics is not None:
+                    self.metrics.cancelled.inc()
+                return
+            await self._write(*self.conn.send_parts(p.ChunkPart(chunk=chunk, part=index, data=part)))
+        await self._write(self.conn.send(p.ChunkEnd(chunk=chunk)))
+        if self.metrics is not None:
+            self.metrics.chunks.labels(level=str(level)).inc()
+
+    async def _write(self, *pieces: bytes | memoryview) -> None:
+        self.writer.writelines(pieces)
+        if self.metrics is not None:
+            self.metrics.bytes_sent.inc(sum(len(piece) for piece in pieces))
+        await asyncio.wait_for(self.writer.drain(), self.config.write_timeout)
+
+    def _send_now(self, data: bytes) -> None:
+        """Write without draining (handshake answers, small)."""
+        self.writer.write(data)
+        if self.metrics is not None:
+            self.metrics.bytes_sent.inc(len(data))
+
+    def _error(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(code=code).inc()
+
+    async def _fatal(self, code: str, message: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._write(self.conn.send(p.Error(code, message, fatal=True)))
+
+    def _peer(self) -> str:
+        return str(self.writer.get_extra_info("peername"))
+
+
+class Sender:
+    """A running sender daemon; ``port`` is the bound port, ``close()`` shuts it down."""
+
+    def __init__(self, store: Store, config: ServerConfig | None = None) -> None:
+        self.store = store
+        self.config = config or ServerConfig()
+        #: the Prometheus metrics (ServerConfig.metrics), None when not collected
+        self.metrics: SenderMetrics | None = self.config.metrics
+        self._server: asyncio.base_events.Server | None = None
+        self._handlers: dict[asyncio.Task, _ConnectionHandler] = {}
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Sender":
+        """Listen on ``host:port``; InsecureConfiguration off loopback without auth."""
+        check_exposure(host, self.config)
+        self._server = await asyncio.start_server(
+            self._accept, host, port, limit=_READ_SIZE, ssl=self.config.ssl,
+            ssl_handshake_timeout=self.config.read_timeout if self.config.ssl else None)
+        return self
+
+    @property
+    def sessions(self) -> int:
+        """Connections being served now."""
+        return len(self._handlers)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "start() the sender first"
+        return self._server.sockets[0].getsockname()[1]
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._server is not None, "start() the sender first"
+        return self._server.sockets[0].getsockname()[:2]
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        metrics = self.metrics
+        if len(self._handlers) >= self.config.max_sessions:
+            if metrics is not None:
+                metrics.refused.inc()
+                metrics.errors.labels(code="unavailable").inc()
+            await self._refuse(reader, writer)
+            return
+        handler = _ConnectionHandler(self.store, self.config, reader, writer)
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers[task] = handler
+        if metrics is not None:
+            metrics.sessions.inc()
+            metrics.sessions_open.inc()
+        handler.log.debug("session opened from %s", handler._peer())
+        try:
+            await handler.run()
+        except Exception:  # one broken connection must never take the daemon down
+            handler._error("handler_failed")
+            handler.log.exception("connection handler failed")
+        finally:
+            self._handlers.pop(task, None)
+            if metrics is not None:
+                metrics.sessions_open.dec()
+            handler.log.debug("session closed")
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """At capacity: a fatal ERROR "unavailable" (the receiver tries another sender)."""
+        limit = self.config.max_sessions
+        log.warning("refusing %s: %d sessions already (max_sessions)",
+                    writer.get_extra_info("peername"), limit)
+        frame = p.Connection(p.Role.SERVER).send(p.Error(
+            "unavailable", f"sender at capacity ({limit} sessions); try another sender", fatal=True))
+        try:
+            writer.write(frame)
+            if writer.can_write_eof():
+                writer.write_eof()
+            # read what the client already sent (its HELLO) until it closes, briefly, so
+            # closing does not reset the connection before it read the ERROR
+            async with asyncio.timeout(min(1.0, self.config.read_timeout)):
+                while await reader.read(_READ_SIZE):
+                    pass
+        except (Exception, asyncio.TimeoutError):
+            pass
+        finally:
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()
+            else:
+                writer.close()
+
+    async def close(self) -> None:
+        """Stop accepting; give open connections ``shutdown_grace`` seconds, then cut them."""
+        if self._server is None:
+            return
+        self._server.close()
+        for handler in self._handlers.values():
+            handler.shut_down()
+        if self._handlers:
+            _, pending = await asyncio.wait(set(self._handlers), timeout=2 * self.config.shutdown_grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+
+    async def __aenter__(self) -> "Sender":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def serve(store: Store, host: str = "127.0.0.1", port: int = 0,
+                config: ServerConfig | None = None, *, auth_token: auth.Token | None = None,
+                ssl: _ssl.SSLContext | None = None, allow_insecure: bool | None = None) -> Sender:
+    """Start a sender daemon on ``host:port`` (port 0: any free port) and return it.
+
+    ``auth_token``, ``ssl`` and ``allow_insecure`` override the same ``config`` fields.
+    Off loopback, a token (or TLS client certificates) is required unless
+    ``allow_insecure=True``: InsecureConfiguration (a ValueError) otherwise.
+    """
+    config = config or ServerConfig()
+    overrides: dict[str, Any] = {}
+    if auth_token is not None:
+        overrides["auth_token"] = auth_token
+    if ssl is not None:
+        overrides["ssl"] = ssl
+    if allow_insecure is not None:
+        overrides["allow_insecure"] = allow_insecure
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    return await Sender(store, config).start(host, port)
+

@@ -1,0 +1,640 @@
+"""StreamSession: fetch one context under a deadline, chunk by chunk, into callbacks.
+
+Per chunk the policy (``streamer.adapt``, via ``adapt.decide``) picks a quality
+level or text; the request for the next chunk goes out *before* the current one has
+fully arrived (when the bytes still to come would take about as long as a request
+takes to be answered: one round trip plus the sender's store read), so
+the link never idles and each decision sees the freshest measurement, including
+the partial rate of the chunk in flight. Throughput is measured at the receiver
+over busy time only: a chunk's clock starts when the previous chunk ended or when
+its request could first have been answered (sent + one round trip), whichever is
+later, so neither idle time nor a burst of buffered bytes distorts it. Layer sections are handed to
+``OrderedDelivery`` as they land, so decoding overlaps receiving and layer 0 of
+chunk 0 reaches the consumer while later chunks are still on the wire.
+
+Faults: a reset, a close, a protocol error or a stall longer than ``stall_timeout``
+triggers a reconnect with bounded exponential backoff (cycling through
+``servers``), and the fetch resumes: chunks that already delivered layers are
+re-requested at the same level and their delivered layers are skipped; the others
+are decided afresh. A corrupt section is refetched (twice at most). When the
+deadline has passed, everything not yet requested goes to text.
+
+Security and limits: ``auth_token`` authenticates to the sender (and the sender to us)
+in the handshake; a refused token raises :class:`AuthenticationFailed` at once (no
+retries). ``ssl`` (an ``ssl.SSLContext``, or True for the system CAs) wraps every
+connection in TLS. ``max_frame`` caps the frames the sender may send us.
+``max_buffered_bytes`` bounds the encoded sections received but not yet delivered:
+above it the session stops reading from the socket (TCP backpressure on the sender)
+until the consumer catches up -- except while the consumer waits for data not yet
+received, so a refetch can never deadlock behind the backlog.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import ssl as _ssl
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import codec
+
+from streamer.wire import auth, protocol as p
+from streamer.adapt import estimator
+from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD,
+                                   MIN_SAMPLE_BYTES, decide)
+from streamer.net.client import (AuthenticationFailed, ClientConnection, ConnectionLost,
+                                 ServerError, StreamError)
+from streamer.net.delivery import OrderedDelivery
+from streamer.wire.manifest import Manifest
+from streamer.adapt.policies import TEXT, Choice, Observation, get_policy
+from streamer.store.put import decode_tokens
+from streamer.net.report import ChunkReport, FetchReport
+
+#: Refetches of one chunk after corrupt sections before giving up on it.
+MAX_CORRUPT_RETRIES = 2
+#: Default bound on encoded sections received but not yet delivered (backpressure).
+DEFAULT_MAX_BUFFERED_BYTES = 64 * 1024 * 1024
+
+_profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
+_PROFILE_CACHE_SIZE = 8
+#: Last robust throughput estimate (bytes/s) per server: the prior of the next fetch.
+_server_priors: dict[tuple[str, int], float] = {}
+
+
+class FetchFailed(StreamError):
+    """The fetch could not complete; ``report`` says what was delivered."""
+
+    def __init__(self, message: str, report: FetchReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class ContextChanged(StreamError):
+    """The context was re-put while we were fetching it: chunks would mix versions."""
+
+
+@dataclass
+class _Chunk:
+    index: int
+    choice: Choice | None = None
+    requested_at: float = 0.0
+    begin_at: float | None = None
+    expected: int = 0
+    received: int = 0
+    buffer: bytearray = field(default_factory=bytearray)
+    consumed: int = 0          # bytes of buffer already cut into header/sections
+    header: codec.BlobHeader | None = None
+    next_layer: int = 0
+    corrupt_retries: int = 0
+    refetch: bool = False
+    report: ChunkReport | None = None
+
+
+class StreamSession:
+    """Receive one context; see the module docstring. Use as an async context manager."""
+
+    def __init__(self, host: str, port: int, context_id: str, *, slo: float = 1.0,
+                 policy: str = "mpc", on_layer: Callable[..., Any] | None = None,
+                 on_text: Callable[..., Any] | None = None, device: str = "cpu",
+                 on_chunk: Callable[[ChunkReport], Any] | None = None,
+                 servers: Sequence[tuple[str, int]] = (),
+                 recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
+                 prior_bps: float | None = None, connect_timeout: float = 5.0,
+                 stall_timeout: float = 2.0, max_reconnects: int = 4,
+                 backoff: float = 0.05, max_backoff: float = 1.0,
+                 auth_token: auth.Token | None = None,
+                 ssl: _ssl.SSLContext | bool | None = None, server_hostname: str | None = None,
+                 max_frame: int = p.DEFAULT_MAX_FRAME,
+                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
+                 connection: ClientConnection | None = None) -> None:
+        if not slo > 0:
+            raise ValueError(f"slo must be > 0 seconds, got {slo}")
+        if type(max_buffered_bytes) is not int or max_buffered_bytes < 1:
+            raise ValueError(f"max_buffered_bytes must be an int >= 1, got {max_buffered_bytes!r}")
+        if type(max_frame) is not int or not p.MIN_MAX_FRAME <= max_frame <= 0xFFFF_FFFF:
+            raise ValueError(f"max_frame must be an int in [{p.MIN_MAX_FRAME}, 2**32-1]")
+        if ssl is not None and not isinstance(ssl, (bool, _ssl.SSLContext)):
+            raise TypeError(f"ssl must be an ssl.SSLContext, True or None, got {type(ssl).__name__}")
+        self._auth_token = auth.normalize_token(auth_token)   # ValueError now, not at connect
+        self._ssl = _ssl.create_default_context() if ssl is True else (ssl or None)
+        self._server_hostname = server_hostname
+        self._max_frame = max_frame
+        self._given_connection = connection
+        self.max_buffered_bytes = max_buffered_bytes
+        self._on_data: Callable[[], None] | None = None   # set by a running fetch
+        self.policy_name = policy
+        self._policy = get_policy(policy)
+        self.context_id = context_id
+        self.slo = float(slo)
+        self._on_layer = on_layer
+        self._on_text = on_text
+        self._on_chunk = on_chunk
+        self._decode = codec.section_decoder(device)
+        self._servers = [(host, int(port))] + [(h, int(pt)) for h, pt in servers]
+        self._server_index = 0
+        self._recompute = recompute_seconds_per_token
+        self._prior_bps = prior_bps
+        self._connect_timeout = connect_timeout
+        self._stall_timeout = stall_timeout
+        self._max_reconnects = max_reconnects
+        self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._client: ClientConnection | None = None
+        self.manifest: Manifest | None = None
+        self.profile: codec.Profile | None = None
+        #: the level (or "text") each chunk was last requested at, as soon as it is requested:
+        #: lets a consumer label layers before the chunk's report exists
+        self.levels: dict[int, Choice] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "StreamSession":
+        try:
+            if not await self._reuse(self._given_connection):
+                await self._connect_any()
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def set_callbacks(self, *, on_layer: Callable[..., Any] | None = None,
+                      on_text: Callable[..., Any] | None = None) -> None:
+        """Set the consumers after entering, once ``manifest`` tells their shapes."""
+        self._on_layer = on_layer
+        self._on_text = on_text
+
+    async def _reuse(self, client: ClientConnection | None) -> bool:
+        """Open the context on an idle connection handed in by the caller (a pool): no new
+        handshake. False, with the connection dropped, if it turns out to be unusable."""
+        if client is None:
+            return False
+        if not client.reusable:
+            client.abort()
+            return False
+        self._client = client
+        client.set_on_data(self._on_data)
+        client.resume_reading()
+        try:
+            await self._open_context()
+            return True
+        except ServerError as exc:
+            if exc.code == "not_found":
+                raise
+        except ConnectionLost:
+            pass
+        client.abort()
+        self._client = None
+        return False
+
+    def detach_connection(self) -> ClientConnection | None:
+        """After ``fetch()``: hand the connection back for reuse (None if it is not reusable);
+        the session then leaves it open on exit."""
+        client, self._client = self._client, None
+        if client is not None and client.reusable:
+            client.set_on_data(None)
+            return client
+        if client is not None:
+            client.abort()
+        return None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._servers[self._server_index]
+
+    async def _connect_any(self) -> None:
+        """Connect to the servers in turn (with backoff) and open the context."""
+        delay = self._backoff
+        last: Exception | None = None
+        for attempt in range(self._max_reconnects + 1):
+            host, port = self._servers[self._server_index]
+            try:
+                self._client = await ClientConnection.connect(
+                    host, port, timeout=self._connect_timeout, max_frame=self._max_frame,
+                    auth_token=self._auth_token, ssl=self._ssl,
+                    server_hostname=self._server_hostname)
+                self._client.set_on_data(self._on_data)
+                await self._open_context()
+                return
+            except AuthenticationFailed:
+                if self._client is not None:
+                    self._client.abort()
+                    self._client = None
+                raise  # a wrong token stays wrong: retrying (or another sender) cannot help
+            except ServerError as exc:
+                if exc.code == "not_found":
+                    raise  # the context does not exist: retrying elsewhere cannot help
+                last = exc
+            except ConnectionLost as exc:
+                last = exc
+            if self._client is not None:
+                self._client.abort()
+                self._client = None
+            self._server_index = (self._server_index + 1) % len(self._servers)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self._max_backoff)
+        raise ConnectionLost(f"could not reach a sender for {self.context_id!r}: {last}")
+
+    async def _open_context(self) -> None:
+        client = self._client
+        assert client is not None
+        timeout = self._connect_timeout
+        answer = await client.call(p.Open(context_id=self.context_id, slo=self.slo), p.Manifest, timeout)
+        manifest = Manifest.from_bytes(answer.data)
+        if self.manifest is not None and manifest.version != self.manifest.version:
+            raise ContextChanged(f"context {self.context_id!r} changed from version "
+                                 f"{self.manifest.version} to {manifest.version} during the fetch")
+        self.manifest = manifest
+        profile = _profiles.get(manifest.profile_id)
+        if profile is None:
+            profile = codec.Profile.from_bytes(await client.get_profile(manifest.profile_id, timeout))
+            if profile.id != manifest.profile_id:
+                raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
+            _profiles[manifest.profile_id] = profile
+            while len(_profiles) > _PROFILE_CACHE_SIZE:
+                _profiles.popitem(last=False)
+        _profiles.move_to_end(manifest.profile_id)
+        self.profile = profile
+
+    # ------------------------------------------------------------------ fetching
+    async def fetch(self) -> FetchReport:
+        """Fetch every chunk; returns when the last layer or text chunk was delivered."""
+        if self.manifest is None or self._client is None:
+            raise RuntimeError("use `async with StreamSession(...)` before fetch()")
+        return await _Fetch(self).run()
+
+
+class _Fetch:
+    """The state of one fetch() call."""
+
+    def __init__(self, session: StreamSession) -> None:
+        self.s = session
+        self.manifest: Manifest = session.manifest  # type: ignore[assignment]
+        self.start = time.monotonic()
+        self.deadline = self.start + session.slo
+        self.chunks = [_Chunk(i) for i in range(len(self.manifest.chunks))]
+        self.inflight: collections.deque[int] = collections.deque()
+        self.next_chunk = 0
+        self.history: list[Observation] = []
+        self.last_end: float | None = None
+        self.wake = asyncio.Event()
+        self.report = FetchReport(session.context_id, session.slo, session.policy_name)
+        self.delivery = OrderedDelivery(chunks=len(self.chunks), layers=self.manifest.layers,
+                                        on_layer=session._on_layer, on_text=session._on_text,
+                                        on_corrupt=self._on_corrupt, executor=session._executor,
+                                        decode=session._decode)
+        self.prior = session._prior_bps or _server_priors.get(session.address)
+        #: request-to-first-byte of a request sent to an idle sender (the first chunk's):
+        #: one round trip plus the sender's store read, the lead time the next request needs
+        self.response_latency = 0.0
+        self.reconnects = 0
+        #: reading paused because the delivery backlog is over max_buffered_bytes
+        self.paused = False
+        self.pauses = 0
+        self.peak_backlog = 0
+        self.delivery.on_progress = self._maybe_resume
+        session._on_data = self._maybe_pause
+        if session._client is not None:
+            session._client.set_on_data(self._maybe_pause)
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self) -> FetchReport:
+        consumer = asyncio.create_task(self.delivery.run())
+        try:
+            while not consumer.done():
+                self._request_ahead()
+                arrival = await self._next_arrival(consumer)
+                if arrival is None:
+                    continue
+                try:
+                    self._handle(arrival)
+                except (_NeedReconnect, ConnectionLost) as exc:
+                    await self._reconnect(str(exc))
+                self._maybe_pause()
+        except ContextChanged:
+            consumer.cancel()
+            raise
+        except StreamError as exc:
+            consumer.cancel()
+            self._finish()
+            raise FetchFailed(str(exc), self.report) from exc
+        finally:
+            if not consumer.done():
+                consumer.cancel()
+            self.s._on_data = None
+            if self.s._client is not None:
+                self.s._client.set_on_data(None)
+                if self.paused:
+                    self.s._client.resume_reading()
+        consumer.result()  # re-raise a callback's exception
+        self._finish()
+        estimate = estimator.robust_estimate(self.history)
+        if estimate:
+            _server_priors[self.s.address] = estimate
+        return self.report
+
+    def _finish(self) -> None:
+        now = time.monotonic()
+        self.report.total_seconds = now - self.start
+        if self.delivery.first_layer_at is not None:
+            self.report.first_layer_seconds = self.delivery.first_layer_at - self.start
+        self.report.reconnects = self.reconnects
+        self.report.chunks = [c.report for c in self.chunks if c.report is not None]
+        for chunk in self.chunks:
+            if chunk.report is not None:
+                chunk.report.decode_seconds = self.delivery.decode_seconds(chunk.index)
+
+    async def _next_arrival(self, consumer: asyncio.Task):
+        """The next network event, or None when woken for another reason."""
+        client = self.s._client
+        getter = asyncio.ensure_future(client.queue.get()) if client is not None else None
+        waker = asyncio.ensure_future(self.wake.wait())
+        waits = {consumer, waker} | ({getter} if getter else set())
+        # while we hold reading paused, silence is ours, not a stalled link
+        timeout = self.s._stall_timeout if self.inflight and not self.paused else None
+        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waker.cancel()
+        self.wake.clear()
+        if getter is not None and not getter.done():
+            getter.cancel()
+            try:
+                await getter
+            except asyncio.CancelledError:
+                pass
+            else:  # the item was taken just as we cancelled: keep it
+                return getter.result()
+        if getter is not None and getter in done:
+            return getter.result()
+        if not done:  # stalled: nothing arrived for stall_timeout with requests outstanding
+            await self._reconnect(f"no data for {self.s._stall_timeout:g} s")
+        return None
+
+    # ------------------------------------------------------------------ backpressure
+    def _buffered(self) -> int:
+        """Received payload bytes not yet delivered: queued events plus the delivery backlog."""
+        client = self.s._client
+        return self.delivery.backlog_bytes + (client.queued_bytes if client is not None else 0)
+
+    def _maybe_pause(self) -> None:
+        """After each socket read and each handled event: stop reading when over the limit."""
+        buffered = self._buffered()
+        self.peak_backlog = max(self.peak_backlog, buffered)
+        client = self.s._client
+        if (not self.paused and client is not None and buffered > self.s.max_buffered_bytes
+                and not self.delivery.starved()):
+            client.pause_reading()
+            self.paused = True
+            self.pauses += 1
+
+    def _maybe_resume(self) -> None:
+        if not self.paused:
+            return
+        if self._buffered() <= self.s.max_buffered_bytes // 2 or self.delivery.starved():
+            self.paused = False
+            if self.s._client is not None:
+                self.s._client.resume_reading()
+            self.wake.set()   # restart the stall timer from now
+
+    # ------------------------------------------------------------------ requesting
+    def _busy_start(self, chunk: _Chunk) -> float:
+        """When the link started carrying ``chunk``: not before its request could have been
+        answered (request + one round trip), nor before the previous chunk finished.
+
+        Not the first byte's arrival: bytes queued in socket and shaper buffers arrive in
+        one burst, which would make a small chunk look arbitrarily fast.
+        """
+        rtt = self.s._client.rtt if self.s._client is not None else 0.0
+        return max(chunk.requested_at + rtt, self.last_end or 0.0)
+
+    def _estimate(self, now: float) -> tuple[list[Observation], float | None]:
+        """History plus the chunk in flight as a partial sample, and the robust estimate."""
+        history = list(self.history)
+        if self.inflight:
+            head = self.chunks[self.inflight[0]]
+            if head.begin_at is not None and head.received >= MIN_SAMPLE_BYTES:
+                start = self._busy_start(head)
+                if now > start:
+                    history.append(Observation(head.received, now - start))
+        return history, estimator.robust_estimate(history, prior=self.prior)
+
+    def _decide(self, index: int, time_left: float, history: list[Observation]) -> tuple[Choice, str | None]:
+        """The policy's choice (and the rule's reason, if any) for chunk ``index``."""
+        return decide(self.s._policy, self.manifest, index, time_left=time_left,
+                      history=history, prior_bps=self.prior, recompute_seconds_per_token=self.s._recompute)
+
+    def _pending_recompute(self) -> float:
+        """Seconds the caller will still spend recomputing chunks already sent as text."""
+        return sum(self.s._recompute * (self.manifest.chunks[c.index].end - self.manifest.chunks[c.index].start)
+                   for c in self.chunks if c.choice == TEXT and not self.delivery.is_done(c.index))
+
+    def _outstanding_bytes(self) -> int:
+        return sum(max(self.chunks[i].expected - self.chunks[i].received, 0) for i in self.inflight)
+
+    def _request_ahead(self) -> None:
+        """Request the next chunk once the bytes still due would take about one request's answer time."""
+        client = self.s._client
+        while client is not None and not client.closed and self.next_chunk < len(self.chunks):
+            now = time.monotonic()
+            history, estimate = self._estimate(now)
+            outstanding = self._outstanding_bytes()
+            if self.inflight:
+                if sum(self.chunks[i].choice != TEXT for i in self.inflight) > MAX_QUEUED_AHEAD:
+                    return
+                lookahead = (estimate or 0.0) * max(client.rtt, self.response_latency) + MIN_SAMPLE_BYTES
+                if outstanding > lookahead:
+                    return
+            due = outstanding / estimate if estimate else 0.0
+            time_left = self.deadline - now - due - self._pending_recompute()
+            index = self.next_chunk
+            choice, reason = self._decide(index, time_left, history)
+            chunk = self.chunks[index]
+            chunk.report = ChunkReport(index=index, level=choice, time_left=time_left, reason=reason,
+                                       estimate_bps=None if estimate is None else 8 * estimate)
+            self.next_chunk += 1
+            self._send_request(chunk, choice)
+
+    def _send_request(self, chunk: _Chunk, choice: Choice) -> None:
+        chunk.choice = choice
+        self.s.levels[chunk.index] = choice
+        chunk.requested_at = time.monotonic()
+        chunk.begin_at = None
+        chunk.received = 0
+        chunk.buffer = bytearray()
+        chunk.consumed = 0
+        chunk.header = None
+        chunk.next_layer = 0
+        chunk.refetch = False
+        info = self.manifest.chunks[chunk.index]
+        chunk.expected = info.text_bytes if choice == TEXT else info.sizes[choice]
+        self.delivery.resolve(chunk.index, choice)
+        self.inflight.append(chunk.index)
+        try:
+            self.s._client.send(p.Request(chunk=chunk.index, level=choice))  # type: ignore[union-attr]
+        except (ConnectionLost, p.ProtocolError):
+            pass  # the connection-lost event that follows triggers the reconnect
+
+    # ------------------------------------------------------------------ receiving
+    def _handle(self, arrival) -> None:
+        event, at = arrival.event, arrival.at
+        if isinstance(event, p.ChunkBegin):
+            chunk = self.chunks[event.chunk]
+            chunk.begin_at = at
+            if event.chunk == 0 and chunk.corrupt_retries == 0:
+                self.response_latency = at - chunk.requested_at
+            if event.total_bytes != chunk.expected:
+                raise ConnectionLost(f"chunk {event.chunk} is {event.total_bytes} bytes, "
+                                     f"the manifest says {chunk.expected}")
+        elif isinstance(event, p.ChunkPart):
+            self._on_part(self.chunks[event.chunk], event.data, at)
+        elif isinstance(event, p.ChunkEnd):
+            self._on_end(self.chunks[event.chunk], at, event.cancelled)
+        elif isinstance(event, p.Text):
+            chunk = self.chunks[event.chunk]
+            chunk.begin_at = chunk.begin_at or at
+            chunk.received = len(event.data)
+            try:
+                tokens = decode_tokens(event.data)
+            except ValueError as exc:
+                raise ConnectionLost(f"chunk {event.chunk}: bad text fallback: {exc}") from exc
+            self.delivery.add_text(event.chunk, tokens)
+            self._on_end(chunk, at, cancelled=False)
+        elif isinstance(event, p.Error):
+            if event.fatal:
+                self._schedule_reconnect(f"sender error {event.code}: {event.message}")
+            else:
+                self._on_error(event)
+        elif isinstance(event, p.ConnectionClosed):
+            self._schedule_reconnect("connection closed" if event.clean else "connection lost")
+
+    def _on_part(self, chunk: _Chunk, data: bytes, at: float) -> None:
+        chunk.received += len(data)
+        chunk.buffer += data
+        if chunk.header is None:
+            size = codec.header_length(chunk.buffer)
+            if size is None or len(chunk.buffer) < size:
+                return
+            try:
+                header = codec.parse_header(chunk.buffer)
+                self._check_header(header)
+            except codec.CorruptBitstream as exc:
+                self._on_corrupt(chunk.index, 0, exc)
+                return
+            chunk.header = header
+            chunk.consumed = header.size
+        header = chunk.header
+        while chunk.next_layer < header.layers:
+            length = header.sections[chunk.next_layer][0]
+            if len(chunk.buffer) - chunk.consumed < length:
+                break
+            section = bytes(chunk.buffer[chunk.consumed: chunk.consumed + length])
+            self.delivery.add_section(chunk.index, chunk.next_layer, header, self.s.profile, section)
+            chunk.consumed += length
+            chunk.next_layer += 1
+        if chunk.consumed > (1 << 20):  # drop what was cut, so the buffer stays small
+            del chunk.buffer[: chunk.consumed]
+            chunk.consumed = 0
+
+    def _check_header(self, header: codec.BlobHeader) -> None:
+        m = self.manifest
+        if header.profile_id != m.profile_id or (header.layers, header.heads, header.head_dim) != \
+                (m.layers, m.heads, m.head_dim):
+            raise codec.CorruptBitstream("chunk header disagrees with the manifest")
+
+    def _on_end(self, chunk: _Chunk, at: float, cancelled: bool) -> None:
+        if chunk.index in self.inflight:
+            self.inflight.remove(chunk.index)
+        if cancelled:
+            return
+        busy = max(at - self._busy_start(chunk), 0.0)
+        self.last_end = at
+        report = chunk.report
+        assert report is not None
+        report.bytes += chunk.received
+        report.seconds = at - chunk.requested_at
+        report.finished_at = at - self.start
+        report.busy_seconds = busy
+        report.throughput_bps = 8 * chunk.received / busy if busy > 0 else 0.0
+        if chunk.received >= MIN_SAMPLE_BYTES and busy > 0:
+            self.history.append(Observation(chunk.received, busy))
+        if self.s._on_chunk is not None:
+            self.s._on_chunk(report)
+        if chunk.choice != TEXT and (chunk.header is None or chunk.next_layer < chunk.header.layers):
+            self._on_corrupt(chunk.index, chunk.next_layer,
+                             codec.CorruptBitstream(f"chunk {chunk.index} ended before all its layers"))
+        elif chunk.refetch:
+            self._refetch(chunk)
+
+    def _on_error(self, event: p.Error) -> None:
+        """A non-fatal ERROR answers the oldest outstanding request."""
+        if not self.inflight:
+            raise ServerError(event.code, event.message)
+        chunk = self.chunks[self.inflight.popleft()]
+        if chunk.choice != TEXT and self.delivery.delivered_layers(chunk.index) == 0:
+            chunk.report.reason = f"sender: {event.code}: {event.message}"  # type: ignore[union-attr]
+            chunk.report.level = TEXT  # type: ignore[union-attr]
+            self._send_request(chunk, TEXT)
+            return
+        raise ServerError(event.code, f"chunk {chunk.index}: {event.message}")
+
+    def _on_corrupt(self, index: int, layer: int, exc: Exception) -> None:
+        """A section failed its checks: refetch the chunk (its delivered layers are skipped)."""
+        chunk = self.chunks[index]
+        chunk.corrupt_retries += 1
+        if chunk.corrupt_retries > MAX_CORRUPT_RETRIES:
+            if self.delivery.delivered_layers(index) == 0 and chunk.choice != TEXT:
+                chunk.report.reason = f"corrupt data: {exc}"  # type: ignore[union-attr]
+                chunk.report.level = TEXT  # type: ignore[union-attr]
+                chunk.choice = TEXT
+                chunk.refetch = True
+            else:
+                self.delivery.fail_chunk(index, FetchFailed(f"chunk {index} stays corrupt: {exc}", self.report))
+                return
+        chunk.report.retries += 1  # type: ignore[union-attr]
+        chunk.refetch = True
+        if index not in self.inflight:
+            self._refetch(chunk)
+        self.wake.set()
+
+    def _refetch(self, chunk: _Chunk) -> None:
+        self._send_request(chunk, chunk.choice)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ faults
+    @staticmethod
+    def _schedule_reconnect(why: str) -> None:
+        raise _NeedReconnect(why)
+
+    async def _reconnect(self, why: str) -> None:
+        """Reconnect (servers in turn, bounded backoff) and re-request what was in flight."""
+        self.reconnects += 1
+        if self.reconnects > self.s._max_reconnects:
+            raise ConnectionLost(f"giving up after {self.reconnects - 1} reconnects: {why}")
+        if self.s._client is not None:
+            self.s._client.abort()
+        self.s._server_index = (self.s._server_index + 1) % len(self.s._servers)
+        self.paused = False   # a fresh connection reads
+        await self.s._connect_any()
+        pending = sorted(self.inflight)
+        self.inflight.clear()
+        self.last_end = None
+        for index in pending:
+            chunk = self.chunks[index]
+            if self.delivery.delivered_layers(index) == 0 and chunk.choice != TEXT:
+                # nothing went out yet: this chunk may be decided afresh
+                now = time.monotonic()
+                history, _ = self._estimate(now)
+                choice, reason = self._decide(index, self.deadline - now - self._pending_recompute(), history)
+                chunk.report.level = choice  # type: ignore[union-attr]
+                chunk.report.reason = reason  # type: ignore[union-attr]
+                chunk.choice = choice
+            chunk.report.retries += 1  # type: ignore[union-attr]
+            self._send_request(chunk, chunk.choice)  # type: ignore[arg-type]
+
+
+class _NeedReconnect(Exception):
+    """Raised inside event handling; the main loop reconnects."""

@@ -1,0 +1,45 @@
+"""Stores for contexts and profiles, opened by URL: ``await open_store(url)``.
+
+``file:///abs/path`` or a plain path: a local directory (``stores.file``).
+``redis://host:port/db`` (or ``rediss://``, TLS): a redis database shared by any
+number of senders (``stores.redis``; needs the ``kvwire[redis]`` extra).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from streamer.store.base import (ChunkNotFound, ContextNotFound, ContextWriter, ProfileNotFound,
+                                 Store, StoreError)
+
+
+async def open_store(url: str) -> Store:
+    """Open the store at ``url``; ValueError for an unsupported scheme, StoreError if
+    the backend cannot be reached."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"store URL must be a non-empty string, got {url!r}")
+    if "://" not in url:
+        from streamer.store.file import FileStore
+
+        return FileStore(Path(url).expanduser().resolve())
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"file store URL {url!r} names host {parts.netloc!r}; "
+                             "use file:///abs/path (local directories only)")
+        from streamer.store.file import FileStore
+
+        return FileStore(Path(unquote(parts.path)))
+    if parts.scheme in ("redis", "rediss"):
+        try:
+            from streamer.store.redis import RedisStore
+        except ImportError as exc:
+            raise StoreError(f"{parts.scheme}:// stores need the redis package "
+                             f"(pip install 'kvwire[redis]'): {exc}") from exc
+        return await RedisStore.open(url)
+    raise ValueError(f"unsupported store URL scheme {parts.scheme!r} in {url!r}; supported: "
+                     "file:///abs/path (or a plain path), redis://host:port/db, rediss://host:port/db")
+
+
+__all__ = ["ChunkNotFound", "ContextNotFound", "ContextWriter", "ProfileNotFound", "Store",
+           "StoreError", "open_store"]

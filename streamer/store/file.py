@@ -1,0 +1,346 @@
+"""A store in a local directory (``file:///abs/path`` or a plain path).
+
+Layout under the root::
+
+    profiles/<profile_id>.safetensors
+    contexts/<context_id>/manifest.json                  the commit point
+    contexts/<context_id>/.lock                          serializes commits and sweeps
+    contexts/<context_id>/<version>/chunk-<i>-L<level>.kvw
+    contexts/<context_id>/<version>/text-<i>.zst
+
+Every file is written atomically (temp file in the same directory, fsync, rename), so a
+reader never sees a partial file. A writer holds an flock on its version directory
+while staging; sweeps (after each commit, ``delete_context``, ``gc``) remove only
+version directories that are not current and whose lock is free, i.e. whose writer
+finished or died, so concurrent puts and crashes are both safe. flock is advisory and
+per host: several processes on one machine may share a root, several machines may not.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
+
+import aiofiles
+import aiofiles.os
+
+from streamer.wire.manifest import Manifest, ManifestError, validate_context_id, validate_id
+from streamer.store.base import (BytesLike, ChunkNotFound, ContextNotFound, ContextWriter,
+                                 ProfileNotFound, Store, StoreError, check_index, check_location,
+                                 parse_manifest)
+
+if TYPE_CHECKING:
+    import codec
+
+_MANIFEST = "manifest.json"
+_LOCK = ".lock"
+_TEMP_PREFIX = ".tmp-"
+#: A profile temp file this old was left by a crash (profile writes take no lock).
+_STALE_TEMP_S = 3600.0
+_LOCK_POLL_S = 0.005
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def _atomic_write(path: Path, data: BytesLike, *, sync_dir: bool = True) -> None:
+    """Write ``path`` all-or-nothing: temp file, fsync, rename (, fsync the directory).
+
+    ``sync_dir=False`` defers the directory fsync to the caller (staged files are
+    made durable together by one fsync of their version directory at commit).
+    """
+    temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
+    try:
+        async with aiofiles.open(temp, "wb") as f:
+            await f.write(data)
+            await f.flush()
+            await asyncio.to_thread(os.fsync, f.fileno())
+        await aiofiles.os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    if sync_dir:
+        await asyncio.to_thread(fsync_dir, path.parent)
+
+
+async def _read(path: Path) -> bytes | None:
+    """The file's bytes, or None if it does not exist."""
+    try:
+        async with aiofiles.open(path, "rb") as f:
+            return await f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _try_flock(path: Path, flags: int) -> int | None:
+    """An fd of ``path`` holding an exclusive flock, or None if another holder has it."""
+    fd = os.open(path, flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove_unlocked_versions(context_dir: Path, keep: str | None) -> int:
+    """Remove version directories other than ``keep`` whose writer is gone, and stale
+    manifest temp files. Call with the context lock held. Returns the number removed."""
+    removed = 0
+    for entry in os.scandir(context_dir):
+        if entry.name in (_MANIFEST, _LOCK) or entry.name == keep:
+            continue
+        if entry.name.startswith(_TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)  # only written under the context lock we hold: stale
+            removed += 1
+        elif entry.is_dir(follow_symlinks=False):
+            fd = _try_flock(Path(entry.path), os.O_RDONLY | os.O_DIRECTORY)
+            if fd is None:
+                continue  # a live writer is staging it
+            try:
+                shutil.rmtree(entry.path, ignore_errors=True)  # best effort; the next sweep retries
+            finally:
+                os.close(fd)
+            removed += 1
+    return removed
+
+
+class FileStore(Store):
+    """A store in a local directory; see the module docstring for the layout."""
+
+    def __init__(self, root: Path) -> None:
+        if not root.is_absolute():
+            raise ValueError(f"file store root must be absolute, got {str(root)!r}")
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"file store root {str(root)!r} exists and is not a directory")
+        self.root = root
+        self.url = root.as_uri()
+
+    # ------------------------------------------------------------------ paths
+    def _profile_path(self, profile_id: str) -> Path:
+        return self.root / "profiles" / f"{validate_id(profile_id, 'profile id')}.safetensors"
+
+    def _context_dir(self, context_id: str) -> Path:
+        return self.root / "contexts" / validate_context_id(context_id)
+
+    def version_dir(self, context_id: str, version: str) -> Path:
+        """Where a version's blobs and texts live (exposed for tests and tooling)."""
+        check_location(context_id, version)
+        return self._context_dir(context_id) / version
+
+    @contextlib.contextmanager
+    def _io_errors(self) -> Iterator[None]:
+        """Report I/O failures (permissions, full disk, ...) as StoreError naming the store."""
+        try:
+            yield
+        except OSError as exc:
+            raise StoreError(f"file store {self.url}: {exc}") from exc
+
+    @contextlib.asynccontextmanager
+    async def _context_lock(self, context_id: str) -> AsyncIterator[Path]:
+        """Hold the context's lock (polled, so a cancelled waiter never holds it)."""
+        context_dir = self._context_dir(context_id)
+        path = context_dir / _LOCK
+        while True:
+            context_dir.mkdir(parents=True, exist_ok=True)
+            fd = _try_flock(path, os.O_RDWR | os.O_CREAT)
+            if fd is not None:
+                try:  # a deleter may have unlinked the file we locked: then retry
+                    held, current = os.fstat(fd), os.stat(path)
+                    if (held.st_ino, held.st_dev) == (current.st_ino, current.st_dev):
+                        break
+                except FileNotFoundError:
+                    pass
+                os.close(fd)
+            await asyncio.sleep(_LOCK_POLL_S)
+        try:
+            yield context_dir
+        finally:
+            os.close(fd)
+
+    # ---------------------------------------------------------------- profiles
+    async def put_profile(self, profile: "codec.Profile") -> None:
+        path = self._profile_path(profile.id)
+        with self._io_errors():
+            if await aiofiles.os.path.exists(path):
+                return  # the id is a content hash: same id, same profile
+            await aiofiles.os.makedirs(path.parent, exist_ok=True)
+            await _atomic_write(path, profile.to_bytes())
+
+    async def get_profile_bytes(self, profile_id: str) -> bytes:
+        path = self._profile_path(profile_id)
+        with self._io_errors():
+            data = await _read(path)
+        if data is None:
+            raise ProfileNotFound(profile_id, self.url)
+        return data
+
+    # ---------------------------------------------------------------- contexts
+    async def get_manifest(self, context_id: str) -> Manifest:
+        path = self._context_dir(context_id) / _MANIFEST
+        with self._io_errors():
+            data = await _read(path)
+        if data is None:
+            raise ContextNotFound(context_id, self.url)
+        return parse_manifest(context_id, data, self.url)
+
+    async def get_chunk(self, context_id: str, version: str, chunk: int, level: int) -> bytes:
+        name = f"chunk-{check_index(chunk, 'chunk')}-L{check_index(level, 'level')}.kvw"
+        return await self._get(context_id, version, name, f"chunk {chunk} level {level}")
+
+    async def get_text(self, context_id: str, version: str, chunk: int) -> bytes:
+        name = f"text-{check_index(chunk, 'chunk')}.zst"
+        return await self._get(context_id, version, name, f"text of chunk {chunk}")
+
+    async def _get(self, context_id: str, version: str, name: str, what: str) -> bytes:
+        with self._io_errors():
+            data = await _read(self.version_dir(context_id, version) / name)
+        if data is None:
+            raise ChunkNotFound(context_id, version, what, self.url)
+        return data
+
+    def writer(self, context_id: str) -> "FileContextWriter":
+        return FileContextWriter(self, context_id)
+
+    async def list_contexts(self) -> list[str]:
+        def scan() -> list[str]:
+            try:
+                entries = list(os.scandir(self.root / "contexts"))
+            except FileNotFoundError:
+                return []
+            return sorted(e.name for e in entries
+                          if not e.name.startswith(".") and os.path.exists(os.path.join(e.path, _MANIFEST)))
+
+        with self._io_errors():
+            return await asyncio.to_thread(scan)
+
+    async def delete_context(self, context_id: str) -> None:
+        if not await aiofiles.os.path.exists(self._context_dir(context_id) / _MANIFEST):
+            raise ContextNotFound(context_id, self.url)  # checked first: don't create its directory
+        with self._io_errors():
+            await self._delete_context(context_id)
+
+    async def _delete_context(self, context_id: str) -> None:
+        async with self._context_lock(context_id) as context_dir:
+            try:
+                await aiofiles.os.remove(context_dir / _MANIFEST)
+            except FileNotFoundError:
+                raise ContextNotFound(context_id, self.url) from None
+            await asyncio.to_thread(fsync_dir, context_dir)
+            await asyncio.to_thread(self._sweep_locked, context_dir, None)
+
+    def _sweep_locked(self, context_dir: Path, keep: str | None) -> int:
+        """Remove stale versions; with no current version and nothing left staging,
+        remove the directory too (unlinking the lock we hold is safe: lockers re-check)."""
+        removed = _remove_unlocked_versions(context_dir, keep)
+        if keep is None and [e.name for e in os.scandir(context_dir)] == [_LOCK]:
+            os.unlink(context_dir / _LOCK)
+            with contextlib.suppress(OSError):  # a new writer may have just created its lock
+                os.rmdir(context_dir)
+        return removed
+
+    async def gc(self) -> int:
+        with self._io_errors():
+            return await self._gc()
+
+    async def _gc(self) -> int:
+        removed = 0
+        try:
+            names = [e.name for e in os.scandir(self.root / "contexts")
+                     if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+        except FileNotFoundError:
+            names = []
+        for context_id in names:
+            try:
+                validate_context_id(context_id)
+            except ValueError:
+                continue  # not ours
+            async with self._context_lock(context_id) as context_dir:
+                data = await _read(context_dir / _MANIFEST)
+                try:
+                    keep = None if data is None else parse_manifest(context_id, data, self.url).version
+                except (ManifestError, StoreError):
+                    continue  # cannot tell the current version: touch nothing
+                removed += await asyncio.to_thread(self._sweep_locked, context_dir, keep)
+        return removed + await asyncio.to_thread(self._remove_stale_profile_temps)
+
+    def _remove_stale_profile_temps(self) -> int:
+        removed = 0
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.root / "profiles"):
+                if (entry.name.startswith(_TEMP_PREFIX)
+                        and time.time() - entry.stat().st_mtime > _STALE_TEMP_S):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                        removed += 1
+        return removed
+
+    async def close(self) -> None:
+        """Nothing to release: files are opened per operation."""
+
+
+class FileContextWriter(ContextWriter):
+    """Stages a version in its own directory, holding an flock on it until done."""
+
+    def __init__(self, store: FileStore, context_id: str) -> None:
+        super().__init__(context_id)
+        self._store = store
+        self._dir = store.version_dir(context_id, self.version)
+        self._lock_fd: int | None = None
+
+    async def _begin(self) -> None:
+        # Create and lock the directory under the context lock, so no sweep can see
+        # it unlocked in between.
+        with self._store._io_errors():
+            async with self._store._context_lock(self.context_id):
+                self._dir.mkdir()
+                self._lock_fd = _try_flock(self._dir, os.O_RDONLY | os.O_DIRECTORY)
+        if self._lock_fd is None:  # nobody else knows this fresh random name
+            raise StoreError(f"staging directory {self._dir} is unexpectedly locked")
+
+    async def _write_chunk(self, chunk: int, level: int, blob: BytesLike) -> None:
+        await self._write(f"chunk-{chunk}-L{level}.kvw", blob)
+
+    async def _write_text(self, chunk: int, data: BytesLike) -> None:
+        await self._write(f"text-{chunk}.zst", data)
+
+    async def _write(self, name: str, data: BytesLike) -> None:
+        if not self._dir.is_dir():  # clearer than the temp file's ENOENT
+            raise StoreError(f"staging directory {self._dir} was removed")
+        with self._store._io_errors():
+            await _atomic_write(self._dir / name, data, sync_dir=False)
+
+    async def _commit(self, manifest: Manifest) -> None:
+        with self._store._io_errors():
+            await self._switch(manifest)
+
+    async def _switch(self, manifest: Manifest) -> None:
+        await asyncio.to_thread(fsync_dir, self._dir)  # staged files durable before the switch
+        async with self._store._context_lock(self.context_id) as context_dir:
+            await _atomic_write(context_dir / _MANIFEST, manifest.to_bytes(), sync_dir=False)
+            self._committed = True  # the rename is the commit point
+            await asyncio.to_thread(fsync_dir, context_dir)
+            await asyncio.to_thread(_remove_unlocked_versions, context_dir, self.version)
+
+    async def _discard(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self._dir, True)  # leftovers: the next sweep
+
+    def _close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

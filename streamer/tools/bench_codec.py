@@ -1,0 +1,362 @@
+"""``kvwire bench codec``: rate, distortion, coder overhead and speed, against baselines.
+
+Real KV comes from all-MiniLM-L6-v2 on English text shipped by Debian, with the
+profile calibrated on *other* text than it is measured on. Every method sees the
+same chunks (``--chunk-tokens``), the way the streamer sends a context. Distortion
+is sum((x_hat - x)^2) / sum((x - mean)^2), the mean taken per (layer, K/V, channel)
+over tokens, in the original domain; bits per element is 8 * bytes / elements with
+all side information included except the profile, which is reported apart because
+every context of a model shares it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from codec import api, baselines, container, layer_codec
+from codec.levels import DEFAULT_LEVEL
+from codec.profile import Profile, calibrate, split_tokens
+
+CACHEGEN_QUALITIES = (0.02, 0.04, 0.07, 0.12, 0.2, 0.35, 0.6, 1.0)
+
+
+@dataclass
+class Row:
+    method: str
+    level: int | None
+    bits_per_element: float
+    distortion: float
+    max_abs_error: float
+    encode_mb_s: float | None = None
+    decode_mb_s: float | None = None
+    coder_overhead: float | None = None
+    cosine: float | None = None
+    ratio_fp16: float = 0.0
+    ratio_int8: float = 0.0
+    ratio_cachegen: float | None = None
+
+
+@dataclass
+class Report:
+    config: dict
+    profile_bytes: int
+    rows: list[Row] = field(default_factory=list)
+    transforms: list[dict] = field(default_factory=list)
+    delta: list[dict] = field(default_factory=list)
+    targets: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self)}, indent=2)
+
+
+# ----------------------------------------------------------------------------- data
+def synthetic_kv(layers: int, heads: int, head_dim: int, tokens: int, seed: int) -> torch.Tensor:
+    """Correlated heavy-tailed KV: a per-layer low-rank mixing of Laplacian sources plus noise.
+
+    The spectrum decays like real KV's, so the transform has something to find; the
+    mixing depends only on the layer (not ``seed``) so a profile fitted on one draw
+    applies to another.
+    """
+    channels = heads * head_dim
+    rank = max(channels // 4, 1)
+    out = torch.empty(layers, 2, tokens, channels)
+    for l in range(layers):
+        for kv in range(2):
+            mix_gen = torch.Generator().manual_seed(1000 * l + kv)
+            mixing = torch.randn(rank, channels, generator=mix_gen) / math.sqrt(rank)
+            decay = torch.exp(-torch.arange(rank, dtype=torch.float32) / (rank / 6))
+            offset = torch.randn(channels, generator=mix_gen)
+            gen = torch.Generator().manual_seed(seed * 7919 + 31 * l + kv)
+            # Laplacian sources: random sign times an exponential magnitude
+            sign = (torch.rand(tokens, rank, generator=gen) - 0.5).sign()
+            sources = sign * -torch.log1p(-torch.rand(tokens, rank, generator=gen).clamp_max(0.999999))
+            noise = 0.05 * torch.randn(tokens, channels, generator=gen)
+            out[l, kv] = (sources * decay) @ mixing + noise + offset
+    return out.reshape(layers, 2, tokens, heads, head_dim)
+
+
+@dataclass
+class Workload:
+    name: str
+    calibration: torch.Tensor
+    measured: torch.Tensor
+    cosine: Callable[[Callable[[torch.Tensor], torch.Tensor]], float] | None = None
+
+
+def minilm_workload(measure_tokens: int, calibration_tokens: int) -> Workload:
+    """Real MiniLM KV: calibrated on Apache/MPL/GFDL texts, measured on the GPL-3 text."""
+    from streamer.model import hf
+
+    model, tokenizer = hf.load_model()
+    cal_ids = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:calibration_tokens]
+    ids = hf.tokenize(tokenizer, hf.read_text([hf.MEASURE_TEXT]))[:measure_tokens]
+    windows = [ids[start:start + 256] for start in range(0, max(len(ids) - 255, 1), 1024)][:6]
+
+    def cosine(roundtrip: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        """Mean embedding cosine when the model attends over round-tripped K/V."""
+        values = []
+        for window in windows:
+            kv = hf.capture_kv(model, tokenizer, window)
+            reference = hf.sentence_embedding(model, window)
+            values.append(float(reference @ hf.sentence_embedding(model, window, roundtrip(kv))))
+        return float(np.mean(values))
+
+    return Workload("minilm", hf.capture_kv(model, tokenizer, cal_ids),
+                    hf.capture_kv(model, tokenizer, ids), cosine)
+
+
+def synthetic_workload(shape: str, tokens: int) -> Workload:
+    dims = {"llama": (32, 8, 128), "small": (2, 3, 16)}[shape]
+    return Workload(f"synthetic-{shape}", synthetic_kv(*dims, tokens, seed=1),
+                    synthetic_kv(*dims, tokens, seed=2))
+
+
+# --------------------------------------------------------------------------- metrics
+def distortion(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
+    """(relative MSE against per-(layer, K/V, channel) variance, max abs error)."""
+    x = x.double()
+    err = x_hat.double() - x
+    denom = ((x - x.mean(dim=2, keepdim=True)) ** 2).sum()
+    return float((err ** 2).sum() / denom), float(err.abs().max())
+
+
+def chunks_of(kv: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
+    return [kv[:, :, s:s + chunk_tokens] for s in range(0, kv.shape[2], chunk_tokens)]
+
+
+def _best_time(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
+    best, result = math.inf, None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def coder_overhead(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
+                   blobs: Sequence[bytes]) -> float:
+    """Lane payload bits (final states and lane tables included) over the ideal bits."""
+    ideal = real = 0.0
+    for chunk, blob in zip(chunks, blobs):
+        header = api.parse_header(blob)
+        body = split_tokens(chunk, header.sink_tokens)
+        for layer in range(header.layers):
+            plan, q, _ = layer_codec.quantize_layer(profile, level, layer, body[layer][0], body[layer][1])
+            ideal += layer_codec.ideal_layer_bits(profile, plan, q)
+            real += 8 * len(container.split_section(container.section(blob, header, layer), header, layer)[1])
+    return real / ideal - 1.0 if ideal else 0.0
+
+
+def measure_kvwire(profile: Profile, level: int, chunks: Sequence[torch.Tensor], repeat: int,
+                   name: str = "kvwire") -> tuple[Row, list[bytes]]:
+    half = [c.to(torch.float16) for c in chunks]
+
+    def encode_all() -> list[bytes]:
+        return [api.encode(c, level, profile, sink_tokens=None if i == 0 else 0) for i, c in enumerate(half)]
+
+    t_enc, blobs = _best_time(encode_all, repeat)
+    t_dec, decoded = _best_time(lambda: [api.decode(b, profile) for b in blobs], repeat)
+    x = torch.cat(half, dim=2)
+    mse, max_err = distortion(x, torch.cat(decoded, dim=2))
+    fp16_mb = x.numel() * 2 / 1e6
+    row = Row(name, level, 8 * sum(map(len, blobs)) / x.numel(), mse, max_err,
+              encode_mb_s=fp16_mb / t_enc, decode_mb_s=fp16_mb / t_dec)
+    return row, blobs
+
+
+def measure_baseline(fn: Callable[[torch.Tensor], baselines.Encoded], chunks: Sequence[torch.Tensor],
+                     level: int | None = None) -> Row:
+    half = [c.to(torch.float16) for c in chunks]
+    encoded = [fn(c) for c in half]
+    x = torch.cat(half, dim=2)
+    mse, max_err = distortion(x, torch.cat([e.reconstruction for e in encoded], dim=2))
+    return Row(encoded[0].name.split("(")[0] if fn is not baselines.cachegen else encoded[0].name,
+               level, 8 * sum(e.nbytes for e in encoded) / x.numel(), mse, max_err)
+
+
+def interpolate_bits(curve: Sequence[Row], target: float) -> float | None:
+    """Bits the curve needs at distortion ``target`` (log-log interpolation), None if outside."""
+    points = sorted((r.distortion, r.bits_per_element) for r in curve if r.distortion > 0)
+    for (d0, b0), (d1, b1) in zip(points, points[1:]):
+        if d0 <= target <= d1:
+            w = (math.log(target) - math.log(d0)) / (math.log(d1) - math.log(d0)) if d1 > d0 else 0.0
+            return math.exp(math.log(b0) + w * (math.log(b1) - math.log(b0)))
+    return None
+
+
+# ------------------------------------------------------------------------------ run
+def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bool = True) -> Report:
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    profile = calibrate([workload.calibration])
+    calibration_s = time.perf_counter() - start
+    chunks = chunks_of(workload.measured, chunk_tokens)
+    x = workload.measured
+    report = Report(config={"workload": workload.name, "shape": list(x.shape), "chunk_tokens": chunk_tokens,
+                            "chunks": len(chunks), "calibration_tokens": workload.calibration.shape[2],
+                            "calibration_seconds": round(calibration_s, 2), "profile_id": profile.id,
+                            "delta_layers": int((profile.delta_group > 0).sum()),
+                            "threads": torch.get_num_threads()},
+                    profile_bytes=len(profile.to_bytes()))
+    fp16 = measure_baseline(baselines.raw_fp16, chunks)
+    int8 = measure_baseline(baselines.int8, chunks)
+    zstd = measure_baseline(baselines.zstd_fp16, chunks)
+    cachegen = [measure_baseline(lambda c, q=q: baselines.cachegen(c, q), chunks) for q in CACHEGEN_QUALITIES]
+    rows: list[Row] = [fp16, int8, zstd, *cachegen]
+    for level in range(len(profile.levels)):
+        row, blobs = measure_kvwire(profile, level, chunks, repeat)
+        row.coder_overhead = coder_overhead(profile, level, chunks, blobs)
+        if workload.cosine is not None:
+            row.cosine = workload.cosine(lambda kv, level=level: api.decode(api.encode(kv, level, profile), profile))
+        rows.append(row)
+    for row in rows:
+        row.ratio_fp16 = fp16.bits_per_element / row.bits_per_element
+        row.ratio_int8 = int8.bits_per_element / row.bits_per_element
+        if row.method == "kvwire":
+            cg = interpolate_bits(cachegen, row.distortion)
+            row.ratio_cachegen = None if cg is None else cg / row.bits_per_element
+    report.rows = rows
+    if compare_variants:
+        report.transforms = _compare_transforms(workload, chunks, profile)
+        report.delta = _compare_delta(workload, chunks, profile)
+    report.targets = _targets(report, workload.cosine is not None)
+    return report
+
+
+def _compare_transforms(workload: Workload, chunks, profile: Profile) -> list[dict]:
+    """Rate, distortion and inverse-transform cost of PCA across heads, per head, none."""
+    out = []
+    for kind in ("layer", "head", "identity"):
+        p = profile if kind == "layer" else calibrate([workload.calibration], transform=kind)
+        for level in (1, 2, 3):
+            row, _ = measure_kvwire(p, level, chunks, 1)
+            kept = float(p.kept[level].mean())
+            macs = {"layer": kept, "head": min(kept, p.head_dim), "identity": 0.0}[kind]
+            out.append({"transform": kind, "level": level, "bits_per_element": row.bits_per_element,
+                        "distortion": row.distortion, "inverse_macs_per_element": macs})
+    return out
+
+
+def _compare_delta(workload: Workload, chunks, profile: Profile) -> list[dict]:
+    """CacheGen's anchor/delta coding forced on versus the calibrated (auto) choice."""
+    forced = calibrate([workload.calibration], delta="always")
+    out = []
+    for name, p in (("auto", profile), ("delta-always", forced)):
+        row, _ = measure_kvwire(p, DEFAULT_LEVEL, chunks, 1)
+        out.append({"delta": name, "level": DEFAULT_LEVEL, "bits_per_element": row.bits_per_element,
+                    "distortion": row.distortion,
+                    "delta_layers": int((p.delta_group > 0).sum())})
+    return out
+
+
+def _targets(report: Report, real: bool) -> list[dict]:
+    kv = [r for r in report.rows if r.method == "kvwire"]
+    targets = [{"target": "coder overhead <= 1% (every level)",
+                "measured": max(r.coder_overhead for r in kv), "met": max(r.coder_overhead for r in kv) <= 0.01}]
+    for max_d, max_bits in ((1.2e-3, 3.5), (5e-3, 2.5), (1.5e-2, 1.7)):
+        fits = [r.bits_per_element for r in kv if r.distortion <= max_d]
+        best = min(fits) if fits else None
+        targets.append({"target": f"distortion <= {max_d:g} at <= {max_bits} bits/element",
+                        "measured": best, "met": best is not None and best <= max_bits})
+    ratios = [r.ratio_cachegen for r in kv]
+    worst = min((r for r in ratios if r is not None), default=None)
+    targets.append({"target": ">= 1.6x fewer bits than CacheGen-style at equal distortion (every level)",
+                    "measured": worst, "met": worst is not None and None not in ratios and worst >= 1.6})
+    default = kv[DEFAULT_LEVEL]
+    if real:
+        targets.append({"target": f"embedding cosine >= 0.999 at DEFAULT_LEVEL={DEFAULT_LEVEL}",
+                        "measured": default.cosine, "met": default.cosine >= 0.999})
+    targets.append({"target": f"CPU decode >= 300 MB/s fp16-equivalent at DEFAULT_LEVEL ({report.config['threads']} threads)",
+                    "measured": default.decode_mb_s, "met": default.decode_mb_s >= 300})
+    targets.append({"target": f"CPU encode >= 100 MB/s fp16-equivalent at DEFAULT_LEVEL",
+                    "measured": default.encode_mb_s, "met": default.encode_mb_s >= 100})
+    return targets
+
+
+# ---------------------------------------------------------------------------- output
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(report: Report) -> str:
+    c = report.config
+    lines = [f"kvwire bench codec: {c['workload']} KV {c['shape']}, {c['chunks']} chunks of "
+             f"{c['chunk_tokens']} tokens, profile {c['profile_id']} ({report.profile_bytes / 1e6:.2f} MB, "
+             f"calibrated on {c['calibration_tokens']} other tokens in {c['calibration_seconds']} s)",
+             "",
+             f"{'method':<18}{'lvl':>4}{'bits/el':>9}{'x fp16':>8}{'x int8':>8}{'x CG':>7}{'MSE/var':>10}"
+             f"{'max|err|':>10}{'ovh %':>8}{'enc MB/s':>10}{'dec MB/s':>10}{'cosine':>9}"]
+    for r in report.rows:
+        lines.append(f"{r.method:<18}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.ratio_fp16:>8.2f}"
+                     f"{r.ratio_int8:>8.2f}{_fmt(r.ratio_cachegen, '.2f'):>7}{r.distortion:>10.2e}"
+                     f"{r.max_abs_error:>10.3g}{_fmt(None if r.coder_overhead is None else 100 * r.coder_overhead, '.2f'):>8}"
+                     f"{_fmt(r.encode_mb_s, '.0f'):>10}{_fmt(r.decode_mb_s, '.0f'):>10}{_fmt(r.cosine, '.5f'):>9}")
+    lines.append("x CG: CacheGen-style bits at the same distortion (log-log interpolated on its curve) / kvwire bits.")
+    if report.transforms:
+        lines += ["", "transform (where the decorrelation is fitted):"]
+        for t in report.transforms:
+            lines.append(f"  {t['transform']:<9} level {t['level']}: {t['bits_per_element']:.3f} bits/el at "
+                         f"MSE/var {t['distortion']:.2e}, inverse {t['inverse_macs_per_element']:.0f} MACs/element")
+    if report.delta:
+        lines += ["", "anchor/delta coding (CacheGen's token groups of 10):"]
+        for d in report.delta:
+            lines.append(f"  {d['delta']:<13} {d['bits_per_element']:.3f} bits/el at MSE/var {d['distortion']:.2e} "
+                         f"({d['delta_layers']} of the layer x K/V streams delta-coded)")
+    lines += ["", "targets:"]
+    for t in report.targets:
+        measured = t["measured"]
+        shown = "-" if measured is None else f"{measured:.4g}"
+        lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: measured {shown}")
+    return "\n".join(lines)
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[Row]] = {}
+    for r in report.rows:
+        series.setdefault(r.method.split("(")[0], []).append(r)
+    for name, rows in series.items():
+        pts = sorted((r.bits_per_element, r.distortion) for r in rows if r.distortion > 0)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name, linestyle="-" if len(pts) > 1 else "none")
+    for kind in ("head", "identity"):
+        pts = [(t["bits_per_element"], t["distortion"]) for t in report.transforms if t["transform"] == kind]
+        if pts:
+            ax.plot(*zip(*pts), marker="x", linestyle=":", label=f"kvwire ({kind} transform)")
+    ax.set_xlabel("bits per element (side info included)")
+    ax.set_ylabel("distortion (MSE / variance)")
+    ax.set_yscale("log")
+    ax.set_title(f"rate-distortion, {report.config['workload']} KV")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int = 8192,
+         chunk_tokens: int = 1536, repeat: int = 3, as_json: bool = False,
+         plot_path: str | None = "codec_rd.png", variants: bool = True) -> Report:
+    if workload == "minilm":
+        wl = minilm_workload(tokens, calibration_tokens)
+    else:
+        wl = synthetic_workload(workload, tokens)
+    report = run(wl, chunk_tokens, repeat, compare_variants=variants)
+    print(report.to_json() if as_json else render(report))
+    if plot_path:
+        plot(report, Path(plot_path))
+        if not as_json:
+            print(f"\nrate-distortion plot written to {Path(plot_path).resolve()}")
+    return report

@@ -1,0 +1,763 @@
+"""``kvwire bench policies``: adaptation policies against the oracle, and time to first token.
+
+Everything runs through :mod:`streamer.adapt.simulate` (the session's own decision code on a
+socket-free link) over the committed trace set (``netsim.trace_set()``) or a directory
+of trace CSVs.
+
+**Workload.** A Llama-3-8B-shaped context (32 layers, 8 KV heads, head dim 128: 65,536
+KV elements per token), ``--tokens`` tokens (default 8192) in chunks of
+``--chunk-tokens`` (default 1024, i.e. 8 decisions per fetch; at these sizes one chunk
+is 27-36 MB at levels 0-1, so a fetch spans the traces' 100 Mbit/s - 10 Gbit/s range
+within the 0.5-2 s SLOs). Chunk sizes are *not* from encoding Llama KV (no weights
+here): they are ``elements x bits/element`` of each level as measured by
+``kvwire bench codec`` on real MiniLM KV (:data:`CODEC_BENCH`; or the ``--codec-json``
+output of a run), the codec's rate being a property of the level's distortion target
+more than of the model. Text chunks cost their real ``encode_tokens`` size (zstd of
+the ids; pseudo-random ids over Llama-3's 128,256-token vocabulary). Level
+distortion for the policies is the manifest's (the profile's targets, as in a real
+manifest); the *reported* distortion is the measured one.
+
+**Cost models (stated, not measured).**
+
+* Prefill recompute on an H100-class GPU: ``FLOPs = 2 * params * T + 2 * layers *
+  d_model * T^2`` (the causal attention term: QK^T and AV), ``params = 8.03e9``,
+  ``d_model = 4096``, at 40% of 989 TFLOP/s dense bf16. 8K tokens: 0.38 s; 32K: 2.0 s.
+  The simulator and the policies use the context's mean seconds per token.
+* First token after the KV is in place: one decode step, reading the weights (16.1 GB)
+  and the KV (fp16) at 70% of 3.35 TB/s. The same for every method.
+* KV decode on the GPU: 100 GB/s of fp16 output (the CUDA kernels' target is 150 GB/s
+  on an H200), pipelined with the transfer; int8 dequantisation and raw fp16 cost 0.
+* TTFT = fetch (transfer + decode) + recompute of text chunks (in series, the policies'
+  cost model) + the first decode step.
+
+RTT ``--rtt`` (default 5 ms). Each trace is fetched every ``--spacing`` seconds of trace
+time, one fetch after the other per policy (the prior of a fetch is the previous
+fetch's robust estimate, as the session keeps per server; the first is cold).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from netsim.trace import Trace
+
+from streamer.wire.manifest import ChunkInfo, Manifest
+from streamer.adapt.simulate import Simulator
+
+# ------------------------------------------------------------------------ workload
+LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128, "params": 8.03e9, "d_model": 4096,
+             "vocab": 128256}
+#: KV elements per token (K and V of every layer).
+ELEMENTS_PER_TOKEN = LLAMA3_8B["layers"] * 2 * LLAMA3_8B["kv_heads"] * LLAMA3_8B["head_dim"]
+#: Default levels' targets (codec.levels.DEFAULT_TARGETS; repeated so importing this
+#: module does not load torch). What a real manifest's ``level_distortion`` holds.
+LEVEL_TARGETS = (2.5e-4, 1e-3, 4.2e-3, 1.3e-2, 3.5e-2)
+DEFAULT_LEVEL = 1
+
+
+@dataclass(frozen=True)
+class CodecFigures:
+    """Bits per element and measured distortion per method (``kvwire bench codec``)."""
+
+    level_bits: tuple[float, ...]
+    level_distortion: tuple[float, ...]
+    int8_bits: float
+    int8_distortion: float
+    cachegen_bits: float          # CacheGen-style at the default level's distortion
+    source: str
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CodecFigures":
+        """Read the ``kvwire bench codec --json`` output."""
+        from streamer.tools.bench_codec import Row, interpolate_bits
+
+        doc = json.loads(Path(path).read_text())
+        rows = [Row(**r) for r in doc["rows"]]
+        kv = sorted((r for r in rows if r.method == "kvwire"), key=lambda r: r.level)
+        int8 = next(r for r in rows if r.method.startswith("int8"))
+        cachegen = [r for r in rows if r.method.startswith("cachegen")]
+        cg = interpolate_bits(cachegen, kv[DEFAULT_LEVEL].distortion)
+        if cg is None:
+            cg = kv[DEFAULT_LEVEL].bits_per_element * (kv[DEFAULT_LEVEL].ratio_cachegen or 2.0)
+        return cls(tuple(r.bits_per_element for r in kv), tuple(r.distortion for r in kv),
+                   int8.bits_per_element, int8.distortion, float(cg),
+                   f"{path} ({doc['config'].get('workload')})")
+
+
+#: ``kvwire bench codec`` on real all-MiniLM-L6-v2 KV (README's table): 6144 tokens,
+#: chunks of 1536, profile calibrated on other text. CacheGen-style: 2.01x level 1's bits.
+CODEC_BENCH = CodecFigures(level_bits=(4.24, 3.27, 2.30, 1.58, 1.01),
+                           level_distortion=(2.6e-4, 1.0e-3, 4.5e-3, 1.4e-2, 3.9e-2),
+                           int8_bits=8.02, int8_distortion=2.3e-5, cachegen_bits=3.27 * 2.01,
+                           source="kvwire bench codec, MiniLM (README)")
+
+
+# --------------------------------------------------------------------- cost models
+H100_BF16_FLOPS = 989.4e12
+PREFILL_UTILISATION = 0.40
+HBM_BYTES_PER_S = 3.35e12
+HBM_EFFICIENCY = 0.70
+GPU_DECODE_BYTES_PER_S = 100e9   # fp16 output of the KV decoder
+FP16_BYTES_PER_TOKEN = 2 * ELEMENTS_PER_TOKEN
+
+
+def prefill_seconds(tokens: int) -> float:
+    """Recompute (prefill) time of ``tokens`` of context on the stated GPU."""
+    m = LLAMA3_8B
+    flops = 2 * m["params"] * tokens + 2 * m["layers"] * m["d_model"] * float(tokens) ** 2
+    return flops / (H100_BF16_FLOPS * PREFILL_UTILISATION)
+
+
+def recompute_seconds_per_token(tokens: int) -> float:
+    return prefill_seconds(tokens) / tokens
+
+
+def first_token_seconds(tokens: int) -> float:
+    """One decode step once the KV is in place: weights + KV read from HBM."""
+    nbytes = 2 * LLAMA3_8B["params"] + FP16_BYTES_PER_TOKEN * tokens
+    return nbytes / (HBM_BYTES_PER_S * HBM_EFFICIENCY)
+
+
+def _text_bytes(tokens: int, seed: int) -> int:
+    from streamer.store.put import encode_tokens
+
+    ids = np.random.default_rng(seed).integers(0, LLAMA3_8B["vocab"], tokens)
+    return len(encode_tokens(ids))
+
+
+def llama_manifest(tokens: int, chunk_tokens: int, level_bits: Sequence[float],
+                   level_distortion: Sequence[float] = LEVEL_TARGETS,
+                   context_id: str = "llama3-8b") -> Manifest:
+    """A manifest of a Llama-3-8B-shaped context at ``level_bits`` bits per element."""
+    chunks = []
+    for i, start in enumerate(range(0, tokens, chunk_tokens)):
+        end = min(start + chunk_tokens, tokens)
+        elements = ELEMENTS_PER_TOKEN * (end - start)
+        sizes = tuple(int(math.ceil(elements * b / 8)) for b in level_bits)
+        chunks.append(ChunkInfo(i, start, end, sizes, _text_bytes(end - start, i),
+                                min(4, end - start) if i == 0 else 0))
+    return Manifest(context_id=context_id, version="sim", layers=LLAMA3_8B["layers"],
+                    heads=LLAMA3_8B["kv_heads"], head_dim=LLAMA3_8B["head_dim"], dtype="float16",
+                    tokens=tokens, profile_id="sim-profile", level_distortion=tuple(level_distortion),
+                    chunks=tuple(chunks), created=0.0)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the comparison: a policy over a manifest."""
+
+    name: str
+    policy: str            # a streamer.adapt policy name, or "oracle"
+    sim: Simulator
+
+
+def build_methods(tokens: int, chunk_tokens: int, rtt: float, figures: CodecFigures = CODEC_BENCH,
+                  policies: Sequence[str] | None = None) -> list[Method]:
+    """greedy, mpc, fixed:N, text and the oracle over the kvwire ladder; raw fp16 and int8
+    streaming as single-level contexts fetched by the same session rules."""
+    rate = recompute_seconds_per_token(tokens)
+    ladder = llama_manifest(tokens, chunk_tokens, figures.level_bits)
+    decode = [FP16_BYTES_PER_TOKEN * c.tokens / GPU_DECODE_BYTES_PER_S for c in ladder.chunks]
+    kv = Simulator(ladder, rtt=rtt, recompute_seconds_per_token=rate, decode_seconds=decode,
+                   distortion=figures.level_distortion)
+    names = list(policies) if policies else (
+        ["greedy", "mpc"] + [f"fixed:{i}" for i in range(len(figures.level_bits))]
+        + ["text", "raw-fp16", "int8", "oracle"])
+    out = []
+    for name in names:
+        if name == "raw-fp16":
+            m = llama_manifest(tokens, chunk_tokens, (16.0,), (1e-9,), "raw-fp16")
+            out.append(Method(name, "fixed:0", Simulator(m, rtt=rtt, recompute_seconds_per_token=rate,
+                                                          distortion=(0.0,))))
+        elif name == "int8":
+            m = llama_manifest(tokens, chunk_tokens, (figures.int8_bits,), (figures.int8_distortion,),
+                               "int8")
+            out.append(Method(name, "fixed:0", Simulator(m, rtt=rtt, recompute_seconds_per_token=rate,
+                                                          distortion=(figures.int8_distortion,))))
+        else:
+            out.append(Method(name, name, kv))
+    return out
+
+
+# ----------------------------------------------------------------- policy sweep
+@dataclass
+class Fetch:
+    """One simulated fetch of one method."""
+
+    method: str
+    trace: str
+    slo: float
+    start: float
+    met: bool
+    distortion: float
+    cost: float
+    text_chunks: int
+    chunks: int
+    ttft: float
+    kv_distortion: float = 0.0
+
+
+def load_traces(directory: str | Path | None) -> dict[str, Trace]:
+    """The committed trace set, or every ``*.csv`` in ``directory`` (name order)."""
+    if directory is None:
+        import netsim
+
+        return netsim.trace_set()
+    paths = sorted(Path(directory).glob("*.csv"))
+    if not paths:
+        raise ValueError(f"no trace CSVs in {directory}")
+    return {p.stem: Trace.load(p) for p in paths}
+
+
+def starts_of(trace: Trace, spacing: float) -> np.ndarray:
+    """Fetch start times: every ``spacing`` seconds over the trace's span."""
+    return np.arange(0.0, max(trace.duration, spacing), spacing)
+
+
+def sweep_trace(methods: Sequence[Method], name: str, trace: Trace, slos: Sequence[float],
+                spacing: float, first_token: float) -> list[Fetch]:
+    """Every method at every SLO and start time on one trace."""
+    out: list[Fetch] = []
+    starts = starts_of(trace, spacing)
+    for slo in slos:
+        for method in methods:
+            prior = None
+            for start in starts:
+                if method.policy == "oracle":
+                    o = method.sim.oracle(trace, slo=slo, start=float(start))
+                    out.append(Fetch(method.name, name, slo, float(start), o.feasible, o.distortion,
+                                     o.cost, o.text_chunks, len(o.choices), o.completion + first_token,
+                                     method.sim.kv_distortion_of(o.choices)))
+                    continue
+                r = method.sim.run(method.policy, trace, slo=slo, start=float(start), prior_bps=prior)
+                prior = r.next_prior or prior
+                out.append(Fetch(method.name, name, slo, float(start), r.met, r.distortion, r.cost,
+                                 r.text_chunks, len(r.choices), r.completion + first_token,
+                                 method.sim.kv_distortion_of(r.choices)))
+    return out
+
+
+def _sweep_job(args: tuple) -> list[Fetch]:
+    tokens, chunk_tokens, rtt, figures, policies, name, trace, slos, spacing = args
+    methods = build_methods(tokens, chunk_tokens, rtt, figures, policies)
+    return sweep_trace(methods, name, trace, slos, spacing, first_token_seconds(tokens))
+
+
+def run_sweep(traces: dict[str, Trace], slos: Sequence[float], *, tokens: int, chunk_tokens: int,
+              rtt: float, spacing: float, figures: CodecFigures = CODEC_BENCH,
+              policies: Sequence[str] | None = None, workers: int = 1) -> list[Fetch]:
+    jobs = [(tokens, chunk_tokens, rtt, figures, policies, n, t, tuple(slos), spacing)
+            for n, t in traces.items()]
+    if workers <= 1 or len(jobs) == 1:
+        return [f for job in jobs for f in _sweep_job(job)]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
+        return [f for part in pool.map(_sweep_job, jobs) for f in part]
+
+
+def summarize(fetches: Sequence[Fetch]) -> list[dict]:
+    """One row per (method, slo), in the order first seen."""
+    groups: dict[tuple[str, float], list[Fetch]] = defaultdict(list)
+    for f in fetches:
+        groups[(f.method, f.slo)].append(f)
+    rows = []
+    for (method, slo), fs in groups.items():
+        ttft = np.array([f.ttft for f in fs])
+        rows.append({"policy": method, "slo": slo, "fetches": len(fs),
+                     "violation_rate": float(np.mean([not f.met for f in fs])),
+                     "mean_distortion": float(np.mean([f.distortion for f in fs])),
+                     "text_share": float(sum(f.text_chunks for f in fs) / sum(f.chunks for f in fs)),
+                     "ttft_p50": float(np.percentile(ttft, 50)),
+                     "ttft_p95": float(np.percentile(ttft, 95)),
+                     "mean_kv_distortion": _nanmean([f.kv_distortion for f in fs]),
+                     "mean_objective": float(np.mean([f.cost for f in fs]))})
+    return rows
+
+
+def _nanmean(values: Sequence[float]) -> float | None:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    return float(v.mean()) if v.size else None
+
+
+def policy_targets(fetches: Sequence[Fetch], slo: float = 1.0) -> list[dict]:
+    """The issue's targets for the adaptation (measured, met or not)."""
+    by = {(f.method, f.trace, f.slo, f.start): f for f in fetches}
+    keys = sorted({(f.trace, f.start) for f in fetches if f.slo == slo})
+    targets = []
+    if not keys or ("mpc", *keys[0][:1], slo, keys[0][1]) not in by:
+        return targets
+
+    def rows(method: str) -> list[Fetch]:
+        return [by[(method, t, slo, s)] for t, s in keys if (method, t, slo, s) in by]
+
+    mpc, greedy, orac = rows("mpc"), rows("greedy"), rows("oracle")
+    if mpc and greedy:
+        v_m = float(np.mean([not f.met for f in mpc]))
+        v_g = float(np.mean([not f.met for f in greedy]))
+        d_m = float(np.mean([f.distortion for f in mpc]))
+        d_g = float(np.mean([f.distortion for f in greedy]))
+        targets.append({"target": f"SLO {slo:g} s: mpc violation rate <= 0.5 x greedy's",
+                        "measured": {"mpc": v_m, "greedy": v_g,
+                                     "ratio": None if v_g == 0 else v_m / v_g},
+                        "met": v_m <= 0.5 * v_g})
+        targets.append({"target": f"SLO {slo:g} s: mpc mean distortion <= greedy's (text chunks exact: 0)",
+                        "measured": {"mpc": d_m, "greedy": d_g,
+                                     "mpc_kv_only": _nanmean([f.kv_distortion for f in mpc]),
+                                     "greedy_kv_only": _nanmean([f.kv_distortion for f in greedy]),
+                                     "mpc_objective": float(np.mean([f.cost for f in mpc])),
+                                     "greedy_objective": float(np.mean([f.cost for f in greedy]))},
+                        "met": d_m <= d_g + 1e-12})
+    if mpc and orac:
+        both = [(m, o) for m, o in zip(mpc, orac) if m.met and o.met]
+        if both:
+            d_m = float(np.mean([m.distortion for m, _ in both]))
+            d_o = float(np.mean([o.distortion for _, o in both]))
+            c_m = float(np.mean([m.cost for m, _ in both]))
+            c_o = float(np.mean([o.cost for _, o in both]))
+            gap = (d_m - d_o) / d_o if d_o > 0 else 0.0
+            targets.append({"target": f"SLO {slo:g} s: mpc mean distortion within 10% of the oracle's "
+                                      "(fetches where both meet the deadline)",
+                            "measured": {"mpc": d_m, "oracle": d_o, "gap": gap, "fetches": len(both),
+                                         "mpc_objective": c_m, "oracle_objective": c_o},
+                            "met": gap <= 0.10})
+    return targets
+
+
+# ------------------------------------------------------------------------- TTFT
+TTFT_TOKENS = (8192, 32768)
+TTFT_LINKS_GBIT = (0.1, 1.0, 10.0)
+
+
+def ttft_methods(figures: CodecFigures = CODEC_BENCH) -> dict[str, tuple[float, bool]]:
+    """Streaming methods: name -> (bits per element, decoded on the GPU)."""
+    return {"raw fp16": (16.0, False), "int8": (figures.int8_bits, False),
+            "CacheGen-style": (figures.cachegen_bits, True),
+            f"kvwire L{DEFAULT_LEVEL}": (figures.level_bits[DEFAULT_LEVEL], True)}
+
+
+def ttft_of(bits: float, gpu_decode: bool, tokens: int, gbit: float, *, chunk_tokens: int = 1536,
+            rtt: float = 0.005) -> float:
+    """TTFT of streaming a ``tokens`` context at ``bits``/element over a constant link."""
+    manifest = llama_manifest(tokens, chunk_tokens, (bits,), (1e-3,), "ttft")
+    decode = ([FP16_BYTES_PER_TOKEN * c.tokens / GPU_DECODE_BYTES_PER_S for c in manifest.chunks]
+              if gpu_decode else 0.0)
+    sim = Simulator(manifest, rtt=rtt, recompute_seconds_per_token=recompute_seconds_per_token(tokens),
+                    decode_seconds=decode)
+    trace = Trace.constant(gbit * 1e3, 1.0)
+    r = sim.run("fixed:0", trace, slo=1e9, prior_bps=gbit * 1e9 / 8)
+    return r.finish + first_token_seconds(tokens)
+
+
+def ttft_table(figures: CodecFigures = CODEC_BENCH, tokens: Sequence[int] = TTFT_TOKENS,
+               links: Sequence[float] = TTFT_LINKS_GBIT, rtt: float = 0.005) -> list[dict]:
+    kvname = f"kvwire L{DEFAULT_LEVEL}"
+    rows = []
+    for n in tokens:
+        recompute = prefill_seconds(n) + first_token_seconds(n)
+        for gbit in links:
+            row: dict[str, Any] = {"tokens": n, "link_gbit": gbit}
+            for name, (bits, gpu) in ttft_methods(figures).items():
+                row[name] = ttft_of(bits, gpu, n, gbit, rtt=rtt)
+            row["prefill recompute"] = recompute
+            k = row[kvname]
+            row["speedup"] = {name: row[name] / k for name in row
+                              if name not in ("tokens", "link_gbit", kvname)}
+            rows.append(row)
+    return rows
+
+
+def ttft_targets(table: Sequence[dict]) -> list[dict]:
+    kvname = f"kvwire L{DEFAULT_LEVEL}"
+    row = next((r for r in table if r["tokens"] == 32768 and r["link_gbit"] == 1.0), None)
+    if row is None:
+        return []
+    s = row["speedup"]
+    return [{"target": f"1 Gbit/s, 32K tokens: {kvname} TTFT >= 6x faster than raw fp16",
+             "measured": s["raw fp16"], "met": s["raw fp16"] >= 6},
+            {"target": f"1 Gbit/s, 32K tokens: {kvname} TTFT >= 3x faster than int8",
+             "measured": s["int8"], "met": s["int8"] >= 3}]
+
+
+# ------------------------------------------------------------------------ plots
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_violations(rows: Sequence[dict], path: Path) -> None:
+    plt = _plt()
+    methods = list(dict.fromkeys(r["policy"] for r in rows))
+    slos = sorted({r["slo"] for r in rows})
+    val = {(r["policy"], r["slo"]): r["violation_rate"] for r in rows}
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(slos)
+    x = np.arange(len(methods))
+    for k, slo in enumerate(slos):
+        ax.bar(x + k * width - 0.4 + width / 2, [val.get((m, slo), np.nan) for m in methods], width,
+               label=f"SLO {slo:g} s")
+    ax.set_xticks(x, methods, rotation=30, ha="right")
+    ax.set_ylabel("SLO violation rate")
+    ax.set_title("violation rate per policy and SLO (all traces)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ttft(figures: CodecFigures, path: Path, rtt: float = 0.005) -> None:
+    plt = _plt()
+    links = np.logspace(-1, 2, 13)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {}
+    for n, style in ((32768, "-"), (8192, "--")):
+        for name, (bits, gpu) in ttft_methods(figures).items():
+            y = [ttft_of(bits, gpu, n, g, rtt=rtt) for g in links]
+            line, = ax.plot(links, y, style, color=colors.get(name), marker="o", ms=3,
+                            label=f"{name}, {n // 1024}K")
+            colors[name] = line.get_color()
+        y = prefill_seconds(n) + first_token_seconds(n)
+        line, = ax.plot(links, [y] * len(links), style, color=colors.get("recompute", "k"),
+                        label=f"prefill recompute, {n // 1024}K")
+        colors["recompute"] = line.get_color()
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link (Gbit/s)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("TTFT, Llama-3-8B-shaped KV (solid 32K tokens, dashed 8K)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_schedule(methods: Sequence[Method], trace: Trace, name: str, slo: float, start: float,
+                  path: Path, prior_bps: float | None = None) -> None:
+    """Link capacity over the fetch, and each policy's chunks (span = on the wire, label = level)."""
+    plt = _plt()
+    shown = [m for m in methods if m.name in ("greedy", "mpc", "oracle")]
+    runs = {}
+    for m in shown:
+        if m.policy == "oracle":
+            o = m.sim.oracle(trace, slo=slo, start=start)
+            runs[m.name] = m.sim.run("fixed:0", trace, slo=slo, start=start, schedule=o.choices)
+        else:
+            runs[m.name] = m.sim.run(m.policy, trace, slo=slo, start=start, prior_bps=prior_bps)
+    horizon = max(max(r.completion for r in runs.values()), slo) * 1.1
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True,
+                                 gridspec_kw={"height_ratios": [2, 1.3]})
+    t = np.linspace(0, horizon, 800)
+    ax.plot(t, [trace.rate_at(start + x) for x in t], drawstyle="steps-post", color="k")
+    ax.set_ylabel("capacity (Mbit/s)")
+    ax.axvline(slo, color="r", ls=":", label=f"SLO {slo:g} s")
+    ax.set_title(f"{name} from t={start:g} s: capacity and chosen level per chunk")
+    ax.legend(loc="upper right")
+    cmap = plt.get_cmap("viridis")
+    levels = methods[0].sim.manifest.levels
+    for row, (label, r) in enumerate(runs.items()):
+        for c in r.chunks:
+            lo = c.requested if c.choice == "text" else c.begin
+            color = "0.6" if c.choice == "text" else cmap(c.choice / max(levels - 1, 1))
+            bx.barh(row, max(c.end - lo, horizon / 400), left=lo, color=color, edgecolor="w")
+            bx.text(lo + (c.end - lo) / 2, row, "T" if c.choice == "text" else str(c.choice),
+                    ha="center", va="center", fontsize=7, color="w")
+        bx.plot([r.completion], [row], "k|", ms=14)
+    bx.axvline(slo, color="r", ls=":")
+    bx.set_yticks(range(len(runs)), [f"{k} ({v.distortion:.1e})" for k, v in runs.items()])
+    bx.set_xlabel("seconds since the fetch started (| = KV ready)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pick_schedule_example(methods: Sequence[Method], traces: dict[str, Trace], slo: float,
+                          spacing: float) -> tuple[str, float] | None:
+    """The (trace, start) where a cold greedy's objective exceeds a cold mpc's the most."""
+    by = {m.name: m for m in methods}
+    if "greedy" not in by or "mpc" not in by:
+        return None
+    best, key = 0.0, None
+    for name, trace in traces.items():
+        if trace.low == trace.high:
+            continue
+        for start in starts_of(trace, spacing):
+            g = by["greedy"].sim.run("greedy", trace, slo=slo, start=float(start))
+            m = by["mpc"].sim.run("mpc", trace, slo=slo, start=float(start))
+            gap = (g.cost - m.cost) + (not g.met) - (not m.met)
+            if gap > best:
+                best, key = gap, (name, float(start))
+    return key
+
+
+# -------------------------------------------------------------------- validation
+VALIDATION_TRACES = ("steps-1g-drop", "walk-1g", "markov-wifi-600m")
+
+
+def validate(trace_names: Sequence[str] = VALIDATION_TRACES, *, mean_mbit: float = 60.0,
+             level: int = 0, chunks: int = 12, chunk_tokens: int = 512, layers: int = 8,
+             heads: int = 8, head_dim: int = 32, delay_ms: float = 5.0, calibration_tokens: int = 1024,
+             traces: dict[str, Trace] | None = None) -> list[dict]:
+    """Real fetches through ``netsim.ShapingProxy`` vs the simulator's prediction.
+
+    A synthetic KV (``codec.synthetic.synthetic_kv``) is put into a file store at one
+    level, served by the real sender and fetched by ``StreamSession`` with policy
+    ``fixed:level`` through the proxy, each named trace rescaled to ``mean_mbit`` (its
+    shape kept) on the downstream direction from the moment the fetch starts, and
+    ``delay_ms`` each way. The simulator gets the real manifest, RTT ``2 * delay_ms``
+    and each chunk's decode time measured beforehand (``codec.decode``, best of 3).
+    """
+    import asyncio
+
+    return asyncio.run(_validate(trace_names, mean_mbit=mean_mbit, level=level, chunks=chunks,
+                                 chunk_tokens=chunk_tokens, layers=layers, heads=heads,
+                                 head_dim=head_dim, delay_ms=delay_ms, traces=traces,
+                                 calibration_tokens=calibration_tokens))
+
+
+async def _validate(trace_names, *, mean_mbit, level, chunks, chunk_tokens, layers, heads, head_dim,
+                    delay_ms, traces, calibration_tokens) -> list[dict]:
+    import asyncio
+    import tempfile
+
+    import torch
+
+    import codec
+    import netsim
+    from streamer.tools.bench_codec import synthetic_kv
+
+    from streamer.store.put import put_context
+    from streamer.net.sender import serve
+    from streamer.net.session import StreamSession
+    from streamer.store import open_store
+
+    traces = traces or netsim.trace_set()
+    tokens = chunks * chunk_tokens
+    kv = synthetic_kv(layers, heads, head_dim, tokens, seed=2).to(torch.float16)
+    profile = await asyncio.to_thread(codec.calibrate, [synthetic_kv(layers, heads, head_dim, calibration_tokens, seed=1)])
+    decode = []
+    for i in range(chunks):
+        blob = codec.encode(kv[:, :, i * chunk_tokens:(i + 1) * chunk_tokens], level, profile,
+                            sink_tokens=None if i == 0 else 0)
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            codec.decode(blob, profile)
+            best = min(best, time.perf_counter() - t0)
+        decode.append(best)
+    ids = [(7 * i) % 30000 for i in range(tokens)]
+    out = []
+    with tempfile.TemporaryDirectory() as root:
+        store = await open_store(root)
+        server = None
+        try:
+            manifest = await put_context(store, "validate", kv, ids, profile=profile,
+                                         chunk_tokens=chunk_tokens, levels=[level])
+            server = await serve(store)
+            policy = f"fixed:{level}"
+            sim = Simulator(manifest, rtt=2 * delay_ms / 1e3, decode_seconds=decode)
+            for name in trace_names:
+                trace = traces[name].rescaled(mean=mean_mbit)
+                async with netsim.ShapingProxy(upstream=("127.0.0.1", server.port),
+                                               delay_ms=delay_ms) as proxy:
+                    async with StreamSession("127.0.0.1", proxy.port, "validate", slo=60.0,
+                                             policy=policy, prior_bps=mean_mbit * 1e6 / 8) as session:
+                        proxy.set_trace(trace, direction="down")
+                        report = await session.fetch()
+                predicted = sim.run(policy, trace, slo=60.0, prior_bps=mean_mbit * 1e6 / 8)
+                real = report.total_seconds
+                out.append({"trace": name, "mean_mbit": mean_mbit, "bytes": report.bytes,
+                            "real_seconds": real, "predicted_seconds": predicted.finish,
+                            "error": (predicted.finish - real) / real,
+                            "real_levels": [c.level for c in report.chunks],
+                            "predicted_levels": predicted.choices})
+        finally:
+            if server is not None:
+                await server.close()
+            await store.close()
+    return out
+
+
+# ------------------------------------------------------------------------ report
+@dataclass
+class Report:
+    config: dict
+    results: list[dict] = field(default_factory=list)
+    targets: list[dict] = field(default_factory=list)
+    ttft: list[dict] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def run(*, traces: dict[str, Trace], slos: Sequence[float] = (0.5, 1.0, 2.0), tokens: int = 8192,
+        chunk_tokens: int = 1024, rtt: float = 0.005, spacing: float = 0.5,
+        figures: CodecFigures = CODEC_BENCH, policies: Sequence[str] | None = None,
+        workers: int = 1, plots: str | Path | None = None, do_validate: bool = False) -> Report:
+    t0 = time.perf_counter()
+    fetches = run_sweep(traces, slos, tokens=tokens, chunk_tokens=chunk_tokens, rtt=rtt,
+                        spacing=spacing, figures=figures, policies=policies, workers=workers)
+    sweep_s = time.perf_counter() - t0
+    report = Report(config={"workload": "Llama-3-8B-shaped KV (32 layers, 8 KV heads, head dim 128)",
+                            "tokens": tokens, "chunk_tokens": chunk_tokens, "rtt": rtt,
+                            "spacing": spacing, "traces": list(traces), "slos": list(slos),
+                            "codec_figures": asdict(figures),
+                            "recompute_seconds_per_token": recompute_seconds_per_token(tokens),
+                            "first_token_seconds": first_token_seconds(tokens),
+                            "gpu_decode_bytes_per_s": GPU_DECODE_BYTES_PER_S,
+                            "fetches": len(fetches), "sweep_seconds": sweep_s,
+                            "fetches_per_minute": 60 * len(fetches) / sweep_s if sweep_s else None})
+    report.results = summarize(fetches)
+    report.targets = policy_targets(fetches, 1.0)
+    report.ttft = ttft_table(figures, rtt=rtt)
+    report.targets += ttft_targets(report.ttft)
+    if plots:
+        d = Path(plots)
+        d.mkdir(parents=True, exist_ok=True)
+        plot_violations(report.results, d / "violations.png")
+        plot_ttft(figures, d / "ttft_vs_bandwidth.png", rtt=rtt)
+        report.plots += [str(d / "violations.png"), str(d / "ttft_vs_bandwidth.png")]
+        slo = 1.0 if 1.0 in slos else slos[0]
+        methods = build_methods(tokens, chunk_tokens, rtt, figures, ["greedy", "mpc", "oracle"])
+        example = pick_schedule_example(methods, traces, slo, spacing)
+        if example is not None:
+            tname, start = example
+            plot_schedule(methods, traces[tname], tname, slo, start, d / "schedule.png")
+            report.plots.append(str(d / "schedule.png"))
+    if do_validate:
+        report.validation = validate()
+        worst = max(abs(v["error"]) for v in report.validation)
+        report.targets.append({"target": "simulator within 10% of a real fetch through the shaping "
+                                         "proxy (3 traces)", "measured": worst, "met": worst <= 0.10})
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def render(report: Report) -> str:
+    c = report.config
+    lines = [f"kvwire bench policies: {c['workload']}, {c['tokens']} tokens in chunks of "
+             f"{c['chunk_tokens']}, RTT {c['rtt'] * 1e3:g} ms, {len(c['traces'])} traces, a fetch every "
+             f"{c['spacing']:g} s of trace ({c['fetches']} simulated fetches, "
+             f"{c['fetches_per_minute']:.0f}/min)",
+             f"recompute {c['recompute_seconds_per_token'] * 1e6:.1f} us/token (H100-class, "
+             f"{PREFILL_UTILISATION:.0%} of {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s), first token "
+             f"{c['first_token_seconds'] * 1e3:.1f} ms; bits/el from {c['codec_figures']['source']}", ""]
+    lines.append(f"{'policy':<10}{'SLO s':>6}{'viol.':>8}{'distortion':>12}{'KV only':>10}{'text':>7}"
+                 f"{'TTFT p50':>10}{'TTFT p95':>10}{'objective':>11}")
+    for r in sorted(report.results, key=lambda r: (r["slo"],)):
+        kvd = r["mean_kv_distortion"]
+        lines.append(f"{r['policy']:<10}{r['slo']:>6g}{r['violation_rate']:>8.1%}{r['mean_distortion']:>12.2e}"
+                     f"{'-' if kvd is None else format(kvd, '.2e'):>10}{r['text_share']:>7.1%}{r['ttft_p50']:>10.3f}{r['ttft_p95']:>10.3f}"
+                     f"{r['mean_objective']:>11.4f}")
+    lines += ["", "time to first token (s), constant links, chunks of 1536 tokens:"]
+    if report.ttft:
+        names = [k for k in report.ttft[0] if k not in ("tokens", "link_gbit", "speedup")]
+        lines.append(f"{'tokens':>7}{'Gbit/s':>8}" + "".join(f"{n:>19}" for n in names))
+        for row in report.ttft:
+            lines.append(f"{row['tokens']:>7}{row['link_gbit']:>8g}" +
+                         "".join(f"{row[n]:>19.3f}" for n in names))
+        lines += ["", f"speedup of kvwire L{DEFAULT_LEVEL} (method TTFT / kvwire TTFT):"]
+        for row in report.ttft:
+            lines.append(f"  {row['tokens'] // 1024}K @ {row['link_gbit']:g} Gbit/s: " +
+                         ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup"].items()))
+    if report.validation:
+        lines += ["", "validation against real fetches through the shaping proxy:"]
+        for v in report.validation:
+            lines.append(f"  {v['trace']} (mean {v['mean_mbit']:g} Mbit/s, {v['bytes'] / 1e6:.1f} MB): real "
+                         f"{v['real_seconds']:.3f} s, simulated {v['predicted_seconds']:.3f} s "
+                         f"({v['error']:+.1%})")
+    lines += ["", "targets:"]
+    for t in report.targets:
+        lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {_fmt(t['measured'])}")
+    lines.append("distortion: token-weighted mean measured MSE/variance, text chunks counted as exact (0); "
+                 "KV only: over the chunks fetched as KV; objective: what the planners minimise "
+                 "(target distortion per chunk + 1 per text chunk).")
+    if report.plots:
+        lines += ["", "plots: " + ", ".join(report.plots)]
+    lines.append(f"({report.seconds:.1f} s)")
+    return "\n".join(lines)
+
+
+def _fmt(measured: Any) -> str:
+    if isinstance(measured, dict):
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in measured.items())
+    if isinstance(measured, float):
+        return f"{measured:.4g}"
+    return str(measured)
+
+
+# --------------------------------------------------------------------------- CLI
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated seconds, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"SLOs must be > 0 seconds, got {text!r}")
+    return values
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    traces = load_traces(args.traces)
+    figures = CodecFigures.from_json(args.codec_json) if args.codec_json else CODEC_BENCH
+    report = run(traces=traces, slos=args.slo, tokens=args.tokens, chunk_tokens=args.chunk_tokens,
+                 rtt=args.rtt, spacing=args.spacing, figures=figures, workers=args.workers,
+                 plots=args.plots, do_validate=args.validate)
+    print(report.to_json() if args.json else render(report))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser(
+        "policies", help="adaptation policies vs the oracle over link traces; TTFT at Llama-3-8B scale",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", metavar="DIR", help="directory of trace CSVs (default: netsim's trace set)")
+    p.add_argument("--slo", type=_floats, default=[0.5, 1.0, 2.0], metavar="S,S,...",
+                   help="deadlines in seconds (default 0.5,1,2)")
+    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--tokens", type=int, default=8192, help="context tokens (default 8192)")
+    p.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per chunk (default 1024)")
+    p.add_argument("--rtt", type=float, default=0.005, help="round-trip time in seconds (default 0.005)")
+    p.add_argument("--spacing", type=float, default=0.5,
+                   help="seconds of trace between fetch starts (default 0.5)")
+    p.add_argument("--codec-json", metavar="FILE", help="`kvwire bench codec --json` output to take "
+                   "bits/element and distortion from (default: the README's MiniLM figures)")
+    p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
+                   help="processes for the sweep (default: cores, at most 8)")
+    p.add_argument("--validate", action="store_true",
+                   help="also fetch for real through the shaping proxy on 3 traces and compare")
+    p.set_defaults(handler=_cmd_policies)
+
+
+__all__ = ["CODEC_BENCH", "CodecFigures", "Fetch", "Method", "Report", "build_methods", "first_token_seconds",
+           "llama_manifest", "load_traces", "policy_targets", "prefill_seconds", "register", "render", "run",
+           "run_sweep", "summarize", "sweep_trace", "ttft_table", "validate"]
+
+
+if __name__ == "__main__":  # python -m streamer.tools.bench_policies [args]: the bench without the kvwire CLI
+    _parser = argparse.ArgumentParser(prog="kvwire")
+    _sub = _parser.add_subparsers(dest="command", required=True)
+    _bench = _sub.add_parser("bench").add_subparsers(dest="bench", required=True)
+    register(_sub, _bench)
+    _args = _parser.parse_args(sys.argv[1:])
+    sys.exit(_args.handler(_args))

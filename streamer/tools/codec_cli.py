@@ -1,0 +1,33 @@
+"""Codec subcommands: ``kvwire bench codec``."""
+from __future__ import annotations
+
+import argparse
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from streamer.tools import bench_codec as bench
+
+    bench.main(workload=args.workload, tokens=args.tokens, calibration_tokens=args.calibration_tokens,
+               chunk_tokens=args.chunk_tokens, repeat=args.repeat, as_json=args.json,
+               plot_path=None if args.no_plot else args.plot, variants=not args.quick)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
+    p = bench_subparsers.add_parser(
+        "codec", help="codec rate/distortion/speed vs raw fp16, int8, zstd and CacheGen-style",
+        description="Measure every quality level and baseline on the same chunks of real "
+                    "(MiniLM) or synthetic KV; print a table, write a rate-distortion PNG.")
+    p.add_argument("--workload", choices=("minilm", "llama", "small"), default="minilm",
+                   help="minilm: real KV from all-MiniLM-L6-v2 (default); llama: synthetic "
+                        "Llama-3-8B-shaped KV (32 layers, 8 heads, 128 dims); small: tiny synthetic")
+    p.add_argument("--tokens", type=int, default=6144, help="tokens measured (default 6144)")
+    p.add_argument("--calibration-tokens", type=int, default=8192,
+                   help="tokens of other text the profile is fitted on (minilm; default 8192)")
+    p.add_argument("--chunk-tokens", type=int, default=1536, help="tokens per encoded chunk (default 1536)")
+    p.add_argument("--repeat", type=int, default=3, help="timing repetitions, best kept (default 3)")
+    p.add_argument("--quick", action="store_true", help="skip the transform and delta comparisons")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", default="codec_rd.png", help="rate-distortion PNG path (default codec_rd.png)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    p.set_defaults(handler=_bench)

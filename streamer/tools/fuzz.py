@@ -1,0 +1,474 @@
+"""``kvwire fuzz``: long fuzzing runs of the three parsers that face untrusted bytes.
+
+Targets (each a function of one ``bytes`` input, so hypothesis and atheris drive the
+same code and any failure is reproduced by its bytes alone):
+
+``frames``
+    ``frames.FrameBuffer`` + ``frames.decode`` (the frame parser): only
+    ``RemoteProtocolError`` may come out.
+``protocol``
+    ``protocol.Connection.receive_data`` in one of several live states (server before
+    and after the handshake, with a context open, awaiting auth; client after the
+    handshake, with requests outstanding, in the middle of a chunk), fed in pieces:
+    only ``RemoteProtocolError``, never one produced by the "internal error" safety
+    net, and the connection must then be in ERROR.
+``bitstream``
+    ``codec.decode`` / ``codec.decode_layers`` on a valid blob damaged by byte edits,
+    truncation or extension, optionally *forged* (section and header CRCs recomputed,
+    so the rANS decoder and container checks face the damage alone): only
+    ``CodecError``; a decode that succeeds returns the shape and dtype the header says.
+
+The CI tests (tests/test_fuzz_cli.py) run these through hypothesis for tens of
+thousands of cases; ``kvwire fuzz --minutes N`` loops hypothesis (or atheris with
+``--engine atheris`` when it is installed) until the time is up and reports the cases
+run and every failure with a reproducer (``--replay HEX``).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import struct
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+TARGETS = ("frames", "protocol", "bitstream")
+
+
+class FuzzBug(AssertionError):
+    """A target misbehaved on an input (wrong exception type, bad state, wrong shape)."""
+
+
+# ------------------------------------------------------------------------ frames
+def check_frames(data: bytes) -> None:
+    from streamer.wire import frames
+    from streamer.wire.events import RemoteProtocolError
+
+    if not data:
+        return
+    max_frame = frames.MIN_MAX_FRAME << (data[0] % 4)
+    buf = frames.FrameBuffer(max_frame)
+    body = data[1:]
+    step = 1 + (data[0] >> 2) * 7 if len(data) > 1 else 1
+    try:
+        for i in range(0, max(len(body), 1), step):
+            buf.feed(body[i:i + step])
+            while buf.next_frame(frames.decode) is not None:
+                pass
+    except RemoteProtocolError:
+        return
+    except Exception as exc:
+        raise FuzzBug(f"frame parser raised {type(exc).__name__}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------ protocol
+_PID = "0123456789abcdef"
+_TOKEN = "fuzz-token-0123456789"
+
+
+def _wired():
+    from streamer.wire.events import Hello, Welcome
+    from streamer.wire.protocol import Connection, Role
+
+    c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
+    s.receive_data(c.send(Hello(versions=(1,), client="fuzz")))
+    c.receive_data(s.send(Welcome(version=1, server="fuzz", max_frame=1 << 20)))
+    return c, s
+
+
+def _opened():
+    from streamer.wire.events import Manifest, Open
+
+    c, s = _wired()
+    s.receive_data(c.send(Open("ctx", None)))
+    c.receive_data(s.send(Manifest(b"M")))
+    return c, s
+
+
+def _server_fresh():
+    from streamer.wire.protocol import Connection, Role
+    return Connection(Role.SERVER)
+
+
+def _server_ready():
+    return _wired()[1]
+
+
+def _server_open():
+    from streamer.wire.events import Request
+    c, s = _opened()
+    s.receive_data(c.send(Request(5, 1)))
+    return s
+
+
+def _server_awaiting_auth():
+    from streamer.wire.auth import new_nonce
+    from streamer.wire.events import Hello, Welcome
+    from streamer.wire.protocol import Connection, Role
+
+    c = Connection(Role.CLIENT, auth_token=_TOKEN)
+    s = Connection(Role.SERVER, auth_token=_TOKEN)
+    s.receive_data(c.send(Hello(versions=(1,), client="fuzz")))
+    s.send(Welcome(1, "s", 1 << 20, auth="required", nonce=new_nonce()))
+    return s
+
+
+def _client_ready():
+    return _wired()[0]
+
+
+def _client_requested():
+    from streamer.wire.events import Cancel, GetProfile, Profile, Request
+
+    c, s = _opened()
+    s.receive_data(c.send(GetProfile(_PID)))
+    c.receive_data(s.send(Profile(_PID, b"p")))
+    for r in (Request(1, 0), Request(2, "text"), Request(3, 0)):
+        s.receive_data(c.send(r))
+    s.receive_data(c.send(Cancel(3)))
+    return c
+
+
+def _client_streaming():
+    from streamer.wire.events import ChunkBegin, ChunkPart
+
+    c, s = _opened()
+    from streamer.wire.events import Request
+    s.receive_data(c.send(Request(1, 0)))
+    c.receive_data(s.send(ChunkBegin(1, 0, total_bytes=5, parts=3)))
+    c.receive_data(s.send(ChunkPart(1, 0, b"ab")))
+    return c
+
+
+PROTOCOL_STATES: tuple[tuple[str, Callable], ...] = (
+    ("server fresh", _server_fresh), ("server awaiting auth", _server_awaiting_auth),
+    ("server after handshake", _server_ready), ("server with context", _server_open),
+    ("client after handshake", _client_ready), ("client with requests", _client_requested),
+    ("client mid chunk", _client_streaming),
+)
+
+
+def check_protocol(data: bytes) -> None:
+    from streamer.wire.events import RemoteProtocolError
+    from streamer.wire.protocol import State
+
+    if not data:
+        return
+    name, make = PROTOCOL_STATES[data[0] % len(PROTOCOL_STATES)]
+    conn = make()
+    body = data[1:]
+    # split points from the input itself: piece lengths 1..64 cycling through the bytes
+    pieces, i = [], 0
+    cuts = body[:8] or b"\x00"
+    k = 0
+    while i < len(body):
+        n = 1 + cuts[k % len(cuts)] % 64
+        pieces.append(body[i:i + n])
+        i, k = i + n, k + 1
+    try:
+        for piece in pieces + [b""]:
+            conn.receive_data(piece)
+    except RemoteProtocolError as exc:
+        if "internal error" in str(exc):
+            raise FuzzBug(f"[{name}] bug behind the safety net: {exc}; cause: "
+                          f"{exc.__cause__!r}") from exc
+        if conn.state is not State.ERROR:
+            raise FuzzBug(f"[{name}] RemoteProtocolError left the connection in {conn.state}") from exc
+    except Exception as exc:
+        raise FuzzBug(f"[{name}] receive_data raised {type(exc).__name__}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------ bitstream
+_FIXED, _ENTRY = 32, 8
+
+
+@functools.lru_cache(maxsize=1)
+def _seed_blobs():
+    """(blob, profile) pairs: a profiled delta-coded blob and an fp16 embedded one."""
+    import torch
+
+    import codec
+
+    gen = torch.Generator().manual_seed(0)
+    profile = codec.calibrate([torch.randn(2, 2, 64, 1, 3, generator=gen)], delta="always")
+    kv = torch.randn(2, 2, 24, 1, 3, generator=torch.Generator().manual_seed(1))
+    return ((codec.encode(kv, 2, profile), profile), (codec.encode(kv.half(), 2), None),
+            (codec.encode(kv, 0, profile), profile))
+
+
+def _reseal(blob: bytes) -> bytes:
+    """Recompute every section CRC and the header CRC (FORMAT.md), keeping the lengths."""
+    if len(blob) < _FIXED + 4:
+        return blob
+    layers = struct.unpack_from("<H", blob, 8)[0]
+    embedded = struct.unpack_from("<I", blob, 28)[0]
+    size = _FIXED + _ENTRY * layers + embedded + 4
+    if size > len(blob):
+        return blob
+    header = bytearray(blob[:size])
+    pos = size
+    for i in range(layers):
+        length = struct.unpack_from("<I", header, _FIXED + _ENTRY * i)[0]
+        section = blob[pos:pos + length]
+        struct.pack_into("<I", header, _FIXED + _ENTRY * i + 4, zlib.crc32(section) & 0xFFFFFFFF)
+        pos += length
+    struct.pack_into("<I", header, size - 4, zlib.crc32(bytes(header[:size - 4])) & 0xFFFFFFFF)
+    return bytes(header) + blob[size:]
+
+
+def mutate_blob(data: bytes) -> tuple[bytes, object]:
+    """The damaged blob (and its profile) that ``data`` describes.
+
+    data[0]: seed blob (low 2 bits), forge CRCs (bit 2), truncate (bit 3), extend (bit 4);
+    data[1:3]: u16 truncation point; then (u16 position, u8 xor) edits.
+    """
+    seeds = _seed_blobs()
+    blob, profile = seeds[data[0] % len(seeds)] if data else seeds[0]
+    out = bytearray(blob)
+    flags = data[0] if data else 0
+    edits = data[3:]
+    for j in range(0, len(edits) - 2, 3):
+        pos = struct.unpack_from("<H", edits, j)[0] % len(out)
+        out[pos] ^= edits[j + 2] or 1
+    if flags & 0x08 and len(data) >= 3:
+        out = out[:struct.unpack_from("<H", data, 1)[0] % (len(out) + 1)]
+    if flags & 0x10:
+        out += bytes(edits[:32])
+    result = bytes(out)
+    if flags & 0x04:
+        result = _reseal(result)
+    return result, profile
+
+
+def check_bitstream(data: bytes) -> None:
+    import codec
+
+    blob, profile = mutate_blob(data)
+    try:
+        header = codec.parse_header(blob)
+        out = codec.decode(blob, profile)
+    except codec.CodecError:
+        pass
+    except Exception as exc:
+        raise FuzzBug(f"codec.decode raised {type(exc).__name__}: {exc}") from exc
+    else:
+        want = (header.layers, 2, header.tokens, header.heads, header.head_dim)
+        if tuple(out.shape) != want or out.dtype != header.dtype:
+            raise FuzzBug(f"decode returned {tuple(out.shape)} {out.dtype}, header says {want} "
+                          f"{header.dtype}")
+    try:
+        for _ in codec.decode_layers(blob, profile):
+            pass
+    except codec.CodecError:
+        pass
+    except Exception as exc:
+        raise FuzzBug(f"codec.decode_layers raised {type(exc).__name__}: {exc}") from exc
+
+
+CHECKS: dict[str, Callable[[bytes], None]] = {
+    "frames": check_frames, "protocol": check_protocol, "bitstream": check_bitstream,
+}
+
+
+# ------------------------------------------------------------------------ hypothesis strategies
+def strategy(target: str):
+    """A hypothesis strategy of inputs for ``target`` (structured, so it gets deep)."""
+    from hypothesis import strategies as st
+
+    from streamer.wire import frames
+
+    keys = sorted({k for schema in frames.SCHEMAS.values() for k in schema})
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-2, 2 ** 33), st.floats(allow_nan=False),
+                       st.text(max_size=12), st.sampled_from(["text", "kvwire", _PID, "internal", "none",
+                                                              "required", "ab" * 32]))
+    value = st.recursive(scalar, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)), max_leaves=5)
+
+    @st.composite
+    def frame(draw):
+        ftype = draw(st.integers(0, 17))
+        kind = draw(st.integers(0, 3))
+        if kind <= 1 and ftype in {int(t) for t in frames.CONTROL_TYPES}:
+            names = draw(st.lists(st.sampled_from(keys), max_size=6, unique=True))
+            payload = json.dumps({k: draw(value) for k in names}).encode()
+        elif kind == 2:
+            payload = struct.pack("<IHH", draw(st.integers(0, 6)), draw(st.integers(0, 4)),
+                                  draw(st.sampled_from([0, 0, 1]))) + draw(st.binary(max_size=12))
+        else:
+            payload = draw(st.binary(max_size=40))
+        flags = draw(st.sampled_from([0, 0, 0, 0, 1]))
+        length = len(payload) if draw(st.integers(0, 12)) else draw(st.integers(0, 2 ** 32 - 1))
+        return struct.pack("<IHH", length, ftype, flags) + payload
+
+    if target in ("frames", "protocol"):
+        stream = st.lists(frame(), max_size=8).map(b"".join)
+        both = st.one_of(stream, stream, st.binary(max_size=96))
+        return st.tuples(st.binary(min_size=1, max_size=1), st.binary(max_size=8), both).map(
+            lambda t: t[0] + (t[1] if target == "protocol" else b"") + t[2])
+    if target == "bitstream":
+        return st.binary(min_size=3, max_size=40)
+    raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+
+
+# ------------------------------------------------------------------------ runners
+@dataclass
+class Failure:
+    target: str
+    data: bytes
+    error: str
+
+    def reproducer(self) -> str:
+        return f"kvwire fuzz --target {self.target} --replay {self.data.hex()}"
+
+
+@dataclass
+class FuzzResult:
+    cases: dict[str, int] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
+    seconds: float = 0.0
+    engine: str = "hypothesis"
+
+
+def run_hypothesis(target: str, *, max_examples: int, seed: int | None = None,
+                   result: FuzzResult | None = None) -> FuzzResult:
+    """One hypothesis run of ``max_examples`` cases; a failure is recorded (shrunk), not raised."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hseed
+
+    result = result or FuzzResult()
+    check = CHECKS[target]
+    last_bad: list[bytes] = []
+
+    @settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy(target))
+    def run(data: bytes) -> None:
+        result.cases[target] = result.cases.get(target, 0) + 1
+        try:
+            check(data)
+        except BaseException:
+            last_bad[:] = [data]
+            raise
+
+    if seed is not None:
+        run = hseed(seed)(run)
+    try:
+        run()
+    except Exception as exc:  # the minimal failing example is the last one that raised
+        data = last_bad[0] if last_bad else b""
+        result.failures.append(Failure(target, data, f"{type(exc).__name__}: {exc}"))
+    return result
+
+
+def fuzz_for(seconds: float, targets: tuple[str, ...] = TARGETS, *, batch: int = 2000,
+             seed: int = 0, log: Callable[[str], None] | None = None) -> FuzzResult:
+    """Loop hypothesis batches over ``targets`` (round robin) until ``seconds`` are up."""
+    result = FuzzResult()
+    start = time.monotonic()
+    rng = random.Random(seed)
+    while True:
+        for target in targets:
+            if time.monotonic() - start >= seconds and result.cases:
+                result.seconds = time.monotonic() - start
+                return result
+            before = len(result.failures)
+            run_hypothesis(target, max_examples=batch, seed=rng.getrandbits(64), result=result)
+            if log is not None:
+                log(f"{target}: {result.cases.get(target, 0)} cases, "
+                    f"{time.monotonic() - start:.0f} s")
+                for failure in result.failures[before:]:
+                    log(f"FAILURE in {target}: {failure.error}\n  reproduce: {failure.reproducer()}")
+
+
+def fuzz_atheris(seconds: float, target: str) -> int:  # pragma: no cover - needs atheris
+    """Run atheris (libFuzzer) on one target; returns the exit code (nonzero on a crash).
+
+    libFuzzer owns the process (it exits when done), so this is meant for the CLI only.
+    """
+    import atheris
+
+    check = CHECKS[target]
+    if target == "bitstream":
+        _seed_blobs()   # build the seeds before coverage starts
+
+    def one(data: bytes) -> None:
+        try:
+            check(data)
+        except FuzzBug:
+            print(f"reproduce: kvwire fuzz --target {target} --replay {data.hex()}", file=sys.stderr)
+            raise
+
+    atheris.Setup([sys.argv[0], f"-max_total_time={max(1, int(seconds))}", "-print_final_stats=1"], one)
+    atheris.Fuzz()
+    return 0
+
+
+def replay(target: str, data: bytes) -> str | None:
+    """Run one input; None if it passes, else the error with its traceback."""
+    try:
+        CHECKS[target](data)
+    except FuzzBug:
+        return traceback.format_exc()
+    return None
+
+
+# ------------------------------------------------------------------------ CLI
+def _handler(args: argparse.Namespace) -> int:
+    targets = TARGETS if args.target == "all" else (args.target,)
+    if args.replay is not None:
+        data = bytes.fromhex(args.replay)
+        failed = False
+        for target in targets:
+            error = replay(target, data)
+            print(f"{target}: {'FAIL' if error else 'ok'}")
+            if error:
+                print(error)
+                failed = True
+        return 1 if failed else 0
+    seconds = 60.0 * args.minutes
+    if args.engine == "atheris":
+        if len(targets) != 1:
+            print("kvwire fuzz: --engine atheris runs one --target at a time", file=sys.stderr)
+            return 2
+        try:
+            import atheris  # noqa: F401
+        except ImportError:
+            print("kvwire fuzz: atheris is not installed (pip install atheris)", file=sys.stderr)
+            return 2
+        return fuzz_atheris(seconds, targets[0])
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
+    result = fuzz_for(seconds, targets, batch=args.batch, seed=args.seed, log=log)
+    summary = {"engine": "hypothesis", "seconds": round(result.seconds, 1), "cases": result.cases,
+               "total_cases": sum(result.cases.values()),
+               "failures": [{"target": f.target, "error": f.error, "input_hex": f.data.hex(),
+                             "reproduce": f.reproducer()} for f in result.failures]}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"kvwire fuzz: {summary['total_cases']} cases in {summary['seconds']} s "
+              + ", ".join(f"{t}={n}" for t, n in result.cases.items()))
+        for f in summary["failures"]:
+            print(f"FAILURE [{f['target']}] {f['error']}\n  reproduce: {f['reproduce']}")
+        if not result.failures:
+            print("no failures")
+    return 1 if result.failures else 0
+
+
+def register(subparsers, bench_subparsers=None) -> None:
+    fuzz = subparsers.add_parser("fuzz", help="fuzz the frame parser, protocol and bitstream decoder",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fuzz.add_argument("--minutes", type=float, default=1.0, help="how long to run (default 1)")
+    fuzz.add_argument("--target", choices=TARGETS + ("all",), default="all", help="what to fuzz (default all)")
+    fuzz.add_argument("--engine", choices=("hypothesis", "atheris"), default="hypothesis",
+                      help="hypothesis (default) or atheris (coverage-guided, if installed)")
+    fuzz.add_argument("--batch", type=int, default=2000, help="hypothesis examples per batch")
+    fuzz.add_argument("--seed", type=int, default=0, help="seed of the batch seeds (default 0)")
+    fuzz.add_argument("--replay", metavar="HEX", help="run one input (from a failure report) and exit")
+    fuzz.add_argument("--json", action="store_true", help="print the summary as JSON")
+    fuzz.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
+    fuzz.set_defaults(handler=_handler)

@@ -1,0 +1,104 @@
+"""``kvwire receive``: run the receiver daemon (uvloop; SIGTERM/SIGINT shut it down cleanly)."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from streamer.tools.serve_fetch import parse_address
+
+DEFAULT_PORT = 7420
+DEFAULT_CACHE_BYTES = 4 << 30
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``4G``, ``512M``, ``1.5g``, ``65536`` (binary units) -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 65536, 512M or 4G")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_servers(text: str) -> list[tuple[str, int]]:
+    """``host1:port,host2:port`` -> [(host, port), ...]."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("--servers needs at least one HOST:PORT")
+    return [parse_address(p.strip()) for p in parts]
+
+
+async def _receive(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+    import logging
+    import signal
+
+    from streamer.receiver.daemon import ReceiverConfig, start_receiver
+
+    logging.basicConfig(level=logging.INFO, format="kvwire receive: %(message)s")
+    from streamer.tools.serve_fetch import _token
+
+    session_options: dict = {"auth_token": _token(args)}
+    if args.tls or args.tls_ca:
+        from streamer.net.tls import client_context
+
+        session_options.update(ssl=client_context(args.tls_ca), server_hostname=args.tls_server_name)
+    config = ReceiverConfig(servers=args.servers, cache_dir=args.cache, cache_bytes=args.cache_bytes,
+                            device=args.device, model=args.model, slo=args.slo, policy=args.policy,
+                            shutdown_grace=args.grace, session_options=session_options)
+    if args.model:
+        print(f"kvwire receive: loading model {args.model}", flush=True)
+    receiver = await start_receiver(config, *args.listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    servers = ",".join(f"{h}:{p}" for h, p in config.servers)
+    cache = args.cache or "memory"
+    print(f"kvwire receive: {receiver.url} <- {servers} (cache {cache}, {config.cache_bytes} bytes, "
+          f"device {config.device}{', model ' + args.model if args.model else ''})", flush=True)
+    await stop.wait()
+    print("kvwire receive: shutting down", flush=True)
+    await receiver.close()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
+    from streamer.tools.serve_fetch import _runner  # (no aiohttp here: --help stays light)
+
+    # allow_abbrev=False: "--auth-token SECRET" must be an error, not --auth-token-file
+    receive = subparsers.add_parser(
+        "receive", allow_abbrev=False, help="run a receiver daemon: fetch contexts for local serving processes",
+        description="Fetch contexts from sender daemons under an SLO for the serving processes on this "
+                    "host, over a local HTTP API: POST /fetch, GET /contexts/ID (safetensors), "
+                    "GET /contexts/ID/events (server-sent events), GET /healthz, GET /metrics. "
+                    "Concurrent requests share one fetch; finished contexts stay in an LRU cache.")
+    receive.add_argument("--listen", type=parse_address, default=("127.0.0.1", DEFAULT_PORT),
+                         help=f"HOST:PORT of the HTTP API (default 127.0.0.1:{DEFAULT_PORT}; it has no "
+                              "authentication: keep it on loopback)")
+    receive.add_argument("--servers", type=parse_servers, required=True,
+                         help="sender daemons, HOST:PORT[,HOST:PORT...]: the first is tried first, "
+                              "the others are fallbacks")
+    receive.add_argument("--cache", metavar="DIR",
+                         help="keep finished contexts as safetensors files in DIR (kept across restarts); "
+                              "default: in memory")
+    receive.add_argument("--cache-bytes", type=parse_bytes, default=DEFAULT_CACHE_BYTES,
+                         help="cache budget, least recently used evicted first (default 4G)")
+    receive.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                         help="where to decode (cuda needs kvwire[cuda])")
+    receive.add_argument("--model", metavar="PATH",
+                         help="recompute chunks that arrive as text with this model (local path, or "
+                              "'minilm'); without it their token ids are reported to the caller")
+    receive.add_argument("--slo", type=float, default=1.0, help="default deadline of a fetch, s (default 1)")
+    receive.add_argument("--policy", default="mpc", help="default policy: mpc, greedy, fixed:N or text")
+    from streamer.tools.serve_fetch import _add_auth_option
+
+    _add_auth_option(receive, "shared with the senders")
+    receive.add_argument("--tls", action="store_true", help="connect to the senders with TLS (system CAs)")
+    receive.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA / certificate")
+    receive.add_argument("--tls-server-name", help="host name to verify in the senders' certificates")
+    receive.add_argument("--grace", type=float, default=5.0,
+                         help="on SIGTERM, seconds running fetches may take to finish (default 5)")
+    receive.set_defaults(handler=_runner(_receive))
