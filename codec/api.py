@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import zstandard
 
-from . import container, layer_codec
+from . import backends, container, layer_codec
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
@@ -117,15 +117,12 @@ def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profil
 
 
 def section_decoder(device: str | torch.device):
-    """decode_section for ``device``: the CPU decoder, or the GPU one from ``kernels``."""
+    """decode_section for ``device``: the CPU decoder, or the one a backend registered
+    (``import kernels`` for CUDA; GpuUnavailable otherwise)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         return decode_section
-    if dev.type == "cuda":
-        from kernels import gpu  # imported here: pycuda is an optional extra
-
-        return gpu.decoder(dev).decode_section  # GpuUnavailable says what is missing
-    raise ValueError(f"unsupported device {str(device)!r}: use 'cpu' or 'cuda'")
+    return backends.device_decoder(dev).decode_section
 
 
 def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
@@ -157,12 +154,10 @@ def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
     return out[0], out[1]
 
 
-def _cuda_layers(blob: bytes | memoryview, header: BlobHeader, profile: Profile | None,
-                 device: torch.device) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    from kernels import gpu  # imported here: pycuda is an optional extra
-
+def _device_layers(blob: bytes | memoryview, header: BlobHeader, profile: Profile | None,
+                   device: torch.device) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     sections = ((layer, container.section(blob, header, layer)) for layer in range(header.layers))
-    return gpu.decoder(device).decode_layers(header, profile, sections)
+    return backends.device_decoder(device).decode_layers(header, profile, sections)
 
 
 def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
@@ -172,7 +167,7 @@ def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
     header = container.parse_header(blob)
     resolve_profile(header, profile)  # fail before yielding anything
     if decode_one is not decode_section:
-        yield from _cuda_layers(blob, header, profile, torch.device(device))
+        yield from _device_layers(blob, header, profile, torch.device(device))
         return
     for layer in range(header.layers):
         k, v = decode_section(header, profile, layer, container.section(blob, header, layer))
@@ -189,7 +184,7 @@ def decode(blob: bytes | memoryview, profile: Profile | None = None,
     resolve_profile(header, profile)
     out = torch.empty(header.shape, dtype=header.dtype, device=device)
     if decode_one is not decode_section:
-        for layer, k, v in _cuda_layers(blob, header, profile, torch.device(device)):
+        for layer, k, v in _device_layers(blob, header, profile, torch.device(device)):
             out[layer, 0], out[layer, 1] = k, v
         return out
     for layer in range(header.layers):

@@ -15,3 +15,8 @@ class CorruptBitstream(CodecError):
 
 class ProfileMismatch(CodecError):
     """The blob was encoded against a different profile than the one supplied (or none)."""
+
+
+class GpuUnavailable(CodecError, RuntimeError):
+    """No usable decoder for a GPU device: the message says what is missing (no backend
+    registered -- ``import kernels`` -- no pycuda, or no CUDA device)."""

@@ -17,7 +17,7 @@ import torch
 
 import codec
 from codec import container
-from streamer.tools.bench_codec import synthetic_kv
+from codec.synthetic import synthetic_kv
 from kernels import gpu
 
 LLAMA = (32, 8, 128)

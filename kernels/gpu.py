@@ -26,6 +26,7 @@ import torch
 
 import codec
 from codec import container, layer_codec, transform
+from codec.errors import GpuUnavailable
 from codec.profile import Profile
 
 from .pipeline import pipelined
@@ -33,10 +34,6 @@ from .pipeline import pipelined
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_SOURCES = ("rans_decode.cu",)
 THREADS_PER_BLOCK = 128
-
-
-class GpuUnavailable(RuntimeError):
-    """No usable GPU decode path: the message says what is missing."""
 
 
 def availability() -> tuple[bool, str]:

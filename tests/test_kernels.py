@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +108,25 @@ def test_cuda_device_without_gpu_says_what_is_missing() -> None:
     blob = codec.encode(_kv(4), 1, None)
     with pytest.raises(gpu.GpuUnavailable, match="needs GPU decode: .+"):
         codec.decode(blob, device="cuda")
+
+
+def test_codec_alone_names_the_missing_backend() -> None:
+    """codec never imports kernels: without it, device="cuda" says to import it."""
+    script = ("import codec, torch\n"
+              "blob = codec.encode(torch.randn(1, 2, 8, 1, 4), 1, None)\n"
+              "try:\n"
+              "    codec.decode(blob, device='cuda')\n"
+              "except codec.GpuUnavailable as exc:\n"
+              "    print('GpuUnavailable:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert "GpuUnavailable:" in out.stdout and "import kernels" in out.stdout
+
+
+def test_importing_kernels_registers_the_cuda_decoder() -> None:
+    import kernels  # noqa: F401
+
+    assert codec.backends._factories["cuda"] is gpu.decoder
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import codec
-from streamer.store import put as put_module
+from streamer.tools import put as put_cli
 from streamer.store.put import decode_tokens, encode_tokens, put_context
 from streamer.store import ChunkNotFound, ContextNotFound, Store, open_store
 
@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwire")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench").add_subparsers(dest="bench")
-    put_module.register(sub, bench)
+    put_cli.register(sub, bench)
     return parser
 
 

@@ -1,0 +1,20 @@
+"""Hugging Face transformers integration: take KV caches out of a model, put them back,
+recompute chunks that arrive as text, and measure what a lossy cache does to the model.
+
+* ``hf``          - capture / inject KV (decoders via the cache, encoders via hooks),
+  greedy generation after a transmitted context, ``CacheAssembler`` (recompute)
+* ``quality``     - per-level quality on real text (attention error, embedding cosine,
+  perplexity), and profile calibration on a model's own KV
+
+``streamer.hf`` is the same module as ``streamer.model.hf`` (the name earlier releases used).
+"""
+from streamer.model.hf import (CALIBRATION_TEXTS, MEASURE_TEXT, CacheAssembler, cache_to_kv,
+                               capture_kv, continuation_logits, generate_with_kv, greedy_generate,
+                               is_decoder, kv_shape, kv_to_cache, load_model, minilm_path,
+                               random_llama, read_text, recompute_chunk, resolve_model_path,
+                               sentence_embedding, tokenize)
+
+__all__ = ["CALIBRATION_TEXTS", "MEASURE_TEXT", "CacheAssembler", "cache_to_kv", "capture_kv",
+           "continuation_logits", "generate_with_kv", "greedy_generate", "is_decoder", "kv_shape",
+           "kv_to_cache", "load_model", "minilm_path", "random_llama", "read_text",
+           "recompute_chunk", "resolve_model_path", "sentence_embedding", "tokenize"]

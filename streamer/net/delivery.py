@@ -15,7 +15,7 @@ import concurrent.futures
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import torch
 

@@ -47,6 +47,7 @@ from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEU
 from streamer.net.client import (AuthenticationFailed, ClientConnection, ConnectionLost,
                                  ServerError, StreamError)
 from streamer.net.delivery import OrderedDelivery
+from streamer.net.devices import section_decoder
 from streamer.wire.manifest import Manifest
 from streamer.adapt.policies import TEXT, Choice, Observation, get_policy
 from streamer.store.put import decode_tokens
@@ -131,7 +132,7 @@ class StreamSession:
         self._on_layer = on_layer
         self._on_text = on_text
         self._on_chunk = on_chunk
-        self._decode = codec.section_decoder(device)
+        self._decode = section_decoder(device)
         self._servers = [(host, int(port))] + [(h, int(pt)) for h, pt in servers]
         self._server_index = 0
         self._recompute = recompute_seconds_per_token

@@ -19,12 +19,14 @@ from typing import Any
 from aiohttp import web
 
 from streamer.receiver.cache import ContextCache
-from streamer.tools.receive import DEFAULT_CACHE_BYTES, DEFAULT_PORT
 from streamer.receiver.fetcher import Fetcher
 from streamer.receiver.http import make_app
 from streamer.receiver.metrics import Metrics
 
 log = logging.getLogger("kvwire.receiver")
+
+DEFAULT_PORT = 7420
+DEFAULT_CACHE_BYTES = 4 << 30
 
 
 @dataclass
@@ -107,13 +109,13 @@ def load_model(name: str) -> Any:
 
 def check_device(device: str) -> None:
     """Fail at start, not on the first fetch, when ``device`` cannot decode."""
-    import codec
+    from streamer.net.devices import section_decoder
 
     try:
-        codec.section_decoder(device)
+        section_decoder(device)
     except ValueError:
         raise
-    except Exception as exc:  # e.g. kernels.gpu.GpuUnavailable: no GPU or no pycuda
+    except Exception as exc:  # e.g. codec.GpuUnavailable: no GPU or no pycuda
         raise ValueError(f"device {device!r} cannot decode: {exc}") from exc
 
 

@@ -5,33 +5,23 @@ chunk i as soon as it has arrived, at whatever level the sender chose for it) an
 token ids are stored too, as the *text fallback*: zstd-compressed little-endian uint32
 (``encode_tokens`` / ``decode_tokens``), from which a receiver can recompute the KV
 when fetching it would miss the deadline. The manifest is committed last, so the
-context appears complete or not at all.
-
-``kvwire put --store URL --context ID --kv FILE.safetensors --tokens FILE``: the KV
-tensor ``[layers, 2, tokens, heads, head_dim]`` is read from the safetensors file's
-``"kv"`` entry; the token file holds whitespace/comma-separated ints, or a JSON list
-if it ends in ``.json``.
+context appears complete or not at all. (``kvwire put`` is in ``streamer.tools.put``.)
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
-import json
 import os
-import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 import zstandard
 
 from streamer.wire.manifest import ChunkInfo, Manifest, validate_context_id
-from streamer.store import ContextWriter, Store, StoreError, open_store
+from streamer.store import ContextWriter, Store
 
 DEFAULT_CHUNK_TOKENS = 1536
-KV_KEY = "kv"
 _TOKEN_DTYPE = np.dtype("<u4")
 _MAX_TEXT_BYTES = 1 << 32  # 2**30 uint32 tokens: far beyond any chunk
 T = TypeVar("T")
@@ -159,88 +149,3 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
             level_distortion=tuple(profile.targets), chunks=tuple(chunks), created=time.time())
         await writer.commit(manifest)
     return manifest
-
-
-# ------------------------------------------------------------------------ CLI
-def load_kv(path: str | Path) -> torch.Tensor:
-    """The ``"kv"`` tensor of a safetensors file; ValueError naming the keys otherwise."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(path))
-    except SafetensorError as exc:
-        raise ValueError(f"{path}: not a safetensors file: {exc}") from None
-    if KV_KEY not in tensors:
-        raise ValueError(f"{path}: no {KV_KEY!r} tensor; it holds {sorted(tensors)}")
-    return tensors[KV_KEY]
-
-
-def load_token_ids(path: str | Path) -> list[int]:
-    """Token ids from a JSON list (``.json``) or whitespace/comma-separated ints."""
-    text = Path(path).read_text()
-    if str(path).endswith(".json"):
-        try:
-            ids = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"{path}: not JSON: {exc}") from None
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise ValueError(f"{path}: expected a JSON list of ints")
-        return ids
-    try:
-        return [int(field) for field in text.replace(",", " ").split()]
-    except ValueError as exc:
-        raise ValueError(f"{path}: expected whitespace/comma-separated ints: {exc}") from None
-
-
-def _summary(manifest: Manifest, store_url: str) -> str:
-    fp16 = manifest.layers * 2 * manifest.tokens * manifest.heads * manifest.head_dim * 2
-    lines = [f"put {manifest.context_id} (version {manifest.version}) into {store_url}: "
-             f"{manifest.tokens} tokens in {len(manifest.chunks)} chunks, profile {manifest.profile_id}"]
-    for level in range(manifest.levels):
-        total = sum(chunk.sizes[level] for chunk in manifest.chunks)
-        if total:
-            lines.append(f"  level {level} (distortion {manifest.level_distortion[level]:.1e}): "
-                         f"{total} bytes, {fp16 / total:.1f}x smaller than fp16")
-    lines.append(f"  text fallback: {sum(c.text_bytes for c in manifest.chunks)} bytes")
-    return "\n".join(lines)
-
-
-def _cmd_put(args: argparse.Namespace) -> int:
-    import codec
-
-    async def run() -> str:
-        async with await open_store(args.store) as store:  # a bad URL fails before the big load
-            kv = load_kv(args.kv)
-            ids = load_token_ids(args.tokens)
-            profile = codec.Profile.load(args.profile) if args.profile else None
-            manifest = await put_context(store, args.context, kv, ids, profile=profile,
-                                         chunk_tokens=args.chunk_tokens)
-            return _summary(manifest, store.url)
-
-    try:
-        print(asyncio.run(run()))
-    except (ValueError, OSError, StoreError, codec.CodecError) as exc:
-        print(f"kvwire put: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
-    """Add ``kvwire put`` (no benchmarks)."""
-    p = subparsers.add_parser(
-        "put", help="encode a KV cache at every quality level and store it as a context",
-        description="Split the KV into chunks, encode each at every level of the profile, store the "
-                    "blobs, the token ids (text fallback) and the profile, then commit the manifest.")
-    p.add_argument("--store", required=True, metavar="URL",
-                   help="file:///abs/path, a plain path, or redis://host:port/db")
-    p.add_argument("--context", required=True, metavar="ID", help="context id: [A-Za-z0-9._-], 1-200 chars")
-    p.add_argument("--kv", required=True, metavar="FILE.safetensors",
-                   help=f"safetensors file with the KV [layers, 2, tokens, heads, head_dim] under {KV_KEY!r}")
-    p.add_argument("--tokens", required=True, metavar="FILE",
-                   help="token ids: whitespace/comma-separated ints, or a JSON list (.json)")
-    p.add_argument("--profile", metavar="FILE",
-                   help="codec profile (default: calibrate one on this KV)")
-    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
-                   help=f"tokens per chunk (default {DEFAULT_CHUNK_TOKENS})")
-    p.set_defaults(handler=_cmd_put)

@@ -23,6 +23,7 @@ import torch
 from codec import api, baselines, container, layer_codec
 from codec.levels import DEFAULT_LEVEL
 from codec.profile import Profile, calibrate, split_tokens
+from codec.synthetic import synthetic_kv
 
 CACHEGEN_QUALITIES = (0.02, 0.04, 0.07, 0.12, 0.2, 0.35, 0.6, 1.0)
 
@@ -57,31 +58,6 @@ class Report:
 
 
 # ----------------------------------------------------------------------------- data
-def synthetic_kv(layers: int, heads: int, head_dim: int, tokens: int, seed: int) -> torch.Tensor:
-    """Correlated heavy-tailed KV: a per-layer low-rank mixing of Laplacian sources plus noise.
-
-    The spectrum decays like real KV's, so the transform has something to find; the
-    mixing depends only on the layer (not ``seed``) so a profile fitted on one draw
-    applies to another.
-    """
-    channels = heads * head_dim
-    rank = max(channels // 4, 1)
-    out = torch.empty(layers, 2, tokens, channels)
-    for l in range(layers):
-        for kv in range(2):
-            mix_gen = torch.Generator().manual_seed(1000 * l + kv)
-            mixing = torch.randn(rank, channels, generator=mix_gen) / math.sqrt(rank)
-            decay = torch.exp(-torch.arange(rank, dtype=torch.float32) / (rank / 6))
-            offset = torch.randn(channels, generator=mix_gen)
-            gen = torch.Generator().manual_seed(seed * 7919 + 31 * l + kv)
-            # Laplacian sources: random sign times an exponential magnitude
-            sign = (torch.rand(tokens, rank, generator=gen) - 0.5).sign()
-            sources = sign * -torch.log1p(-torch.rand(tokens, rank, generator=gen).clamp_max(0.999999))
-            noise = 0.05 * torch.randn(tokens, channels, generator=gen)
-            out[l, kv] = (sources * decay) @ mixing + noise + offset
-    return out.reshape(layers, 2, tokens, heads, head_dim)
-
-
 @dataclass
 class Workload:
     name: str

@@ -540,7 +540,7 @@ async def _validate(trace_names, *, mean_mbit, level, chunks, chunk_tokens, laye
 
     import codec
     import netsim
-    from streamer.tools.bench_codec import synthetic_kv
+    from codec.synthetic import synthetic_kv
 
     from streamer.store.put import put_context
     from streamer.net.sender import serve

@@ -79,7 +79,7 @@ async def _build(cfg: Config, root: str) -> dict[str, Any]:
     import torch
 
     import codec
-    from streamer.tools.bench_codec import synthetic_kv
+    from codec.synthetic import synthetic_kv
 
     from streamer.store.put import put_context
     from streamer.store import open_store

@@ -65,13 +65,13 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _bench_quality(args: argparse.Namespace) -> int:
-    from streamer.model import quality
+    from streamer.tools import bench_quality
 
     try:
-        quality.main(args.model, as_json=args.json, plot_path=None if args.no_plot else args.plot,
-                     profile_path=args.profile, calibration_tokens=args.calibration_tokens,
-                     windows=args.windows, window_tokens=args.window_tokens,
-                     context_tokens=args.context_tokens, levels=args.levels)
+        bench_quality.main(args.model, as_json=args.json, plot_path=None if args.no_plot else args.plot,
+                           profile_path=args.profile, calibration_tokens=args.calibration_tokens,
+                           windows=args.windows, window_tokens=args.window_tokens,
+                           context_tokens=args.context_tokens, levels=args.levels)
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"kvwire bench quality: {exc}", file=sys.stderr)
         return 2

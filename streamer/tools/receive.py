@@ -4,10 +4,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from streamer.receiver.daemon import DEFAULT_CACHE_BYTES, DEFAULT_PORT
 from streamer.tools.serve_fetch import parse_address
-
-DEFAULT_PORT = 7420
-DEFAULT_CACHE_BYTES = 4 << 30
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 

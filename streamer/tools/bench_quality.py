@@ -1,0 +1,94 @@
+"""``kvwire bench quality``: the table and plot of ``streamer.model.quality.run``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import codec
+
+from streamer.model import hf
+from streamer.model.quality import QualityReport, run
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(report: QualityReport) -> str:
+    c = report.config
+    decoder = c["kind"] == "decoder"
+    lines = [f"kvwire bench quality: {c['model']} ({c['kind']}, KV layers x heads x head_dim "
+             f"{'x'.join(map(str, c['kv_shape']))}), {c['windows']} windows of {c['window_tokens']} tokens"
+             + (f" ({c['context_tokens']} context + continuation)" if decoder else "")
+             + f", profile {c['profile_id']} calibrated on {c['calibration_tokens']} other tokens"
+             f" in {c['calibration_seconds']} s; {c['seconds']} s in all", ""]
+    end = (f"{'ppl':>9}{'ppl chg':>9}{'top-1':>8}" if decoder else f"{'cosine':>10}{'min cos':>10}")
+    lines.append(f"{'method':<8}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'attn err':>10}   "
+                 f"{'attention error per layer':<34}{end}")
+    for r in report.rows:
+        per_layer = " ".join(f"{e:.1e}" for e in r.attention_error)
+        if decoder:
+            tail = (f"{_fmt(r.perplexity, '.3f'):>9}{_fmt(None if r.perplexity_change is None else 100 * r.perplexity_change, '+.2f'):>8}%"
+                    f"{_fmt(r.top1_agreement, '.4f'):>8}")
+        else:
+            tail = f"{_fmt(r.cosine, '.6f'):>10}{_fmt(r.cosine_min, '.6f'):>10}"
+        lines.append(f"{r.method:<8}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
+                     f"{r.attention_error_mean:>10.2e}   {per_layer:<34}{tail}")
+    if decoder and report.reference.get("perplexity"):
+        lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
+                     f"{report.reference['scored_tokens']} tokens")
+    lines.append("attn err: ||A_hat - A||_F / ||A||_F of softmax(QK^T/sqrt(d))V with the model's own "
+                 "queries (mean over layers; per layer alongside).")
+    return "\n".join(lines)
+
+
+def plot(report: QualityReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decoder = report.config["kind"] == "decoder"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"kvwire": dict(marker="o", linestyle="-"), "fp16": dict(marker="s", linestyle="none"),
+              "int8": dict(marker="^", linestyle="none")}
+    for method, style in styles.items():
+        rows = sorted((r for r in report.rows if r.method == method), key=lambda r: r.bits_per_element)
+        if not rows:
+            continue
+        bits = [r.bits_per_element for r in rows]
+        axes[0].plot(bits, [max(r.attention_error_mean, 1e-9) for r in rows], label=method, **style)
+        if decoder:
+            y = [max(1.0 - (r.top1_agreement or 0.0), 1e-6) for r in rows]
+        else:
+            y = [max(1.0 - (r.cosine or 0.0), 1e-9) for r in rows]
+        axes[1].plot(bits, y, label=method, **style)
+        for r in rows:
+            if r.level is not None:
+                axes[0].annotate(f"L{r.level}", (r.bits_per_element, max(r.attention_error_mean, 1e-9)),
+                                 fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes[0].set_ylabel("attention-output relative error (mean over layers)")
+    axes[1].set_ylabel("1 - top-1 agreement" if decoder else "1 - embedding cosine")
+    for ax in axes:
+        ax.set_xlabel("bits per element")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kvwire quality vs rate: {report.config['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(model: str | None = "minilm", *, as_json: bool = False, plot_path: str | None = "quality.png",
+         profile_path: str | None = None, **kwargs) -> QualityReport:
+    path = hf.resolve_model_path(model)
+    loaded, tokenizer = hf.load_model(path)
+    profile = codec.Profile.load(profile_path) if profile_path else None
+    name = "all-MiniLM-L6-v2" if model in (None, "minilm") else str(model)
+    report = run(loaded, tokenizer, profile=profile, model_name=name, **kwargs)
+    print(report.to_json() if as_json else render(report))
+    if plot_path:
+        plot(report, Path(plot_path))
+        if not as_json:
+            print(f"\nquality plot written to {Path(plot_path).resolve()}")
+    return report
