@@ -326,7 +326,7 @@ async def test_idle_connection_is_closed_after_its_last_answer(store_root) -> No
         raw = await Raw.open(sender.port)
         await raw.handshake()
         raw.send(p.Open("ctx", None))
-        assert isinstance((await raw.events(1))[0], p.Manifest)
+        assert isinstance((await raw.events(1))[0], p.ManifestData)
         events, seconds = await raw.until_closed(5.0)   # then silence
         error = _fatal(events)
         assert error.code == "timeout" and "idle" in error.message

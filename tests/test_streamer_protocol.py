@@ -20,7 +20,7 @@ from streamer.wire import frames
 from streamer.wire.protocol import (DEFAULT_MAX_FRAME, MAX_CONTROL_PAYLOAD, TRANSITIONS, Cancel,
                                     ChunkBegin, ChunkEnd, ChunkPart, Close, Connection,
                                     ConnectionClosed, Direction, Error, FrameType, GetProfile,
-                                    Hello, LocalProtocolError, Manifest, Open, Pending, Profile,
+                                    Hello, LocalProtocolError, ManifestData, Open, Pending, ProfileData,
                                     ProtocolError, RemoteProtocolError, Request, Role, State, Text,
                                     Welcome)
 
@@ -71,7 +71,7 @@ class Wire:
     def opened(self):
         self.handshake()
         self.c2s(Open("ctx", None))
-        self.s2c(Manifest(b"M"))
+        self.s2c(ManifestData(b"M"))
         return self
 
     def run(self, script):
@@ -85,8 +85,8 @@ SCRIPT = [
     ("S", Welcome(version=1, server="send", max_frame=1 << 20)),
     ("C", Open("ctx-1", 0.25)),
     ("C", GetProfile(PID)),
-    ("S", Manifest(b"manifest-bytes")),
-    ("S", Profile(PID, b"profile")),
+    ("S", ManifestData(b"manifest-bytes")),
+    ("S", ProfileData(PID, b"profile")),
     ("C", Request(0, 2)),
     ("C", Request(1, "text")),
     ("C", Request(2, 0)),
@@ -107,7 +107,7 @@ SCRIPT = [
     ("C", Cancel(4)),                                   # in progress: stopped early
     ("S", ChunkEnd(4, cancelled=True)),
     ("C", Open("ctx-2", None)),
-    ("S", Manifest(b"second")),
+    ("S", ManifestData(b"second")),
     ("C", Request(0, 0)),                               # chunk 0 again, new context
     ("S", Error("unavailable", "busy", fatal=False)),
     ("C", Close()),
@@ -329,7 +329,7 @@ def test_big_frame_in_small_pieces_is_linear():
     w.c2s(Hello((1,), "c"))
     w.s2c(Welcome(1, "s", 8 << 20))
     w.c2s(Open("x", None))
-    data = w.s.send(Manifest(bytes(range(256)) * (6 << 12)))   # 6 MiB
+    data = w.s.send(ManifestData(bytes(range(256)) * (6 << 12)))   # 6 MiB
     t0 = time.perf_counter()
     got = []
     for i in range(0, len(data), 1024):            # 6144 pieces of 1 KiB
@@ -368,7 +368,7 @@ def client_requested():
     """Client with an open context and requests 1 (level 0), 2 (text), 3 (cancelled)."""
     w = Wire().opened()
     w.c2s(GetProfile(PID))
-    w.s2c(Profile(PID, b"p"))
+    w.s2c(ProfileData(PID, b"p"))
     for r in (Request(1, 0), Request(2, "text"), Request(3, 0)):
         w.c2s(r)
     w.c2s(Cancel(3))
@@ -590,7 +590,7 @@ LOCAL_MISUSE = {
     "client duplicate request": (client_requested, Request(1, 1)),
     "client cancel unknown chunk": (client_requested, Cancel(9)),
     "client double cancel": (client_requested, Cancel(3)),
-    "client sends server frame": (client_requested, Manifest(b"m")),
+    "client sends server frame": (client_requested, ManifestData(b"m")),
     "client non-fatal error": (client_requested, Error("internal", "x", fatal=False)),
     "client request after close": (lambda: _closing_client(), Request(1, 0)),
     "client close after close": (lambda: _closing_client(), Close()),
@@ -603,8 +603,8 @@ LOCAL_MISUSE = {
     "client bad error code": (client_ready, Error("nope", "", fatal=True)),
     "client oversize control": (client_ready, Open("x" * 70000, None)),
     "not an event": (client_ready, "hello"),
-    "server manifest before hello": (server_fresh, Manifest(b"m")),
-    "server manifest before welcome": (_server_hello_only, Manifest(b"m")),
+    "server manifest before hello": (server_fresh, ManifestData(b"m")),
+    "server manifest before welcome": (_server_hello_only, ManifestData(b"m")),
     "server welcome wrong version": (_server_hello_only, Welcome(2, "s", 1 << 20)),
     "server welcome max_frame above own": (_server_hello_only,
                                            Welcome(1, "s", DEFAULT_MAX_FRAME + 1)),
@@ -617,10 +617,10 @@ LOCAL_MISUSE = {
     "server part out of order": (lambda: _begun_then(), ChunkPart(1, 1, b"x")),
     "server part too big": (lambda: _begun_then(), ChunkPart(1, 0, b"xyz")),
     "server part index over u16": (lambda: _begun_then(), ChunkPart(1, 70000, b"x")),
-    "server payload over send limit": (lambda: _server_open_w().s, Manifest(bytes(1 << 20))),
-    "server non-byte data": (lambda: _server_open_w().s, Manifest("text")),
+    "server payload over send limit": (lambda: _server_open_w().s, ManifestData(bytes(1 << 20))),
+    "server non-byte data": (lambda: _server_open_w().s, ManifestData("text")),
     "server non-contiguous data": (lambda: _server_open_w().s,
-                                   Manifest(memoryview(b"abcdef")[::2])),
+                                   ManifestData(memoryview(b"abcdef")[::2])),
     "server request": (lambda: _server_open_w().s, Request(1, 0)),
 }
 

@@ -215,13 +215,13 @@ class ClientConnection:
     async def get_profile(self, profile_id: str, timeout: float) -> bytes:
         """A profile's bytes, reassembled from as many PROFILE frames as the sender used."""
         pieces = []
-        event = await self.call(p.GetProfile(profile_id=profile_id), p.Profile, timeout)
+        event = await self.call(p.GetProfile(profile_id=profile_id), p.ProfileData, timeout)
         pieces.append(event.data)
         while event.more:
             event = (await self.next(timeout)).event
             if isinstance(event, p.Error):
                 raise ServerError(event.code, event.message)
-            if not isinstance(event, p.Profile):
+            if not isinstance(event, p.ProfileData):
                 raise ConnectionLost(f"expected the rest of profile {profile_id}, got {event!r}")
             pieces.append(event.data)
         return b"".join(pieces)

@@ -354,13 +354,13 @@ class _ConnectionHandler:
                 # before the store sees it: no path traversal, no key injection
                 context_id = validate_context_id(request.context_id)
                 self.manifest = await self.store.get_manifest(context_id)
-                await self._write(self.conn.send(p.Manifest(data=self.manifest.to_bytes())))
+                await self._write(self.conn.send(p.ManifestData(data=self.manifest.to_bytes())))
             elif isinstance(request, p.GetProfile):
                 data = memoryview(await self.store.get_profile_bytes(request.profile_id))
                 piece = self.conn.send_limit - 17  # the id and the continuation byte
                 for start in range(0, max(len(data), 1), piece):
                     end = min(start + piece, len(data))
-                    await self._write(*self.conn.send_parts(p.Profile(
+                    await self._write(*self.conn.send_parts(p.ProfileData(
                         profile_id=request.profile_id, data=data[start:end], more=end < len(data))))
             else:
                 await self._send_chunk(request)

@@ -246,7 +246,7 @@ class StreamSession:
         client = self._client
         assert client is not None
         timeout = self._connect_timeout
-        answer = await client.call(p.Open(context_id=self.context_id, slo=self.slo), p.Manifest, timeout)
+        answer = await client.call(p.Open(context_id=self.context_id, slo=self.slo), p.ManifestData, timeout)
         manifest = Manifest.from_bytes(answer.data)
         if self.manifest is not None and manifest.version != self.manifest.version:
             raise ContextChanged(f"context {self.context_id!r} changed from version "

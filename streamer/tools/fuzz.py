@@ -82,11 +82,11 @@ def _wired():
 
 
 def _opened():
-    from streamer.wire.events import Manifest, Open
+    from streamer.wire.events import ManifestData, Open
 
     c, s = _wired()
     s.receive_data(c.send(Open("ctx", None)))
-    c.receive_data(s.send(Manifest(b"M")))
+    c.receive_data(s.send(ManifestData(b"M")))
     return c, s
 
 
@@ -123,11 +123,11 @@ def _client_ready():
 
 
 def _client_requested():
-    from streamer.wire.events import Cancel, GetProfile, Profile, Request
+    from streamer.wire.events import Cancel, GetProfile, ProfileData, Request
 
     c, s = _opened()
     s.receive_data(c.send(GetProfile(_PID)))
-    c.receive_data(s.send(Profile(_PID, b"p")))
+    c.receive_data(s.send(ProfileData(_PID, b"p")))
     for r in (Request(1, 0), Request(2, "text"), Request(3, 0)):
         s.receive_data(c.send(r))
     s.receive_data(c.send(Cancel(3)))

@@ -19,7 +19,8 @@ __all__ = [
     "TEXT_LEVEL", "ERROR_CODES", "Buffer",
     "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "AuthenticationError",
     "AUTH_NONE", "AUTH_REQUIRED",
-    "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "Manifest", "GetProfile", "Profile", "Request",
+    "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "ManifestData", "GetProfile",
+    "ProfileData", "Request",
     "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error", "Close",
     "ConnectionClosed",
 ]
@@ -153,7 +154,7 @@ class Open(Event):
 
 
 @dataclass(frozen=True)
-class Manifest(Event):
+class ManifestData(Event):
     """MANIFEST (server, frame 4): the context's manifest bytes (opaque here)."""
 
     data: Buffer
@@ -167,7 +168,7 @@ class GetProfile(Event):
 
 
 @dataclass(frozen=True)
-class Profile(Event):
+class ProfileData(Event):
     """PROFILE (server, frame 6): answers GET_PROFILE with the same ``profile_id``.
 
     A profile larger than one frame (a Llama-sized PCA basis is hundreds of MB) is sent

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 from streamer.wire.events import (AUTH_NONE, AUTH_REQUIRED, ERROR_CODES, TEXT_LEVEL, Auth, AuthOk,
                                   Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close, Error, Event,
-                                  GetProfile, Hello, LocalProtocolError, Manifest, Open, Profile,
+                                  GetProfile, Hello, LocalProtocolError, ManifestData, Open, ProfileData,
                                   RemoteProtocolError, Request, Text, Welcome)
 
 __all__ = [
@@ -84,8 +84,8 @@ CONTROL_TYPES = frozenset(FrameType) - DATA_TYPES
 
 EVENT_TYPES: Dict[type, FrameType] = {
     Hello: FrameType.HELLO, Welcome: FrameType.WELCOME, Open: FrameType.OPEN,
-    Manifest: FrameType.MANIFEST, GetProfile: FrameType.GET_PROFILE,
-    Profile: FrameType.PROFILE, Request: FrameType.REQUEST,
+    ManifestData: FrameType.MANIFEST, GetProfile: FrameType.GET_PROFILE,
+    ProfileData: FrameType.PROFILE, Request: FrameType.REQUEST,
     ChunkBegin: FrameType.CHUNK_BEGIN, ChunkPart: FrameType.CHUNK_PART,
     ChunkEnd: FrameType.CHUNK_END, Text: FrameType.TEXT, Cancel: FrameType.CANCEL,
     Error: FrameType.ERROR, Close: FrameType.CLOSE, Auth: FrameType.AUTH,
@@ -382,7 +382,7 @@ def decode(ftype: FrameType, payload: memoryview) -> Event:
                 raise _Invalid(f"bad JSON: {e}") from None
             return _from_object(ftype, _check_object(ftype, obj))
         if ftype is FrameType.MANIFEST:
-            return Manifest(data=bytes(payload))
+            return ManifestData(data=bytes(payload))
         if ftype is FrameType.PROFILE:
             if len(payload) < 17:
                 raise _Invalid(f"payload of {len(payload)} bytes is shorter than the 16-byte id "
@@ -392,7 +392,7 @@ def decode(ftype: FrameType, payload: memoryview) -> Event:
                 raise _Invalid(f"profile id {pid!r} is not 16 lowercase hex characters")
             if payload[16] > 1:
                 raise _Invalid(f"profile continuation byte must be 0 or 1, got {payload[16]}")
-            return Profile(profile_id=pid.decode("ascii"), data=bytes(payload[17:]),
+            return ProfileData(profile_id=pid.decode("ascii"), data=bytes(payload[17:]),
                            more=bool(payload[16]))
         if ftype is FrameType.CHUNK_PART:
             if len(payload) < PART_HEADER.size:

@@ -117,20 +117,20 @@ from typing import Deque, Dict, Iterable, List, Optional, Tuple, Type, Union
 from streamer.wire.events import (AUTH_NONE, AUTH_REQUIRED, ERROR_CODES, TEXT_LEVEL, Auth,
                                   AuthenticationError, AuthOk, Cancel, ChunkBegin, ChunkEnd,
                                   ChunkPart, Close, ConnectionClosed, Error, Event, GetProfile,
-                                  Hello, LocalProtocolError, Manifest, Open, Profile,
+                                  Hello, LocalProtocolError, ManifestData, Open, ProfileData,
                                   ProtocolError, RemoteProtocolError, Request, Text, Welcome)
 from streamer.wire import auth as _auth
-from streamer.wire.frames import (DEFAULT_MAX_FRAME, HEADER, MAX_CONTROL_PAYLOAD, MAX_MESSAGE,
-                                  MAX_U32, MAX_VERSION, MIN_MAX_FRAME, FrameBuffer, FrameType,
-                                  decode, encode)
+from streamer.wire.frames import (DEFAULT_MAX_FRAME, EVENT_TYPES, HEADER, MAX_CONTROL_PAYLOAD,
+                                  MAX_MESSAGE, MAX_U32, MAX_VERSION, MIN_MAX_FRAME, FrameBuffer,
+                                  FrameType, decode, encode)
 
 __all__ = [
     # connection
     "Connection", "Role", "State", "Direction", "Kind", "TRANSITIONS", "Pending",
     "ChunkProgress",
     # events
-    "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "Manifest", "GetProfile",
-    "Profile", "Request", "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error",
+    "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "ManifestData", "GetProfile",
+    "ProfileData", "Request", "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error",
     "Close", "ConnectionClosed",
     # errors
     "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "AuthenticationError",
@@ -516,9 +516,12 @@ class Connection:
             commit()
         self._state = new_state
 
-    # Each _check_* validates without mutating and returns a closure that commits.
+    # Each _check_<frame type> validates without mutating and returns a closure that commits.
     def _check(self, event: Event, direction: Direction, fail: Type[ProtocolError]):
-        method = getattr(self, "_check_" + type(event).__name__.lower(), None)
+        frame_type = EVENT_TYPES.get(type(event))
+        if frame_type is None:
+            return None
+        method = getattr(self, "_check_" + frame_type.name.lower().replace("_", ""), None)
         return method(event, direction, fail) if method is not None else None
 
     def _check_hello(self, ev: Hello, d: Direction, fail):
@@ -642,7 +645,7 @@ class Connection:
             raise fail(f"{what} while chunk {self._progress.chunk} is in progress "
                        f"(part {self._progress.parts_seen}/{self._progress.parts})")
 
-    def _check_manifest(self, ev: Manifest, d, fail):
+    def _check_manifest(self, ev: ManifestData, d, fail):
         head = self._head("MANIFEST", fail)
         if not isinstance(head.request, Open):
             raise fail(f"MANIFEST does not answer the oldest request, {_describe(head)}")
@@ -653,7 +656,7 @@ class Connection:
                 self._context = head.request.context_id
         return commit
 
-    def _check_profile(self, ev: Profile, d, fail):
+    def _check_profile(self, ev: ProfileData, d, fail):
         head = self._head("PROFILE", fail)
         if not (isinstance(head.request, GetProfile)
                 and head.request.profile_id == ev.profile_id):
