@@ -1,14 +1,17 @@
 """kvwire streaming engine: stores, the sender daemon and the StreamSession receiver.
 
-Pure cores (``protocol``, ``policy``, ``estimator``, ``adapt``) with thin asyncio
-adapters around them (``server``, ``client``, ``session``, ``delivery``).
+The layout is the architecture (docs/ARCHITECTURE.md): pure cores in ``wire`` (the
+sans-I/O protocol) and ``adapt`` (estimator, policies, planner, simulator); ``store``
+(chunk stores and put); thin asyncio adapters in ``net`` (sender daemon, client,
+``StreamSession``, ordered delivery, TLS); the ``receiver`` daemon; ``model`` (transformers
+integration); and ``tools`` (the CLI, the demo and every benchmark).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["open_store", "put_context", "serve", "Sender", "ServerConfig", "StreamSession",
-           "FetchReport", "ChunkReport", "FetchFailed", "StreamError", "ServerError",
+__all__ = ["open_store", "put_context", "serve", "Sender", "ServerConfig", "SessionConfig",
+           "StreamSession", "FetchReport", "ChunkReport", "FetchFailed", "StreamError", "ServerError",
            "ConnectionLost", "ContextChanged", "Manifest", "AuthenticationFailed",
            "InsecureConfiguration"]
 
@@ -19,6 +22,7 @@ _EXPORTS = {
     "ChunkReport": "net.report", "StreamError": "net.client", "ServerError": "net.client",
     "ConnectionLost": "net.client", "AuthenticationFailed": "net.client",
     "InsecureConfiguration": "net.sender", "Manifest": "wire.manifest",
+    "SessionConfig": "net.config",
 }
 
 
@@ -32,6 +36,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from streamer.net.config import SessionConfig
     from streamer.net.client import AuthenticationFailed, ConnectionLost, ServerError, StreamError
     from streamer.wire.manifest import Manifest
     from streamer.store.put import put_context

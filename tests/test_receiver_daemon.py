@@ -21,6 +21,7 @@ import codec
 import netsim
 import streamer
 from streamer_helpers import synthetic_kv
+from streamer.net.config import SessionConfig
 from streamer.receiver import ReceiverConfig, start_receiver
 from streamer.store.file import FileStore
 
@@ -98,9 +99,9 @@ async def receive():
     started = []
 
     async def start(servers, **config):
-        options = {**_FAST_FAIL, **config.pop("session_options", {})}
-        receiver = await start_receiver(ReceiverConfig(servers=list(servers), session_options=options,
-                                                       **config), "127.0.0.1", 0)
+        session = SessionConfig(**{**_FAST_FAIL, **config.pop("session_options", {})})
+        receiver = await start_receiver(ReceiverConfig(servers=list(servers), session=session, **config),
+                                        "127.0.0.1", 0)
         started.append(receiver)
         return receiver
 

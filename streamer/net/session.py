@@ -33,30 +33,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import ssl as _ssl
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import codec
 
-from streamer.wire import auth, protocol as p
 from streamer.adapt import estimator
-from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD,
-                                   MIN_SAMPLE_BYTES, decide)
+from streamer.adapt.decide import MAX_QUEUED_AHEAD, MIN_SAMPLE_BYTES, decide
+from streamer.adapt.policies import TEXT, Choice, Observation, get_policy
 from streamer.net.client import (AuthenticationFailed, ClientConnection, ConnectionLost,
                                  ServerError, StreamError)
+from streamer.net.config import SessionConfig
 from streamer.net.delivery import OrderedDelivery
 from streamer.net.devices import section_decoder
-from streamer.wire.manifest import Manifest
-from streamer.adapt.policies import TEXT, Choice, Observation, get_policy
-from streamer.store.put import decode_tokens
 from streamer.net.report import ChunkReport, FetchReport
+from streamer.store.put import decode_tokens
+from streamer.wire import protocol as p
+from streamer.wire.manifest import Manifest
 
 #: Refetches of one chunk after corrupt sections before giving up on it.
 MAX_CORRUPT_RETRIES = 2
-#: Default bound on encoded sections received but not yet delivered (backpressure).
-DEFAULT_MAX_BUFFERED_BYTES = 64 * 1024 * 1024
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
@@ -96,52 +94,27 @@ class _Chunk:
 class StreamSession:
     """Receive one context; see the module docstring. Use as an async context manager."""
 
-    def __init__(self, host: str, port: int, context_id: str, *, slo: float = 1.0,
-                 policy: str = "mpc", on_layer: Callable[..., Any] | None = None,
-                 on_text: Callable[..., Any] | None = None, device: str = "cpu",
+    def __init__(self, host: str, port: int, context_id: str, *, config: SessionConfig | None = None,
+                 on_layer: Callable[..., Any] | None = None, on_text: Callable[..., Any] | None = None,
                  on_chunk: Callable[[ChunkReport], Any] | None = None,
                  servers: Sequence[tuple[str, int]] = (),
-                 recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
-                 prior_bps: float | None = None, connect_timeout: float = 5.0,
-                 stall_timeout: float = 2.0, max_reconnects: int = 4,
-                 backoff: float = 0.05, max_backoff: float = 1.0,
-                 auth_token: auth.Token | None = None,
-                 ssl: _ssl.SSLContext | bool | None = None, server_hostname: str | None = None,
-                 max_frame: int = p.DEFAULT_MAX_FRAME,
-                 max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
-                 connection: ClientConnection | None = None) -> None:
-        if not slo > 0:
-            raise ValueError(f"slo must be > 0 seconds, got {slo}")
-        if type(max_buffered_bytes) is not int or max_buffered_bytes < 1:
-            raise ValueError(f"max_buffered_bytes must be an int >= 1, got {max_buffered_bytes!r}")
-        if type(max_frame) is not int or not p.MIN_MAX_FRAME <= max_frame <= 0xFFFF_FFFF:
-            raise ValueError(f"max_frame must be an int in [{p.MIN_MAX_FRAME}, 2**32-1]")
-        if ssl is not None and not isinstance(ssl, (bool, _ssl.SSLContext)):
-            raise TypeError(f"ssl must be an ssl.SSLContext, True or None, got {type(ssl).__name__}")
-        self._auth_token = auth.normalize_token(auth_token)   # ValueError now, not at connect
-        self._ssl = _ssl.create_default_context() if ssl is True else (ssl or None)
-        self._server_hostname = server_hostname
-        self._max_frame = max_frame
+                 connection: ClientConnection | None = None, **options: Any) -> None:
+        """``config`` says how to fetch; keyword ``options`` (any SessionConfig field, e.g.
+        ``slo=0.5``) override it, or build one when ``config`` is None. ``servers`` are
+        fallbacks after ``host:port``; ``connection`` is an idle connection to reuse."""
+        config = SessionConfig(**options) if config is None else dataclasses.replace(config, **options)
+        self.config = config
+        self._ssl = config.ssl_context()
         self._given_connection = connection
-        self.max_buffered_bytes = max_buffered_bytes
         self._on_data: Callable[[], None] | None = None   # set by a running fetch
-        self.policy_name = policy
-        self._policy = get_policy(policy)
+        self._policy = get_policy(config.policy)
         self.context_id = context_id
-        self.slo = float(slo)
         self._on_layer = on_layer
         self._on_text = on_text
         self._on_chunk = on_chunk
-        self._decode = section_decoder(device)
+        self._decode = section_decoder(config.device)
         self._servers = [(host, int(port))] + [(h, int(pt)) for h, pt in servers]
         self._server_index = 0
-        self._recompute = recompute_seconds_per_token
-        self._prior_bps = prior_bps
-        self._connect_timeout = connect_timeout
-        self._stall_timeout = stall_timeout
-        self._max_reconnects = max_reconnects
-        self._backoff = backoff
-        self._max_backoff = max_backoff
         self._client: ClientConnection | None = None
         self.manifest: Manifest | None = None
         self.profile: codec.Profile | None = None
@@ -149,6 +122,18 @@ class StreamSession:
         #: lets a consumer label layers before the chunk's report exists
         self.levels: dict[int, Choice] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
+
+    @property
+    def slo(self) -> float:
+        return self.config.slo
+
+    @property
+    def policy_name(self) -> str:
+        return self.config.policy
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        return self.config.max_buffered_bytes
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "StreamSession":
@@ -211,15 +196,15 @@ class StreamSession:
 
     async def _connect_any(self) -> None:
         """Connect to the servers in turn (with backoff) and open the context."""
-        delay = self._backoff
+        delay = self.config.backoff
         last: Exception | None = None
-        for attempt in range(self._max_reconnects + 1):
+        for attempt in range(self.config.max_reconnects + 1):
             host, port = self._servers[self._server_index]
             try:
                 self._client = await ClientConnection.connect(
-                    host, port, timeout=self._connect_timeout, max_frame=self._max_frame,
-                    auth_token=self._auth_token, ssl=self._ssl,
-                    server_hostname=self._server_hostname)
+                    host, port, timeout=self.config.connect_timeout, max_frame=self.config.max_frame,
+                    auth_token=self.config.auth_token, ssl=self._ssl,
+                    server_hostname=self.config.server_hostname)
                 self._client.set_on_data(self._on_data)
                 await self._open_context()
                 return
@@ -239,13 +224,13 @@ class StreamSession:
                 self._client = None
             self._server_index = (self._server_index + 1) % len(self._servers)
             await asyncio.sleep(delay)
-            delay = min(2 * delay, self._max_backoff)
+            delay = min(2 * delay, self.config.max_backoff)
         raise ConnectionLost(f"could not reach a sender for {self.context_id!r}: {last}")
 
     async def _open_context(self) -> None:
         client = self._client
         assert client is not None
-        timeout = self._connect_timeout
+        timeout = self.config.connect_timeout
         answer = await client.call(p.Open(context_id=self.context_id, slo=self.slo), p.ManifestData, timeout)
         manifest = Manifest.from_bytes(answer.data)
         if self.manifest is not None and manifest.version != self.manifest.version:
@@ -290,7 +275,7 @@ class _Fetch:
                                         on_layer=session._on_layer, on_text=session._on_text,
                                         on_corrupt=self._on_corrupt, executor=session._executor,
                                         decode=session._decode)
-        self.prior = session._prior_bps or _server_priors.get(session.address)
+        self.prior = session.config.prior_bps or _server_priors.get(session.address)
         #: request-to-first-byte of a request sent to an idle sender (the first chunk's):
         #: one round trip plus the sender's store read, the lead time the next request needs
         self.response_latency = 0.0
@@ -358,7 +343,7 @@ class _Fetch:
         waker = asyncio.ensure_future(self.wake.wait())
         waits = {consumer, waker} | ({getter} if getter else set())
         # while we hold reading paused, silence is ours, not a stalled link
-        timeout = self.s._stall_timeout if self.inflight and not self.paused else None
+        timeout = self.s.config.stall_timeout if self.inflight and not self.paused else None
         done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waker.cancel()
         self.wake.clear()
@@ -373,7 +358,7 @@ class _Fetch:
         if getter is not None and getter in done:
             return getter.result()
         if not done:  # stalled: nothing arrived for stall_timeout with requests outstanding
-            await self._reconnect(f"no data for {self.s._stall_timeout:g} s")
+            await self._reconnect(f"no data for {self.s.config.stall_timeout:g} s")
         return None
 
     # ------------------------------------------------------------------ backpressure
@@ -427,11 +412,11 @@ class _Fetch:
     def _decide(self, index: int, time_left: float, history: list[Observation]) -> tuple[Choice, str | None]:
         """The policy's choice (and the rule's reason, if any) for chunk ``index``."""
         return decide(self.s._policy, self.manifest, index, time_left=time_left,
-                      history=history, prior_bps=self.prior, recompute_seconds_per_token=self.s._recompute)
+                      history=history, prior_bps=self.prior, recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
 
     def _pending_recompute(self) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text."""
-        return sum(self.s._recompute * (self.manifest.chunks[c.index].end - self.manifest.chunks[c.index].start)
+        return sum(self.s.config.recompute_seconds_per_token * (self.manifest.chunks[c.index].end - self.manifest.chunks[c.index].start)
                    for c in self.chunks if c.choice == TEXT and not self.delivery.is_done(c.index))
 
     def _outstanding_bytes(self) -> int:
@@ -613,7 +598,7 @@ class _Fetch:
     async def _reconnect(self, why: str) -> None:
         """Reconnect (servers in turn, bounded backoff) and re-request what was in flight."""
         self.reconnects += 1
-        if self.reconnects > self.s._max_reconnects:
+        if self.reconnects > self.s.config.max_reconnects:
             raise ConnectionLost(f"giving up after {self.reconnects - 1} reconnects: {why}")
         if self.s._client is not None:
             self.s._client.abort()

@@ -12,12 +12,14 @@ event), wait for cache writes in progress to land, then close the HTTP server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from streamer.net.config import SessionConfig
 from streamer.receiver.cache import ContextCache
 from streamer.receiver.fetcher import Fetcher
 from streamer.receiver.http import make_app
@@ -35,15 +37,22 @@ class ReceiverConfig:
     servers: list[tuple[str, int]]
     cache_dir: str | None = None
     cache_bytes: int = DEFAULT_CACHE_BYTES
-    device: str = "cpu"
     #: model (local path or "minilm") to recompute chunks that arrive as text
     model: str | None = None
-    #: defaults of POST /fetch
-    slo: float = 1.0
-    policy: str = "mpc"
     shutdown_grace: float = 5.0
-    #: passed to every StreamSession (connect_timeout, stall_timeout, max_reconnects, backoff, ...)
-    session_options: dict[str, Any] = field(default_factory=dict)
+    #: how every fetch runs (decode device, timeouts, auth, TLS, limits); its ``slo`` and
+    #: ``policy`` are the defaults of POST /fetch
+    session: SessionConfig = field(default_factory=SessionConfig)
+    #: shorthands: when given, they replace the fields of ``session`` of the same name
+    device: str | None = None
+    slo: float | None = None
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        overrides = {name: value for name in ("device", "slo", "policy")
+                     if (value := getattr(self, name)) is not None}
+        self.session = dataclasses.replace(self.session, **overrides)   # validates
+        self.device, self.slo, self.policy = self.session.device, self.session.slo, self.session.policy
 
 
 class Receiver:
@@ -51,8 +60,7 @@ class Receiver:
         self.config = config
         self.metrics = Metrics()
         self.cache = ContextCache(config.cache_bytes, config.cache_dir)
-        self.fetcher = Fetcher(config.servers, self.cache, self.metrics, device=config.device,
-                               model=model, session_options=config.session_options)
+        self.fetcher = Fetcher(config.servers, self.cache, self.metrics, config.session, model=model)
         self.closing = False
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None

@@ -20,10 +20,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from streamer.receiver.cache import ContextCache, Entry, Quality
 from streamer.receiver.metrics import Metrics
+
+if TYPE_CHECKING:
+    from streamer.net.config import SessionConfig
 
 log = logging.getLogger("kvwire.receiver")
 
@@ -159,16 +162,15 @@ MAX_IDLE_CONNECTIONS = 4
 class Fetcher:
     """Single-flight fetches into ``cache``; see the module docstring."""
 
-    def __init__(self, servers: Sequence[tuple[str, int]], cache: ContextCache, metrics: Metrics, *,
-                 device: str = "cpu", model: Any = None, session_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, servers: Sequence[tuple[str, int]], cache: ContextCache, metrics: Metrics,
+                 session: SessionConfig, *, model: Any = None) -> None:
         if not servers:
             raise ValueError("the receiver needs at least one sender address")
         self.servers = [(h, int(p)) for h, p in servers]
         self.cache = cache
         self.metrics = metrics
-        self.device = device
+        self.session = session
         self.model = model  # (model, tokenizer) to recompute text chunks, or None
-        self.session_options = dict(session_options or {})
         self.inflight: dict[str, FetchJob] = {}
         self.closing = False
         self._changed = asyncio.Event()
@@ -302,11 +304,10 @@ class Fetcher:
         pooled = self._idle.pop() if self._idle else None
         if pooled is not None:
             self.metrics.connections_reused.inc()
-        async with StreamSession(host, port, req.context_id, slo=req.slo, policy=req.policy,
-                                 servers=self.servers[1:], device=self.device,
+        async with StreamSession(host, port, req.context_id, config=self.session, slo=req.slo,
+                                 policy=req.policy, servers=self.servers[1:],
                                  on_chunk=lambda r: self._on_chunk(job, levels, r),
-                                 connection=pooled,
-                                 **self.session_options) as session:
+                                 connection=pooled) as session:
             m = session.manifest
             assert m is not None
             job.version = m.version

@@ -35,16 +35,11 @@ async def _receive(args: argparse.Namespace) -> int:
     from streamer.receiver.daemon import ReceiverConfig, start_receiver
 
     logging.basicConfig(level=logging.INFO, format="kvwire receive: %(message)s")
-    from streamer.tools.serve_fetch import _token
+    from streamer.tools.serve_fetch import session_config
 
-    session_options: dict = {"auth_token": _token(args)}
-    if args.tls or args.tls_ca:
-        from streamer.net.tls import client_context
-
-        session_options.update(ssl=client_context(args.tls_ca), server_hostname=args.tls_server_name)
+    session = session_config(args, slo=args.slo, policy=args.policy, device=args.device)
     config = ReceiverConfig(servers=args.servers, cache_dir=args.cache, cache_bytes=args.cache_bytes,
-                            device=args.device, model=args.model, slo=args.slo, policy=args.policy,
-                            shutdown_grace=args.grace, session_options=session_options)
+                            model=args.model, shutdown_grace=args.grace, session=session)
     if args.model:
         print(f"kvwire receive: loading model {args.model}", flush=True)
     receiver = await start_receiver(config, *args.listen)

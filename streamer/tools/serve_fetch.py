@@ -51,6 +51,22 @@ def _add_auth_option(parser: argparse.ArgumentParser, who: str) -> None:
                              f"$KVWIRE_AUTH_TOKEN; tokens are never taken on the command line)")
 
 
+def session_config(args: argparse.Namespace, **fields):
+    """The SessionConfig of ``kvwire fetch`` / ``kvwire receive``: the auth token and TLS
+    options from ``args`` plus ``fields``; ValueError for an inconsistent combination."""
+    from streamer.net.config import SessionConfig
+
+    ssl_context = None
+    if args.tls or args.tls_ca:
+        from streamer.net.tls import client_context
+
+        ssl_context = client_context(args.tls_ca)
+    elif args.tls_server_name:
+        raise ValueError("--tls-server-name needs --tls or --tls-ca")
+    return SessionConfig(auth_token=_token(args), ssl=ssl_context,
+                         server_hostname=args.tls_server_name, **fields)
+
+
 # ---------------------------------------------------------------------------- serve
 async def _serve(args: argparse.Namespace) -> int:
     from streamer.net.sender_metrics import SenderMetrics, configure_logging
@@ -125,19 +141,11 @@ async def _fetch(args: argparse.Namespace) -> int:
               f"slack {report.time_left:7.3f} s" + (f"  ({report.reason})" if report.reason else ""),
               flush=True)
 
-    ssl_context = None
-    if args.tls or args.tls_ca:
-        from streamer.net.tls import client_context
-
-        ssl_context = client_context(args.tls_ca)
-    elif args.tls_server_name:
-        raise ValueError("--tls-server-name needs --tls or --tls-ca")
-    async with StreamSession(*servers[0], args.context, slo=args.slo, policy=args.policy,
-                             servers=servers[1:], on_chunk=on_chunk,
-                             recompute_seconds_per_token=args.recompute_ms_per_token / 1e3,
-                             auth_token=_token(args), ssl=ssl_context,
-                             server_hostname=args.tls_server_name,
-                             max_buffered_bytes=args.max_buffered_mb << 20) as session:
+    config = session_config(args, slo=args.slo, policy=args.policy,
+                            recompute_seconds_per_token=args.recompute_ms_per_token / 1e3,
+                            max_buffered_bytes=args.max_buffered_mb << 20)
+    async with StreamSession(*servers[0], args.context, config=config, servers=servers[1:],
+                             on_chunk=on_chunk) as session:
         m = session.manifest
         assert m is not None
         if args.out:

@@ -1,0 +1,96 @@
+"""One configuration object per role, validated in one place (as aioquic's
+``QuicConfiguration``): ``SessionConfig`` for a receiving ``StreamSession`` -- shared
+by the receiver daemon and the CLI, which thread it through unchanged -- and
+``ServerConfig`` (in ``streamer.net.sender``) for the sender daemon."""
+from __future__ import annotations
+
+import math
+import ssl as _ssl
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from streamer.adapt.decide import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
+from streamer.adapt.policies import DEFAULT_POLICY, get_policy
+from streamer.wire import auth
+from streamer.wire.frames import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
+
+#: Default bound on encoded sections received but not yet delivered (backpressure).
+DEFAULT_MAX_BUFFERED_BYTES = 64 * 1024 * 1024
+
+
+def _positive(name: str, value: object, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ValueError(f"SessionConfig.{name} must be a finite number {'>=' if allow_zero else '>'} 0, "
+                         f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How a ``StreamSession`` fetches: deadline, policy, decode device, fault handling,
+    security and limits. Invalid values raise ValueError/TypeError at construction."""
+
+    #: deadline in seconds from the start of ``fetch()``
+    slo: float = 1.0
+    #: adaptation policy name (``streamer.adapt.policies.names()``)
+    policy: str = DEFAULT_POLICY
+    #: where decoded layers land: "cpu" or "cuda[:N]" (GPU decode needs kvwire[cuda])
+    device: str = "cpu"
+    #: the caller's cost of recomputing one token from text (plans weigh text against KV)
+    recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
+    #: throughput (bytes/s) assumed before the first measurement (None: the last fetch's
+    #: estimate for the same sender, if any)
+    prior_bps: Optional[float] = None
+    #: TCP connect + handshake + OPEN answer, per attempt
+    connect_timeout: float = 5.0
+    #: no data for this long while a chunk is in flight: reconnect and resume
+    stall_timeout: float = 2.0
+    #: reconnections per fetch (cycling through the servers) before FetchFailed
+    max_reconnects: int = 4
+    #: first reconnect backoff, doubled per attempt up to ``max_backoff`` (seconds)
+    backoff: float = 0.05
+    max_backoff: float = 1.0
+    #: shared secret (str/bytes, >= 16 bytes) proving who we are, and who the sender is
+    auth_token: Optional[auth.Token] = field(default=None, repr=False)
+    #: TLS: an ssl.SSLContext, True for the system CAs, None for plain TCP
+    ssl: Union[_ssl.SSLContext, bool, None] = None
+    #: TLS server name to verify (default: the host connected to)
+    server_hostname: Optional[str] = None
+    #: largest frame payload we accept from the sender
+    max_frame: int = DEFAULT_MAX_FRAME
+    #: encoded sections received but not yet delivered, before reading pauses
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
+
+    def __post_init__(self) -> None:
+        _positive("slo", self.slo)
+        object.__setattr__(self, "slo", float(self.slo))
+        get_policy(self.policy)  # ValueError listing the valid names
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"SessionConfig.device: {exc}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"SessionConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _positive("recompute_seconds_per_token", self.recompute_seconds_per_token, allow_zero=True)
+        if self.prior_bps is not None:
+            _positive("prior_bps", self.prior_bps)
+        for name in ("connect_timeout", "stall_timeout", "backoff", "max_backoff"):
+            _positive(name, getattr(self, name))
+        if type(self.max_reconnects) is not int or self.max_reconnects < 0:
+            raise ValueError(f"SessionConfig.max_reconnects must be an int >= 0, got {self.max_reconnects!r}")
+        if type(self.max_buffered_bytes) is not int or self.max_buffered_bytes < 1:
+            raise ValueError(f"max_buffered_bytes must be an int >= 1, got {self.max_buffered_bytes!r}")
+        if type(self.max_frame) is not int or not MIN_MAX_FRAME <= self.max_frame <= 0xFFFF_FFFF:
+            raise ValueError(f"max_frame must be an int in [{MIN_MAX_FRAME}, 2**32-1]")
+        if self.ssl is not None and not isinstance(self.ssl, (bool, _ssl.SSLContext)):
+            raise TypeError(f"ssl must be an ssl.SSLContext, True or None, got {type(self.ssl).__name__}")
+        if self.server_hostname is not None and not isinstance(self.server_hostname, str):
+            raise TypeError("SessionConfig.server_hostname must be a str or None")
+        object.__setattr__(self, "auth_token", auth.normalize_token(self.auth_token))
+
+    def ssl_context(self) -> Optional[_ssl.SSLContext]:
+        """The TLS context connections use (True: the system CAs), or None for plain TCP."""
+        return _ssl.create_default_context() if self.ssl is True else (self.ssl or None)
