@@ -1,4 +1,4 @@
-"""Model integration (streamer/hf.py): capture, cache round trips, generation without
+"""Model integration (streamer/model/hf.py): capture, cache round trips, generation without
 prefill, recomputation of text chunks and CacheAssembler.
 
 Decoder tests use a small randomly initialised Llama built from a LlamaConfig (no
