@@ -8,7 +8,8 @@ Two ways to put a realistic link between a KV sender and receiver on one machine
   ``tc`` (needs root and iproute2): real TCP dynamics at multi-Gbit/s.
 
 Both take a :class:`Trace` (capacity over time); ``trace_set()`` holds the committed
-synthetic traces. Submodules load lazily so ``import netsim`` stays cheap.
+synthetic traces (``trace_set("unseen")`` a second, held-out set). Submodules load
+lazily so ``import netsim`` stays cheap.
 """
 from __future__ import annotations
 
@@ -35,11 +36,16 @@ _LAZY = {
 }
 
 TRACE_DIR = Path(__file__).with_name("traces")
+#: The committed trace sets: ``default`` (``netsim/traces/``) and ``unseen``
+#: (``netsim/traces_unseen/``: Markov-modulated with deep fades, held out from tuning).
+TRACE_SETS = {"default": TRACE_DIR, "unseen": Path(__file__).with_name("traces_unseen")}
 
 
-def trace_set() -> dict[str, Trace]:
-    """The committed traces (``netsim/traces/*.csv``) by name, in name order."""
-    return {p.stem: Trace.load(p) for p in sorted(TRACE_DIR.glob("*.csv"))}
+def trace_set(name: str = "default") -> dict[str, Trace]:
+    """A committed trace set (``netsim/traces/*.csv`` by default) by trace name, in name order."""
+    if name not in TRACE_SETS:
+        raise ValueError(f"unknown trace set {name!r}; known: {', '.join(TRACE_SETS)}")
+    return {p.stem: Trace.load(p) for p in sorted(TRACE_SETS[name].glob("*.csv"))}
 
 
 def __getattr__(name: str) -> Any:

@@ -2,12 +2,15 @@
 
 Public traces (FCC, HSDPA) are video scale and licensed separately, so the project makes
 its own shapes and rescales them to KV scale (100 Mbit/s - 10 Gbit/s). Every generator
-samples on a uniform ``step`` grid and takes ``seed`` (an int or a numpy ``Generator``):
-the same arguments always give the same trace, which is what lets ``make_traces.py``
-rewrite the committed files byte for byte.
+takes ``seed`` (an int or a numpy ``Generator``): the same arguments always give the
+same trace, which is what lets ``make_traces.py`` rewrite the committed files byte for
+byte. All but :func:`markov_modulated` sample on a uniform ``step`` grid; that one
+writes its change points (state switches, fade edges, jitter steps) at 1 ms resolution,
+so 20-200 ms fades are exact without a 1 ms grid.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -88,6 +91,115 @@ def markov(levels: Sequence[float], seconds: float, *, mean_dwell: float = 1.5, 
         s = (s + 1 + int(rng.integers(len(lv) - 1))) % len(lv)
     rates = lv[state] * np.clip(1.0 + rng.normal(0.0, noise, len(times)), 0.0, None)
     return _trace(times, rates, name)
+
+
+@dataclass(frozen=True)
+class Modulated:
+    """What :func:`markov_modulated_parts` drew: the trace and how it was made.
+
+    ``base`` is the same trace without the fades; ``levels`` the capacity states;
+    ``dwells`` each visit as ``(start, seconds, state)``; ``fades`` each fade as
+    ``(start, end, depth)`` (the rate in ``[start, end)`` is ``depth`` times ``base``'s).
+    """
+
+    trace: Trace
+    base: Trace
+    levels: tuple[float, ...]
+    dwells: tuple[tuple[float, float, int], ...]
+    fades: tuple[tuple[float, float, float], ...]
+
+
+def markov_modulated_parts(seconds: float, *, low: float = 50.0, high: float = 10_000.0,
+                           states: int = 6, min_dwell: float = 0.2, tail: float = 1.5,
+                           max_dwell: float | None = None, noise: float = 0.1, noise_step: float = 0.1,
+                           fade_rate: float = 0.5, fade_depth: tuple[float, float] = (0.01, 0.05),
+                           fade_seconds: tuple[float, float] = (0.02, 0.2), seed: Seed = 0,
+                           name: str = "markov_modulated") -> Modulated:
+    """:func:`markov_modulated`, with the states, visits and fades it drew."""
+    if not 0 < low < high:
+        raise ValueError(f"need 0 < low < high, got {low}, {high}")
+    if states < 2:
+        raise ValueError("markov_modulated() needs at least two states")
+    if not (min_dwell > 0 and tail > 0 and noise >= 0 and noise_step > 0 and fade_rate >= 0):
+        raise ValueError("min_dwell, tail and noise_step must be > 0; noise and fade_rate >= 0")
+    if not (0 < fade_depth[0] <= fade_depth[1] <= 1 and 0 < fade_seconds[0] <= fade_seconds[1]):
+        raise ValueError(f"bad fade_depth {fade_depth} or fade_seconds {fade_seconds}")
+    if seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds}")
+    rng = np.random.default_rng(seed)
+    ms = lambda x: float(np.round(x, 3))  # noqa: E731 - change points at 1 ms resolution
+    # States log-uniform over [low, high]; a random transition matrix without self-loops.
+    levels = np.sort(np.exp(rng.uniform(np.log(low), np.log(high), states)))
+    trans = rng.dirichlet(np.ones(states - 1), size=states)
+    # Visits: Pareto (type I) dwell times, heavy-tailed with index ``tail``.
+    dwells: list[tuple[float, float, int]] = []
+    t, s = 0.0, int(rng.integers(states))
+    while t < seconds:
+        d = min_dwell * (1.0 + rng.pareto(tail))
+        if max_dwell is not None:
+            d = min(d, max_dwell)
+        end = max(ms(t + d), ms(t + 0.001))
+        dwells.append((t, ms(end - t), s))
+        others = [k for k in range(states) if k != s]
+        s = others[int(rng.choice(states - 1, p=trans[s]))]
+        t = end
+    # Jitter within a state: lognormal, one draw per ``noise_step`` cell, clipped to the range.
+    cells = int(np.ceil(seconds / noise_step)) + 1
+    jitter = np.exp(rng.normal(0.0, noise, cells)) if noise > 0 else np.ones(cells)
+    # Fades: a Poisson process of ``fade_rate`` per second, never overlapping.
+    fades: list[tuple[float, float, float]] = []
+    t = 0.0
+    while fade_rate > 0:
+        t += rng.exponential(1.0 / fade_rate)
+        length = np.exp(rng.uniform(np.log(fade_seconds[0]), np.log(fade_seconds[1])))
+        depth = float(np.round(rng.uniform(*fade_depth), 4))
+        start, end = ms(t), ms(t + length)
+        if end > seconds:  # only whole fades, inside the trace
+            break
+        if end > start:
+            fades.append((start, end, depth))
+        t = end
+    # Change points: visits, jitter cells and fade edges, at 1 ms.
+    points = {0.0, ms(seconds)}
+    points.update(ms(a) for a, _, _ in dwells)
+    points.update(ms(k * noise_step) for k in range(cells) if k * noise_step < seconds)
+    for a, b, _ in fades:
+        points.update((a, b))
+    times = np.array(sorted(p for p in points if p <= seconds))
+    starts = np.array([a for a, _, _ in dwells])
+    state_of = np.array([k for _, _, k in dwells])[np.searchsorted(starts, times + 1e-9, side="right") - 1]
+    cell_of = np.minimum((times / noise_step + 1e-9).astype(int), cells - 1)
+    base = np.clip(levels[state_of] * jitter[cell_of], low, high)
+    rates = base.copy()
+    for a, b, depth in fades:
+        rates[(times >= a - 1e-9) & (times < b - 1e-9)] *= depth
+    return Modulated(_trace(times, rates, name), _trace(times, base, name),
+                     tuple(float(x) for x in levels), tuple(dwells), tuple(fades))
+
+
+def markov_modulated(seconds: float, *, low: float = 50.0, high: float = 10_000.0, states: int = 6,
+                     min_dwell: float = 0.2, tail: float = 1.5, max_dwell: float | None = None,
+                     noise: float = 0.1, noise_step: float = 0.1, fade_rate: float = 0.5,
+                     fade_depth: tuple[float, float] = (0.01, 0.05),
+                     fade_seconds: tuple[float, float] = (0.02, 0.2), seed: Seed = 0,
+                     name: str = "markov_modulated") -> Trace:
+    """Markov-modulated capacity with heavy-tailed dwells and short deep fades.
+
+    ``states`` capacity levels drawn log-uniformly over ``[low, high]`` Mbit/s; the link
+    stays in a state for a Pareto dwell (minimum ``min_dwell`` s, tail index ``tail``:
+    1.5 gives a finite mean of 3x the minimum and an infinite variance, so most visits
+    are short and a few last many seconds; ``max_dwell`` caps them), then moves to
+    another state by a transition matrix drawn per trace (Dirichlet rows, no
+    self-loops). Within a state the rate jitters (lognormal, sigma ``noise``, one draw
+    per ``noise_step`` s) and stays in ``[low, high]``. On top, fades arrive as a
+    Poisson process of ``fade_rate`` per second: each lasts log-uniformly
+    ``fade_seconds`` (20-200 ms) and cuts the current rate to ``fade_depth`` (1-5%) of
+    it. The trace ends with a sample at ``seconds``.
+    """
+    return markov_modulated_parts(seconds, low=low, high=high, states=states, min_dwell=min_dwell,
+                                  tail=tail, max_dwell=max_dwell, noise=noise, noise_step=noise_step,
+                                  fade_rate=fade_rate, fade_depth=fade_depth, fade_seconds=fade_seconds,
+                                  seed=seed, name=name).trace
 
 
 def _grid(seconds: float, step: float) -> np.ndarray:

@@ -1,20 +1,28 @@
-"""Regenerate the committed trace set ``netsim/traces/`` and its README table.
+"""Regenerate the committed trace sets and their README tables.
 
-Run ``python -m netsim.make_traces`` after changing a recipe; seeds are fixed, so an
-unchanged recipe rewrites identical files (``--check`` verifies that without writing,
-which CI can use to catch hand-edited traces).
+Two sets: ``netsim/traces/`` (``default``: the shapes the policies were developed on)
+and ``netsim/traces_unseen/`` (``unseen``: Markov-modulated traces with heavy-tailed
+dwells and deep fades, committed with their seeds before any policy was tuned against
+them, to measure how the adaptation generalises; do not tune on it).
+
+Run ``python -m netsim.make_traces`` after changing a recipe (``--set`` picks one set;
+default both); seeds are fixed, so an unchanged recipe rewrites identical files
+(``--check`` verifies that without writing, which CI can use to catch hand-edited
+traces).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from netsim import generators as g
 from netsim.trace import Trace
 
 TRACE_DIR = Path(__file__).with_name("traces")
+UNSEEN_DIR = Path(__file__).with_name("traces_unseen")
 
 # name -> recipe. The name's prefix (before the first '-') is the trace's kind.
 RECIPES: dict[str, Callable[[], Trace]] = {
@@ -41,13 +49,50 @@ RECIPES: dict[str, Callable[[], Trace]] = {
 }
 
 
+#: The unseen set: ``generators.markov_modulated`` keyword arguments per trace (states
+#: log-uniform over 50 Mbit/s - 10 Gbit/s, Pareto dwells, fades to 1-5% for 20-200 ms).
+#: Fixed seeds, committed before tuning: changing a recipe makes it a different set.
+UNSEEN_RECIPES: dict[str, dict[str, Any]] = {
+    "mmf-01": dict(seconds=18, states=4, min_dwell=0.3, tail=1.5, noise=0.10, fade_rate=0.5, seed=1001),
+    "mmf-02": dict(seconds=16, states=6, min_dwell=0.2, tail=1.3, noise=0.10, fade_rate=0.8, seed=1002),
+    "mmf-03": dict(seconds=20, states=3, min_dwell=0.5, tail=1.8, noise=0.05, fade_rate=0.3, seed=1003),
+    "mmf-04": dict(seconds=15, states=8, min_dwell=0.1, tail=1.2, noise=0.15, fade_rate=1.0, seed=1004),
+    "mmf-05": dict(seconds=18, states=5, min_dwell=0.25, tail=1.5, noise=0.20, fade_rate=0.5, seed=1005),
+    "mmf-06": dict(seconds=17, states=10, min_dwell=0.15, tail=1.4, noise=0.10, fade_rate=0.6, seed=1006),
+    "mmf-07": dict(seconds=20, states=4, min_dwell=0.4, tail=1.2, noise=0.05, fade_rate=0.2, seed=1007),
+    "mmf-08": dict(seconds=16, states=6, min_dwell=0.2, tail=2.0, noise=0.10, fade_rate=1.2, seed=1008),
+    "mmf-09": dict(seconds=19, states=5, min_dwell=0.3, tail=1.6, noise=0.15, fade_rate=0.4, seed=1009),
+    "mmf-10": dict(seconds=15, states=3, min_dwell=0.2, tail=1.3, noise=0.10, fade_rate=0.7, seed=1010),
+    "mmf-11": dict(seconds=18, states=7, min_dwell=0.5, tail=1.5, noise=0.05, fade_rate=0.5, seed=1011),
+    "mmf-12": dict(seconds=20, states=8, min_dwell=0.25, tail=1.8, noise=0.20, fade_rate=0.3, seed=1012),
+    "mmf-13": dict(seconds=17, states=4, min_dwell=0.1, tail=1.4, noise=0.10, fade_rate=0.9, seed=1013),
+    "mmf-14": dict(seconds=16, states=6, min_dwell=0.4, tail=1.3, noise=0.15, fade_rate=0.6, seed=1014),
+    "mmf-15": dict(seconds=19, states=5, min_dwell=0.15, tail=2.0, noise=0.05, fade_rate=0.4, seed=1015),
+    "mmf-16": dict(seconds=18, states=9, min_dwell=0.3, tail=1.6, noise=0.10, fade_rate=0.8, seed=1016),
+}
+
+
 def kind_of(name: str) -> str:
     return name.split("-", 1)[0]
 
 
-def build() -> dict[str, Trace]:
+@dataclass(frozen=True)
+class TraceSet:
+    """One committed set: where it lives, how each trace is made, its README."""
+
+    name: str
+    directory: Path
+    recipes: dict[str, Callable[[], Trace]]
+    readme: Callable[[dict[str, Trace]], str]
+
+
+def _unseen_recipe(kwargs: dict[str, Any]) -> Callable[[], Trace]:
+    return lambda: g.markov_modulated(**kwargs)
+
+
+def build(recipes: dict[str, Callable[[], Trace]] | None = None) -> dict[str, Trace]:
     traces = {}
-    for name, recipe in RECIPES.items():
+    for name, recipe in (RECIPES if recipes is None else recipes).items():
         trace = recipe()
         trace.name = name
         traces[name] = trace
@@ -74,30 +119,74 @@ def readme(traces: dict[str, Trace]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def rendered(traces: dict[str, Trace]) -> dict[Path, str]:
+def unseen_readme(traces: dict[str, Trace]) -> str:
+    rows = [
+        "# Unseen link-capacity traces",
+        "",
+        "A second, held-out set, written by `python -m netsim.make_traces --set unseen`",
+        "(fixed seeds: re-running reproduces these files exactly) and committed before any",
+        "policy was tuned against it: measure on it, do not tune on it. Each trace is",
+        "`netsim.generators.markov_modulated`: capacity states drawn log-uniformly over",
+        "50 Mbit/s - 10 Gbit/s, Pareto (heavy-tailed) dwell times with minimum `dwell`",
+        "seconds and tail index `tail`, a random transition matrix, lognormal jitter",
+        "(`noise`, per 0.1 s) within a state, and short deep fades (a Poisson process of",
+        "`fades/s`; each lasts 20-200 ms at 1-5% of the current rate). Samples are the",
+        "change points at 1 ms resolution (not a uniform grid). Same CSV format as",
+        "`netsim/traces/`; load them with `netsim.trace_set(\"unseen\")`.",
+        "Statistics are time-weighted; rates in Mbit/s.",
+        "",
+        "| trace | seed | states | dwell s | tail | noise | fades/s | duration s | samples | fades "
+        "| mean | min | p10 | max |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, t in traces.items():
+        kw = UNSEEN_RECIPES[name]
+        parts = g.markov_modulated_parts(**kw)
+        rows.append(f"| {name} | {kw['seed']} | {kw['states']} | {kw['min_dwell']:g} | {kw['tail']:g} | "
+                    f"{kw['noise']:g} | {kw['fade_rate']:g} | {t.duration:g} | {len(t)} | "
+                    f"{len(parts.fades)} | {t.mean:.0f} | {t.low:.1f} | {t.percentile(10):.0f} | "
+                    f"{t.high:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
+SETS: dict[str, TraceSet] = {
+    "default": TraceSet("default", TRACE_DIR, RECIPES, readme),
+    "unseen": TraceSet("unseen", UNSEEN_DIR,
+                       {name: _unseen_recipe(kw) for name, kw in UNSEEN_RECIPES.items()}, unseen_readme),
+}
+
+
+def rendered(traces: dict[str, Trace], trace_set: str = "default") -> dict[Path, str]:
     """Every file the set consists of, with its exact text."""
+    ts = SETS[trace_set]
     files: dict[Path, str] = {}
     for name, trace in traces.items():
-        files[TRACE_DIR / f"{name}.csv"] = trace.to_csv()
-    files[TRACE_DIR / "README.md"] = readme(traces)
+        files[ts.directory / f"{name}.csv"] = trace.to_csv()
+    files[ts.directory / "README.md"] = ts.readme(traces)
     return files
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if the committed files differ")
+    parser.add_argument("--set", choices=(*SETS, "all"), default="all",
+                        help="which trace set (default: all)")
     args = parser.parse_args(argv)
-    TRACE_DIR.mkdir(exist_ok=True)
-    files = rendered(build())
-    if args.check:
-        stale = [str(p) for p, text in files.items() if not p.exists() or p.read_text() != text]
-        for p in stale:
-            print(f"stale: {p}", file=sys.stderr)
-        return 1 if stale else 0
-    for path, text in files.items():
-        path.write_text(text)
-    print(f"wrote {len(files)} files to {TRACE_DIR}")
-    return 0
+    names = list(SETS) if args.set == "all" else [args.set]
+    stale: list[str] = []
+    for name in names:
+        ts = SETS[name]
+        files = rendered(build(ts.recipes), name)
+        if args.check:
+            stale += [str(p) for p, text in files.items() if not p.exists() or p.read_text() != text]
+            continue
+        ts.directory.mkdir(exist_ok=True)
+        for path, text in files.items():
+            path.write_text(text)
+        print(f"wrote {len(files)} files to {ts.directory}")
+    for p in stale:
+        print(f"stale: {p}", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -177,6 +177,46 @@ def test_generator_shapes() -> None:
     assert len(c) == 7 and c.mean == 42
 
 
+def test_markov_modulated_is_deterministic_per_seed() -> None:
+    assert g.markov_modulated(10, seed=4) == g.markov_modulated(10, seed=4)
+    assert g.markov_modulated(10, seed=4) != g.markov_modulated(10, seed=5)
+    assert g.markov_modulated(10, seed=np.random.default_rng(4)) == g.markov_modulated(10, seed=4)
+
+
+def test_markov_modulated_states_range_dwells_and_fades() -> None:
+    low, high = 50.0, 10_000.0
+    m = g.markov_modulated_parts(20, low=low, high=high, states=6, min_dwell=0.2, tail=1.5,
+                                 fade_rate=1.0, seed=9)
+    t, base = m.trace, m.base
+    assert t.duration == 20 and np.array_equal(t.times, base.times)
+    assert len(m.levels) == 6 and all(low <= x <= high for x in m.levels)
+    # without the fades the rate stays in [low, high]; with them never above base
+    assert base.low >= low - 1e-3 and base.high <= high + 1e-3
+    assert np.all(t.rates <= base.rates)
+    # heavy-tailed dwells: none under the minimum, consecutive, covering the trace
+    assert all(d >= 0.2 - 1e-3 for _, d, _ in m.dwells[:-1])
+    assert m.dwells[0][0] == 0 and m.dwells[-1][0] + m.dwells[-1][1] >= 20 - 1e-9
+    assert all(k1 != k2 for (_, _, k1), (_, _, k2) in zip(m.dwells, m.dwells[1:]))
+    # deep fades: 20-200 ms at 1-5% of the current rate, and nothing else is cut
+    assert len(m.fades) >= 5
+    faded = np.zeros(len(t.times), dtype=bool)
+    for start, end, depth in m.fades:
+        assert 0.02 - 1e-3 <= end - start <= 0.2 + 1e-3
+        assert 0.01 <= depth <= 0.05
+        inside = (t.times >= start - 1e-9) & (t.times < end - 1e-9)
+        assert inside.any()
+        np.testing.assert_allclose(t.rates[inside], base.rates[inside] * depth, atol=1e-3)
+        faded |= inside
+    np.testing.assert_array_equal(t.rates[~faded], base.rates[~faded])
+
+
+def test_markov_modulated_rejects_bad_arguments() -> None:
+    for kwargs in (dict(low=0), dict(low=100, high=50), dict(states=1), dict(fade_depth=(0.05, 0.01)),
+                   dict(min_dwell=0)):
+        with pytest.raises(ValueError):
+            g.markov_modulated(5, **kwargs)
+
+
 # --------------------------------------------------------------------- trace set
 def test_trace_set_is_committed_and_in_range() -> None:
     ts = netsim.trace_set()
@@ -191,8 +231,36 @@ def test_trace_set_is_committed_and_in_range() -> None:
     assert max(t.mean for t in ts.values()) >= 9000
 
 
+def test_unseen_trace_set_is_committed_and_markov_modulated() -> None:
+    ts = netsim.trace_set("unseen")
+    assert 12 <= len(ts) <= 20 and set(ts) == set(make_traces.UNSEEN_RECIPES)
+    assert not set(ts) & set(netsim.trace_set())
+    for name, t in ts.items():
+        assert t.name == name
+        assert 15 <= t.duration <= 20, name
+        assert t.high <= 10_000 + 1e-3 and t.low > 0, name
+        drops = t.rates[1:] / np.maximum(t.rates[:-1], 1e-9)
+        assert drops.min() <= 0.05 + 1e-3, name  # at least one deep fade
+    with pytest.raises(ValueError, match="unknown trace set"):
+        netsim.trace_set("nope")
+
+
 def test_make_traces_reproduces_the_committed_files() -> None:
-    assert make_traces.main(["--check"]) == 0
+    assert make_traces.main(["--check"]) == 0  # both sets
+
+
+def test_make_traces_check_catches_an_edited_unseen_file(tmp_path: Path, monkeypatch) -> None:
+    unseen = make_traces.SETS["unseen"]
+    copy = tmp_path / "traces_unseen"
+    copy.mkdir()
+    for p in unseen.directory.iterdir():
+        (copy / p.name).write_text(p.read_text())
+    monkeypatch.setitem(make_traces.SETS, "unseen", make_traces.TraceSet(
+        "unseen", copy, unseen.recipes, unseen.readme))
+    assert make_traces.main(["--check", "--set", "unseen"]) == 0
+    first = sorted(copy.glob("*.csv"))[0]
+    first.write_text(first.read_text().replace(",", ", ", 3))
+    assert make_traces.main(["--check", "--set", "unseen"]) == 1
 
 
 # --------------------------------------------------------------------- cli
