@@ -5,6 +5,7 @@ Pipeline per (layer, K/V): mean removal and a calibrated PCA across heads
 distortion (``levels``), and interleaved-lane rANS coding with tables fixed at
 calibration (``entropy``, ``rans``). The bitstream is specified in FORMAT.md.
 Decoders for other devices plug in through ``backends`` (``import kernels`` for CUDA).
+``warm_up()`` compiles or loads the numba kernels ahead of a timed path (not on import).
 """
 from .api import (decode, decode_layers, decode_section, encode, header_length, inspect,
                   parse_header, resolve_profile, section_decoder)
@@ -13,10 +14,11 @@ from .container import BlobHeader
 from .errors import CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .profile import Level, Profile, calibrate
+from .warmup import warm_up
 
 __all__ = [
     "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS",
     "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "calibrate", "decode",
     "decode_layers", "decode_section", "encode", "header_length", "inspect", "parse_header",
-    "register_backend", "resolve_profile", "section_decoder",
+    "register_backend", "resolve_profile", "section_decoder", "warm_up",
 ]

@@ -138,6 +138,10 @@ class StreamSession:
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "StreamSession":
         try:
+            if self._decode is codec.decode_section:
+                # the CPU decoder's numba kernels compile (cold cache) or load now, not in
+                # fetch(), whose clock would count the stall as a slow link (once per process)
+                await asyncio.get_running_loop().run_in_executor(self._executor, codec.warm_up)
             if not await self._reuse(self._given_connection):
                 await self._connect_any()
         except BaseException:

@@ -127,11 +127,29 @@ def check_device(device: str) -> None:
         raise ValueError(f"device {device!r} cannot decode: {exc}") from exc
 
 
+def warm_up_decoder(device: str) -> float:
+    """Compile (cold numba cache) or load the codec's CPU kernels at start, not in the first
+    fetch; seconds spent. A no-op for a CUDA device, whose decoder runs none of them."""
+    import torch
+
+    from codec import warmup
+
+    if torch.device(device).type != "cpu":
+        return 0.0
+    seconds = warmup.warm_up()
+    result = warmup.last_result()
+    if result is not None and seconds > 0.1:
+        log.info("codec kernels %s in %.1f s", "compiled (cold numba cache)" if result.cold
+                 else "loaded from the numba cache", seconds)
+    return seconds
+
+
 async def start_receiver(config: ReceiverConfig, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                          model: Any = None) -> Receiver:
     """Start a receiver daemon (port 0: any free port). ``model``: an already loaded
     (model, tokenizer); otherwise ``config.model`` is loaded."""
     await asyncio.to_thread(check_device, config.device)
+    await asyncio.to_thread(warm_up_decoder, config.device)
     if model is None and config.model:
         model = await asyncio.to_thread(load_model, config.model)
     return await Receiver(config, model=model).start(host, port)

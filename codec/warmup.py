@@ -1,0 +1,142 @@
+"""Compile, or load from numba's on-disk cache, every codec kernel before anything is timed.
+
+numba compiles a kernel once per distinct combination of argument types, at its first
+call in a process. With ``cache=True`` (set on every kernel in ``rans.py``) the machine
+code goes to an on-disk cache (``codec/__pycache__``, or ``$NUMBA_CACHE_DIR``) and later
+processes load it instead of compiling. Either way the first call in a process pays:
+about 3 s per specialization on 2 cores when compiling (a fresh clone, a new deploy,
+an edited ``rans.py``), tens of milliseconds when loading. Paid inside a fetch, that is
+a stall the throughput estimator reads as a slow link. :func:`warm_up` pays it up front
+by encoding and decoding a tiny synthetic tensor through the public API.
+
+The specializations the encode and decode paths can need (argument types are fixed
+by the codec except for these two properties of the arrays):
+
+* ``table``/``shift`` rows of a layer plan are Fortran-ordered when every K/V of the layer
+  keeps at least 2 components, C-ordered when one keeps a single component (numpy's
+  concatenation follows its inputs' strides). Which one a real profile hits depends on
+  the level and the data, so both are warmed, for ``quantize_rows``, ``encode_lanes``
+  and ``decode_lanes``.
+* the lane words and final states of a section are read-only arrays when the section is
+  ``bytes`` (what ``StreamSession`` and ``codec.decode(bytes)`` pass) and writable ones
+  when it is a ``bytearray`` or a view of one; both are warmed for ``decode_lanes``.
+
+Nothing else changes the types: the output dtype (fp16/bf16/fp32), attention sinks,
+escapes and embedded profiles differ only in torch code or in branches of the same
+compiled kernel; alignment is not part of numba's array type. ``rans.ideal_bits``
+(benchmarks only) is not warmed. The encode kernels are warmed too: producing the blob
+to decode needs them, and they are the ones ``put_context`` runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import torch
+
+from . import container, rans
+from .api import decode, decode_section, encode, parse_header
+from .levels import DEFAULT_TARGETS
+from .profile import Profile, calibrate
+from .synthetic import synthetic_kv
+
+log = logging.getLogger("kvwire.codec")
+
+#: the numba kernels of the encode and decode paths (``rans.ideal_bits`` is benchmark-only)
+KERNELS = ("quantize_rows", "encode_lanes", "decode_lanes")
+
+_LAYERS, _HEADS, _HEAD_DIM, _SINKS, _TOKENS = 2, 2, 4, 4, 68
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupResult:
+    """What the warm-up that did the work found."""
+
+    seconds: float
+    #: kernel specializations compiled (absent from numba's on-disk cache, or stale)
+    compiled: int
+    #: kernel specializations loaded from numba's on-disk cache
+    loaded: int
+
+    @property
+    def cold(self) -> bool:
+        """True when the on-disk cache lacked some kernel, i.e. this process compiled it."""
+        return self.compiled > 0
+
+
+_lock = threading.Lock()
+_result: WarmupResult | None = None
+
+
+def warm_up() -> float:
+    """Make every codec kernel ready to run; seconds spent in this call.
+
+    The first call in a process compiles (cold cache) or loads (warm cache) the
+    kernels; later calls return at once (a concurrent one waits for the first to
+    finish, so nothing decodes cold meanwhile). Never raises: a failure is logged and
+    the kernels are left to compile on first use, as without a warm-up.
+    """
+    global _result
+    started = time.perf_counter()
+    if _result is not None:
+        return time.perf_counter() - started
+    with _lock:
+        if _result is None:
+            before = cache_stats()
+            try:
+                _exercise()
+            except Exception:  # a warm-up must not take a daemon or a session down
+                log.warning("codec warm-up failed; kernels will compile on first use", exc_info=True)
+            after = cache_stats()
+            _result = WarmupResult(
+                seconds=time.perf_counter() - started,
+                compiled=sum(after[k]["compiled"] - before[k]["compiled"] for k in KERNELS),
+                loaded=sum(after[k]["loaded"] - before[k]["loaded"] for k in KERNELS))
+    return time.perf_counter() - started
+
+
+def last_result() -> WarmupResult | None:
+    """The result of the warm-up that ran in this process, None before one has."""
+    return _result
+
+
+def cache_stats() -> dict[str, dict[str, int]]:
+    """Per kernel: specializations in memory, compiled (cache misses) and loaded (cache
+    hits) in this process so far (all zero when numba's JIT is disabled)."""
+    out = {}
+    for name in KERNELS:
+        dispatcher = getattr(rans, name)
+        stats = getattr(dispatcher, "stats", None)
+        out[name] = {
+            "signatures": len(getattr(dispatcher, "signatures", ())),
+            "compiled": sum(stats.cache_misses.values()) if stats is not None else 0,
+            "loaded": sum(stats.cache_hits.values()) if stats is not None else 0,
+        }
+    return out
+
+
+def warmup_profile(kv: torch.Tensor) -> Profile:
+    """A 2-level profile fitted on ``kv`` whose level 0 keeps every component (Fortran-
+    ordered plan rows) and level 1 a single one per K/V (C-ordered rows)."""
+    profile = calibrate([kv], targets=(DEFAULT_TARGETS[0], DEFAULT_TARGETS[-1]), sink_tokens=_SINKS)
+    kept = profile.kept.copy()
+    kept[0] = profile.channels if profile.basis is None else profile.basis.shape[2]
+    kept[1] = 1
+    return dataclasses.replace(profile, kept=kept)
+
+
+def _exercise() -> None:
+    kv = synthetic_kv(_LAYERS, _HEADS, _HEAD_DIM, _TOKENS, seed=0)
+    kv[0, 0, _SINKS, 0, 0] = 1e3   # an outlier: the escape path
+    profile = warmup_profile(kv)
+    for level, dtype in ((0, torch.float16), (1, torch.bfloat16)):
+        blob = encode(kv.to(dtype), level, profile)
+        header = parse_header(blob)
+        for layer in range(header.layers):
+            section = bytes(container.section(blob, header, layer))
+            decode_section(header, profile, layer, section)              # read-only words
+            decode_section(header, profile, layer, bytearray(section))   # writable words
+    # float32, no sinks, and a blob that carries its own profile: codec.decode(bytes)
+    decode(encode(kv, 1, sink_tokens=0))
