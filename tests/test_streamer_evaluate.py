@@ -99,6 +99,15 @@ def test_codec_json_is_read(tmp_path) -> None:
     assert 5.0 < fig.cachegen_bits < 8.0
 
 
+def test_default_codec_figures_are_the_committed_codec_benchmark_output() -> None:
+    doc = json.loads(ev.CODEC_JSON.read_text())
+    kv = sorted((r for r in doc["rows"] if r["method"] == "kvwire"), key=lambda r: r["level"])
+    assert ev.CODEC_BENCH == ev.CodecFigures.from_json(ev.CODEC_JSON)
+    assert ev.CODEC_BENCH.level_bits == tuple(r["bits_per_element"] for r in kv)
+    assert ev.CODEC_BENCH.level_distortion == tuple(r["distortion"] for r in kv)
+    assert ev.CODEC_BENCH.cachegen_bits == pytest.approx(kv[1]["bits_per_element"] * kv[1]["ratio_cachegen"])
+
+
 @pytest.mark.slow
 def test_simulator_predicts_a_real_fetch_through_the_proxy() -> None:
     out = ev.validate(("walk-1g",), chunks=6, layers=4, calibration_tokens=512, mean_mbit=40.0)

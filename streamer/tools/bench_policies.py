@@ -10,12 +10,13 @@ KV elements per token), ``--tokens`` tokens (default 8192) in chunks of
 is 27-36 MB at levels 0-1, so a fetch spans the traces' 100 Mbit/s - 10 Gbit/s range
 within the 0.5-2 s SLOs). Chunk sizes are *not* from encoding Llama KV (no weights
 here): they are ``elements x bits/element`` of each level as measured by
-``kvwire bench codec`` on real MiniLM KV (:data:`CODEC_BENCH`; or the ``--codec-json``
-output of a run), the codec's rate being a property of the level's distortion target
-more than of the model. Text chunks cost their real ``encode_tokens`` size (zstd of
-the ids; pseudo-random ids over Llama-3's 128,256-token vocabulary). Level
-distortion for the policies is the manifest's (the profile's targets, as in a real
-manifest); the *reported* distortion is the measured one.
+``kvwire bench codec`` on real MiniLM KV: by default its ``--json`` output committed as
+:data:`CODEC_JSON` (loaded into :data:`CODEC_BENCH`), or the ``--codec-json`` output of
+another run; the codec's rate being a property of the level's distortion target more
+than of the model. Text chunks cost their real ``encode_tokens`` size (zstd of the ids;
+pseudo-random ids over Llama-3's 128,256-token vocabulary). Level distortion for the
+policies is the manifest's (the profile's targets, as in a real manifest); the
+*reported* distortion is the measured one.
 
 **Cost models (stated, not measured).**
 
@@ -65,6 +66,11 @@ LEVEL_TARGETS = (2.5e-4, 1e-3, 4.2e-3, 1.3e-2, 3.5e-2)
 DEFAULT_LEVEL = 1
 
 
+#: ``kvwire bench codec --workload minilm --json --no-plot`` output, committed: the default
+#: source of bits/element and measured distortion per level (not a hand copy).
+CODEC_JSON = Path(__file__).with_name("data") / "codec_bench_minilm.json"
+
+
 @dataclass(frozen=True)
 class CodecFigures:
     """Bits per element and measured distortion per method (``kvwire bench codec``)."""
@@ -78,28 +84,37 @@ class CodecFigures:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "CodecFigures":
-        """Read the ``kvwire bench codec --json`` output."""
-        from streamer.tools.bench_codec import Row, interpolate_bits
+        """Read the ``kvwire bench codec --json`` output (rows as that benchmark wrote them).
 
-        doc = json.loads(Path(path).read_text())
-        rows = [Row(**r) for r in doc["rows"]]
-        kv = sorted((r for r in rows if r.method == "kvwire"), key=lambda r: r.level)
-        int8 = next(r for r in rows if r.method.startswith("int8"))
-        cachegen = [r for r in rows if r.method.startswith("cachegen")]
-        cg = interpolate_bits(cachegen, kv[DEFAULT_LEVEL].distortion)
-        if cg is None:
-            cg = kv[DEFAULT_LEVEL].bits_per_element * (kv[DEFAULT_LEVEL].ratio_cachegen or 2.0)
-        return cls(tuple(r.bits_per_element for r in kv), tuple(r.distortion for r in kv),
-                   int8.bits_per_element, int8.distortion, float(cg),
-                   f"{path} ({doc['config'].get('workload')})")
+        CacheGen-style bits at level 1's distortion are the codec benchmark's own
+        ``ratio_cachegen`` of that row (its interpolation of the CacheGen-style curve).
+        """
+        path = Path(path)
+        doc = json.loads(path.read_text())
+        rows = doc["rows"]
+        kv = sorted((r for r in rows if r["method"] == "kvwire"), key=lambda r: r["level"])
+        int8 = next(r for r in rows if r["method"].startswith("int8"))
+        if len(kv) <= DEFAULT_LEVEL:
+            raise ValueError(f"{path}: no kvwire level {DEFAULT_LEVEL} row")
+        default = kv[DEFAULT_LEVEL]
+        ratio = default.get("ratio_cachegen")
+        if ratio is None:
+            from streamer.tools.bench_codec import Row, interpolate_bits
+
+            cachegen = [Row(**r) for r in rows if r["method"].startswith("cachegen")]
+            cg = interpolate_bits(cachegen, default["distortion"])
+            if cg is None:
+                raise ValueError(f"{path}: no CacheGen-style rate at level {DEFAULT_LEVEL}'s distortion")
+        else:
+            cg = default["bits_per_element"] * ratio
+        return cls(tuple(float(r["bits_per_element"]) for r in kv), tuple(float(r["distortion"]) for r in kv),
+                   float(int8["bits_per_element"]), float(int8["distortion"]), float(cg),
+                   f"{path.name} ({doc['config'].get('workload')}, kvwire bench codec --json)")
 
 
-#: ``kvwire bench codec`` on real all-MiniLM-L6-v2 KV (README's table): 6144 tokens,
-#: chunks of 1536, profile calibrated on other text. CacheGen-style: 2.01x level 1's bits.
-CODEC_BENCH = CodecFigures(level_bits=(4.24, 3.27, 2.30, 1.58, 1.01),
-                           level_distortion=(2.6e-4, 1.0e-3, 4.5e-3, 1.4e-2, 3.9e-2),
-                           int8_bits=8.02, int8_distortion=2.3e-5, cachegen_bits=3.27 * 2.01,
-                           source="kvwire bench codec, MiniLM (README)")
+#: The default figures: :data:`CODEC_JSON`, the codec benchmark's output on real
+#: all-MiniLM-L6-v2 KV (6144 tokens, chunks of 1536, profile calibrated on other text).
+CODEC_BENCH = CodecFigures.from_json(CODEC_JSON)
 
 
 # --------------------------------------------------------------------- cost models
@@ -741,7 +756,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--spacing", type=float, default=0.5,
                    help="seconds of trace between fetch starts (default 0.5)")
     p.add_argument("--codec-json", metavar="FILE", help="`kvwire bench codec --json` output to take "
-                   "bits/element and distortion from (default: the README's MiniLM figures)")
+                   f"bits/element and distortion from (default: the committed {CODEC_JSON.name})")
     p.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
                    help="processes for the sweep (default: cores, at most 8)")
     p.add_argument("--validate", action="store_true",
@@ -749,7 +764,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.set_defaults(handler=_cmd_policies)
 
 
-__all__ = ["CODEC_BENCH", "CodecFigures", "Fetch", "Method", "Report", "build_methods", "first_token_seconds",
+__all__ = ["CODEC_BENCH", "CODEC_JSON", "CodecFigures", "Fetch", "Method", "Report", "build_methods", "first_token_seconds",
            "llama_manifest", "load_traces", "policy_targets", "prefill_seconds", "register", "render", "run",
            "run_sweep", "summarize", "sweep_trace", "ttft_table", "validate"]
 
