@@ -24,6 +24,12 @@ def test_llama_manifest_sizes_follow_bits_per_element() -> None:
     assert m.level_distortion == ev.LEVEL_TARGETS
 
 
+def test_level_targets_are_the_codecs() -> None:
+    import codec
+
+    assert ev.LEVEL_TARGETS == tuple(codec.DEFAULT_TARGETS)
+
+
 def test_cost_models_are_the_stated_formulas() -> None:
     flops = 2 * 8.03e9 * 8192 + 2 * 32 * 4096 * 8192 ** 2
     assert ev.prefill_seconds(8192) == pytest.approx(flops / (989.4e12 * 0.4))
