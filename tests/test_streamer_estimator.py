@@ -1,4 +1,4 @@
-"""Throughput estimators: definitions, robustMPC discount and invariances."""
+"""Throughput estimators: definitions, the calibrated error discount and invariances."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamer.adapt.estimator import (harmonic_mean, last_sample, prediction_errors,
-                                      robust_estimate, throughputs)
+from streamer.adapt.estimator import (ERROR_QUANTILE, MIN_SAMPLE_BYTES, error_factor, harmonic_mean,
+                                      last_sample, log_errors, pool_sample, robust_estimate,
+                                      throughputs)
 from streamer.adapt.base import Observation
 
 observations = st.builds(
@@ -30,7 +31,7 @@ def test_no_information_is_none_and_prior_is_used() -> None:
         assert f([]) is None
         assert f([], prior=5e6) == 5e6
         assert f([Observation(1000, 0.0)]) is None   # zero duration says nothing
-    assert prediction_errors([]).size == 0
+    assert log_errors([]).size == 0
 
 
 def test_zero_duration_and_empty_observations_are_ignored() -> None:
@@ -52,23 +53,39 @@ def test_harmonic_mean_uses_only_the_window() -> None:
     assert harmonic_mean(history, window=4) == pytest.approx(4 / (1 / 100 + 3 / 400))
 
 
-def test_prediction_errors_match_a_direct_computation() -> None:
+def test_robust_estimate_plans_for_a_low_quantile_of_log_errors() -> None:
     history = [Observation(b, 1.0) for b in (100, 200, 50, 400, 100, 300, 80)]
-    window = 3
+    errors = log_errors(history, 3)
+    expected = harmonic_mean(history, 3) * math.exp(min(0.0, float(np.quantile(errors, ERROR_QUANTILE))))
+    assert robust_estimate(history, 3) == pytest.approx(expected)
+
+
+def test_log_errors_match_a_direct_computation() -> None:
+    history = [Observation(b, 1.0) for b in (100, 200, 50, 400)]
     rates = _rates(history)
-    expected = []
-    for i in range(1, rates.size):
-        past = rates[max(0, i - window):i]
-        pred = past.size / np.sum(1 / past)
-        expected.append(abs(pred - rates[i]) / rates[i])
-    np.testing.assert_allclose(prediction_errors(history, window), expected)
+    expected = [math.log(rates[i] / (min(i, 2) / np.sum(1 / rates[max(0, i - 2):i])))
+                for i in range(1, rates.size)]
+    np.testing.assert_allclose(log_errors(history, 2), expected)
 
 
-def test_robust_estimate_discounts_by_the_worst_recent_error() -> None:
-    history = [Observation(b, 1.0) for b in (100, 200, 50, 400, 100, 300, 80)]
-    errors = prediction_errors(history, 3)[-3:]
-    assert robust_estimate(history, 3) == pytest.approx(
-        harmonic_mean(history, 3) / (1 + errors.max()))
+def test_one_deep_fade_does_not_collapse_the_estimate() -> None:
+    """robustMPC's 1 + max error would divide this estimate by ~20 for five chunks."""
+    steady = [Observation(100_000_000, 1.0)] * 10
+    history = steady + [Observation(5_000_000, 1.0)] + [Observation(100_000_000, 1.0)] * 3
+    assert robust_estimate(history) >= 0.9 * harmonic_mean(history)
+
+
+def test_frequent_shortfalls_make_the_estimate_pessimistic() -> None:
+    history = [Observation(b, 1.0) for b in (100, 40, 100, 30, 100, 50, 100, 35, 100, 45)]
+    assert robust_estimate(history) < 0.7 * harmonic_mean(history)
+
+
+def test_the_peers_earlier_errors_calibrate_a_new_fetch() -> None:
+    history = [Observation(1000, 1.0)]
+    assert robust_estimate(history) == 1000.0            # nothing to calibrate on
+    halved = [math.log(0.5)] * 10
+    assert robust_estimate(history, prior_errors=halved) == pytest.approx(500.0)
+    assert error_factor([]) is None and error_factor([0.7, 1.2]) == 1.0   # never optimistic
 
 
 def test_window_must_be_positive() -> None:
@@ -87,7 +104,6 @@ def test_harmonic_mean_is_at_most_the_arithmetic_mean(history, window) -> None:
 def test_robust_is_at_most_harmonic(history, window) -> None:
     robust = robust_estimate(history, window)
     assert 0 < robust <= harmonic_mean(history, window)
-    assert np.all(prediction_errors(history, window) >= 0)
 
 
 @given(histories, windows, st.sampled_from([2, 3, 1000, 2**20]))
@@ -97,8 +113,8 @@ def test_scaling_bytes_scales_every_estimate(history, window, k) -> None:
         assert f(scaled, window) == pytest.approx(k * f(history, window), rel=1e-9)
         assert f([], window, prior=k * 1e6) == pytest.approx(k * f([], window, prior=1e6))
     assert last_sample(scaled) == pytest.approx(k * last_sample(history), rel=1e-12)
-    np.testing.assert_allclose(prediction_errors(scaled, window),
-                               prediction_errors(history, window), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(log_errors(scaled, window), log_errors(history, window),
+                               rtol=1e-9, atol=1e-12)
 
 
 @given(st.integers(1, 10**8), st.floats(1e-3, 10.0), st.integers(1, 15), windows)
@@ -107,3 +123,19 @@ def test_constant_link_is_estimated_exactly(nbytes, seconds, count, window) -> N
     rate = nbytes / seconds
     assert robust_estimate(history, window) == pytest.approx(rate, rel=1e-9)
     assert math.isclose(last_sample(history), rate)
+
+
+def test_small_transfers_pool_into_one_sample() -> None:
+    small = MIN_SAMPLE_BYTES // 3
+    sample, pending = pool_sample(None, small, 0.01)
+    assert sample is None and pending == Observation(small, 0.01)
+    sample, pending = pool_sample(pending, small, 0.02)
+    assert sample is None
+    sample, pending = pool_sample(pending, small + 3, 0.03)
+    assert sample.bytes == 3 * small + 3 and sample.busy_seconds == pytest.approx(0.06)
+    assert pending is None
+    # a big transfer is a sample of its own and leaves the pool alone
+    assert pool_sample(Observation(10, 0.1), MIN_SAMPLE_BYTES, 1.0) == \
+        (Observation(MIN_SAMPLE_BYTES, 1.0), Observation(10, 0.1))
+    # no busy time: nothing learned
+    assert pool_sample(None, small, 0.0) == (None, None)

@@ -369,3 +369,26 @@ async def test_a_detached_connection_serves_the_next_fetch_without_a_new_handsha
     finally:
         await server.close()
         await store.close()
+
+
+async def test_a_context_of_small_chunks_arrives_at_the_best_level(tmp_path: Path) -> None:
+    """Chunks under 64 KB never made a throughput sample of their own, and the first chunk
+    went out at the smallest level: on an unshaped loopback with a 2 s SLO, all came at L4.
+    Now the handshake's measured rate is the first prior and small chunks pool into samples."""
+    layers, heads, head_dim, chunk_tokens = 2, 4, 16, 64
+    kv = synthetic_kv(5, 4 * chunk_tokens, layers, heads, head_dim)
+    profile = codec.calibrate([synthetic_kv(6, 1024, layers, heads, head_dim)])
+    store = await streamer.open_store(str(tmp_path))
+    manifest = await streamer.put_context(store, "small", kv, list(range(kv.shape[2])), profile=profile,
+                                          chunk_tokens=chunk_tokens)
+    assert len(manifest.chunks) == 4 and max(c.sizes[0] for c in manifest.chunks) < 64 * 1024
+    server = await streamer.serve(store)
+    try:
+        async with streamer.StreamSession("127.0.0.1", server.port, "small", slo=2.0,
+                                          on_layer=Recorder(layers).on_layer) as session:
+            assert session.handshake_bps is not None and session.handshake_bps > 0
+            report = await session.fetch()
+    finally:
+        await server.close()
+        await store.close()
+    assert [c.level for c in report.chunks] == [0, 0, 0, 0]

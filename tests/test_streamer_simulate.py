@@ -248,10 +248,13 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     recorded = []
     real_decide = session_mod.decide
 
-    def recording(policy, manifest, index, *, time_left, history, prior_bps, recompute_seconds_per_token):
+    def recording(policy, manifest, index, *, time_left, history, prior_bps, prior_errors,
+                  recompute_seconds_per_token):
         out = real_decide(policy, manifest, index, time_left=time_left, history=history,
-                          prior_bps=prior_bps, recompute_seconds_per_token=recompute_seconds_per_token)
-        recorded.append((index, time_left, tuple(history), prior_bps, recompute_seconds_per_token, out))
+                          prior_bps=prior_bps, prior_errors=prior_errors,
+                          recompute_seconds_per_token=recompute_seconds_per_token)
+        recorded.append((index, time_left, tuple(history), prior_bps, tuple(prior_errors),
+                         recompute_seconds_per_token, out))
         return out
 
     monkeypatch.setattr(session_mod, "decide", recording)
@@ -276,9 +279,9 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     assert len(recorded) >= len(manifest.chunks)
     assert any(h for _, _, h, *_ in recorded), "no throughput history was recorded"
     sim = Simulator(manifest, rtt=0.004, recompute_seconds_per_token=2e-4)
-    for index, time_left, history, prior, recompute, (choice, reason) in recorded:
+    for index, time_left, history, prior, prior_errors, recompute, (choice, reason) in recorded:
         assert recompute == sim.recompute
         assert sim.decide("mpc", index, time_left=time_left, history=history,
-                          prior_bps=prior) == (choice, reason)
+                          prior_bps=prior, prior_errors=prior_errors) == (choice, reason)
     assert [c.level for c in report.chunks] == [out[0] for *_, out in recorded[:len(report.chunks)]]
     await asyncio.sleep(0)

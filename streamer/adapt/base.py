@@ -57,6 +57,9 @@ class PlanInput:
     history: Sequence[Observation]
     prior_bps: float | None = None
     text_penalty: float = 1.0
+    #: log prediction errors measured on this peer in earlier fetches, oldest first
+    #: (``estimator.log_errors``): what calibrates the estimate before this fetch has any
+    prior_errors: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         # Shape checks only (cheap, O(chunks)): a mismatch here would otherwise

@@ -10,8 +10,6 @@ from typing import Sequence
 from streamer.wire.manifest import Manifest
 from streamer.adapt.policies import TEXT, Choice, Observation, PlanInput, Policy
 
-#: A transfer smaller than this is dominated by round-trip time: no throughput sample.
-MIN_SAMPLE_BYTES = 64 * 1024
 #: Chunks requested beyond the one in progress (text requests are tiny and not counted):
 #: one keeps the link busy; more would commit decisions to an estimate the next samples
 #: may overturn.
@@ -25,7 +23,8 @@ DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN = 1e-4
 
 def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
-               recompute_seconds_per_token: float, text_penalty: float = 1.0) -> PlanInput:
+               recompute_seconds_per_token: float, text_penalty: float = 1.0,
+               prior_errors: Sequence[float] = ()) -> PlanInput:
     """The policy's view of chunks ``first_chunk..`` of a manifest."""
     chunks = manifest.chunks[first_chunk:]
     return PlanInput(
@@ -33,12 +32,14 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
         text_bytes=[c.text_bytes for c in chunks],
         text_seconds=[recompute_seconds_per_token * (c.end - c.start) for c in chunks],
         distortion=list(manifest.level_distortion),
-        time_left=time_left, history=list(history), prior_bps=prior_bps, text_penalty=text_penalty)
+        time_left=time_left, history=list(history), prior_bps=prior_bps, text_penalty=text_penalty,
+        prior_errors=tuple(prior_errors))
 
 
 def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: float,
            history: Sequence[Observation], prior_bps: float | None,
-           recompute_seconds_per_token: float) -> tuple[Choice, str | None]:
+           recompute_seconds_per_token: float,
+           prior_errors: Sequence[float] = ()) -> tuple[Choice, str | None]:
     """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
 
     Once the deadline has passed nothing fetched can make it, so the rest goes to
@@ -47,7 +48,8 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
     if time_left <= 0:
         return TEXT, "deadline passed"
     choice = policy(plan_input(manifest, first_chunk, time_left=time_left, history=history,
-                               prior_bps=prior_bps, recompute_seconds_per_token=recompute_seconds_per_token))
+                               prior_bps=prior_bps, prior_errors=prior_errors,
+                               recompute_seconds_per_token=recompute_seconds_per_token))
     if choice != TEXT and manifest.chunks[first_chunk].sizes[choice] == 0:
         raise ValueError(f"policy chose level {choice}, which chunk {first_chunk} was not stored at")
     return choice, None

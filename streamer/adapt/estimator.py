@@ -7,24 +7,37 @@ idle and queueing time would make a fast link look slow). Everything here works 
 the whole history and recomputes from scratch: histories are short (one fetch),
 and statelessness is what lets the live session and the simulator share the code.
 
-The robust estimate follows robustMPC (Yin et al., SIGCOMM'15): the harmonic mean
-of the last few samples (dominated by the slow ones, as transfer time is), divided
-by one plus the worst recent relative prediction error, so a volatile link is
-planned for pessimistically and a steady one at its measured rate.
+The robust estimate starts from robustMPC (Yin et al., SIGCOMM'15): the harmonic mean
+of the last few samples (dominated by the slow ones, as transfer time is). robustMPC
+then divides by one plus the *worst* recent relative error, so one deep fade makes
+every plan for the next five chunks several times too pessimistic (the planner then
+gives the KV up for text). Here the pessimism is calibrated instead: the estimate is
+scaled by a low quantile of the recent prediction errors measured in the log domain
+(``log(actual / predicted)``), over a longer window that may include the same peer's
+earlier fetches. A steady link has errors near zero and is planned at its measured
+rate; a link whose samples fall short of their predictions often enough is planned for
+at the rate it reaches nine times in ten.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:  # only for annotations; policy.base imports nothing from here
-    from streamer.adapt.base import Observation
+from streamer.adapt.base import Observation
 
-#: Samples in the harmonic mean and predictions in the error window (robustMPC's 5).
+#: A transfer smaller than this is dominated by round-trip time: on its own it is no
+#: throughput sample (consecutive small ones are pooled into one, see ``pool_sample``).
+MIN_SAMPLE_BYTES = 64 * 1024
+#: Samples in the harmonic mean (robustMPC's 5).
 DEFAULT_WINDOW = 5
+#: Prediction errors the pessimism is calibrated on (this fetch's, after the peer's earlier ones).
+ERROR_WINDOW = 20
+#: The quantile of log prediction errors the robust estimate plans for.
+ERROR_QUANTILE = 0.1
+#: The guard assumes the link may fall to this share of its mean, or only to its worst
+#: recent shortfall when the peer's errors show it steadier than that.
+GUARD_FACTOR = 0.5
 
 
 #: Shorter busy times are clock noise, not measurements (a 1e-300 s sample is an infinite rate).
@@ -81,39 +94,90 @@ def harmonic_mean(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
     return _harmonic(rates[-window:]) if rates.size else _prior_or_none(prior)
 
 
-def prediction_errors(history: Sequence[Observation],
-                      window: int = DEFAULT_WINDOW) -> np.ndarray:
-    """Relative error ``|prediction - actual| / actual`` for each sample after the first.
+def log_errors(history: Sequence[Observation], window: int = DEFAULT_WINDOW) -> np.ndarray:
+    """``log(actual / predicted)`` for each sample after the first (negative: the link
+    delivered less than predicted). The log makes a halving and a doubling equally
+    large, so a quantile of these is a factor to plan with."""
+    predictions, actual = _predictions(history, window)
+    return np.log(actual / predictions)
 
-    The prediction for sample ``i`` is the harmonic mean of the ``window`` samples
-    before it, i.e. what :func:`harmonic_mean` would have said just before that
-    chunk. The first sample had no prediction from history, so it has no error;
-    the result has one entry fewer than :func:`throughputs`.
-    """
+
+def _predictions(history: Sequence[Observation], window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prediction, actual) rate of every sample after the first."""
     _check_window(window)
     rates = throughputs(history)
     if rates.size < 2:
-        return np.empty(0)
+        return np.empty(0), np.empty(0)
     # Row i of `before` holds the reciprocals of the `window` samples preceding
     # sample i, zero-padded at the start (a direct sum: prefix-sum differences
     # would cancel catastrophically when rates span orders of magnitude).
     padded = np.concatenate((np.zeros(window), 1.0 / rates[:-1]))
     before = np.lib.stride_tricks.sliding_window_view(padded, window)[1:]
     counts = np.minimum(np.arange(1, rates.size), window)
-    predictions = counts / before.sum(axis=1)
-    actual = rates[1:]
-    return np.abs(predictions - actual) / actual
+    return counts / before.sum(axis=1), rates[1:]
+
+
+def error_factor(errors: Sequence[float] | np.ndarray, quantile: float = ERROR_QUANTILE) -> float | None:
+    """``exp`` of the ``quantile`` of log prediction errors, capped at 1 (never optimistic);
+    None without errors to calibrate on."""
+    e = np.asarray(errors, dtype=np.float64)[-ERROR_WINDOW:]
+    e = e[np.isfinite(e)]
+    if e.size == 0:
+        return None
+    return float(np.exp(min(0.0, float(np.quantile(e, quantile)))))
+
+
+def recent_errors(history: Sequence[Observation], prior_errors: Sequence[float] = (),
+                  window: int = DEFAULT_WINDOW) -> np.ndarray:
+    """The peer's earlier log errors followed by this fetch's, the last ``ERROR_WINDOW``."""
+    return np.concatenate((np.asarray(prior_errors, dtype=np.float64),
+                           log_errors(history, window)))[-ERROR_WINDOW:]
 
 
 def robust_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
-                    prior: float | None = None) -> float | None:
-    """robustMPC's throughput: harmonic mean / (1 + max of the last ``window`` errors).
+                    prior: float | None = None, prior_errors: Sequence[float] = ()) -> float | None:
+    """The harmonic mean scaled by the calibrated error factor (see the module docstring).
 
-    With no informative sample the prior is returned as is (there are no errors to
-    discount it by), and None when there is no prior either.
+    With no informative sample the prior is returned as is; with no errors to calibrate
+    on, the harmonic mean is; None when there is no sample and no prior.
     """
     mean = harmonic_mean(history, window, prior)
     if mean is None:
         return None
-    errors = prediction_errors(history, window)[-window:]
-    return mean / (1.0 + float(errors.max())) if errors.size else mean
+    factor = error_factor(recent_errors(history, prior_errors, window))
+    return mean if factor is None else mean * factor
+
+
+def guard_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
+                   prior: float | None = None, prior_errors: Sequence[float] = ()) -> float | None:
+    """The rate to assume when checking that a chunk, once requested, cannot sink the
+    fetch: the harmonic mean times ``GUARD_FACTOR``, or times the worst recent shortfall
+    (``exp`` of the smallest log error) when that is milder. A deeper fade is a stall,
+    which the reconnect and the text fallback handle, not the choice of level."""
+    mean = harmonic_mean(history, window, prior)
+    if mean is None:
+        return None
+    errors = recent_errors(history, prior_errors, window)
+    worst = float(np.exp(min(0.0, float(errors.min())))) if errors.size else 0.0
+    return mean * max(GUARD_FACTOR, worst)
+
+
+def pool_sample(pending: Observation | None, nbytes: int, busy_seconds: float
+                ) -> tuple[Observation | None, Observation | None]:
+    """Fold one finished transfer into the samples: (sample to record or None, new pending).
+
+    A transfer of at least ``MIN_SAMPLE_BYTES`` is a sample of its own. Smaller ones
+    (a context of small chunks, text answers) are pooled with the ones before them until
+    together they reach that size, so a fetch of small chunks still measures its link
+    instead of planning blind on the prior. A transfer with no busy time adds nothing.
+    """
+    if busy_seconds <= 0 or nbytes <= 0:
+        return None, pending
+    if nbytes >= MIN_SAMPLE_BYTES:
+        return Observation(nbytes, busy_seconds), pending
+    pooled = Observation(nbytes + (pending.bytes if pending else 0),
+                         busy_seconds + (pending.busy_seconds if pending else 0.0))
+    if pooled.bytes >= MIN_SAMPLE_BYTES:
+        return pooled, None
+    return None, pooled
+

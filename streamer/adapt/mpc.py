@@ -1,42 +1,84 @@
-"""The default policy: robustMPC's estimate with an exact plan over all remaining chunks.
+"""The default policy: an exact plan over all remaining chunks at a calibrated estimate,
+whose first step is guarded against the link falling to its worst recent rate.
 
 robustMPC (Yin et al., SIGCOMM'15) plans a few chunks ahead with guessed sizes; here
-every chunk's size at every level is known, so the plan covers the whole rest of
-the fetch exactly (:func:`streamer.adapt.plan.solve`) and only the throughput is
-predicted, pessimistically (:func:`streamer.adapt.estimator.robust_estimate`). Only the
-first chunk's choice is used: the plan is redone before every chunk with the
-newest measurements (receding horizon).
+every chunk's size at every level is known, so the plan covers the whole rest of the
+fetch exactly (:func:`streamer.adapt.plan.solve`) and only the throughput is predicted
+(:func:`streamer.adapt.estimator.robust_estimate`: calibrated, not worst-case). Only the
+first chunk's choice is used: the plan is redone before every chunk with the newest
+measurements (receding horizon).
 
-Text is one more option per chunk, costing ``text_penalty`` and its token bytes
-plus recompute seconds; with the default penalty (as bad as losing the chunk) the
-plan takes it only when no plan of levels fits the deadline. When no plan fits at
-all, the fastest plan's first choice is returned, to miss the deadline by as little
-as possible.
+Two rules come from what a plan at one rate cannot see:
+
+* **Text last.** Sending a chunk as text is irrevocable and teaches nothing about the
+  link (token ids are a few kB), while a KV chunk is a measurement. When a plan needs
+  some text, text is therefore placed as late as possible (its cost grows by a
+  negligible amount per position earlier), so the decision can be redone with more
+  information before it is taken.
+* **A guarded first step.** A requested chunk cannot be taken back. Its option must
+  leave the rest of the fetch able to finish as text even if this chunk arrives at the
+  *guard* rate (:func:`streamer.adapt.estimator.guard_estimate`: the worst recent
+  shortfall on this peer). Among the options that pass, the one starting the cheapest
+  plan is taken; if none passes, the plan's own choice.
+
+Text costs ``text_penalty`` plus its token bytes and recompute seconds; with the
+default penalty (as bad as losing the chunk) the plan takes it only when no plan of
+levels fits the deadline. When no plan fits at all, the fastest plan's first choice is
+returned, to miss the deadline by as little as possible.
 """
 from __future__ import annotations
 
-from streamer.adapt.estimator import DEFAULT_WINDOW, robust_estimate
+import numpy as np
+
 from streamer.adapt.base import (Choice, PlanInput, choice_of, option_costs, option_seconds,
                                  probe_level)
-from streamer.adapt.plan import DEFAULT_BINS, Plan, solve
+from streamer.adapt.estimator import DEFAULT_WINDOW, guard_estimate, robust_estimate
+from streamer.adapt.plan import DEFAULT_BINS, Plan, first_option_costs, solve
+
+#: Extra cost of text per position earlier in the plan: far below any level's distortion
+#: step, so it only breaks ties between plans that differ in where their text goes.
+TEXT_LATER = 1e-6
+
+
+def plan_costs(inp: PlanInput) -> np.ndarray:
+    """[chunks, options] costs: the objective, plus the tie-break that puts text last."""
+    chunks = len(inp.sizes)
+    costs = np.tile(option_costs(inp), (chunks, 1))
+    costs[:, -1] += TEXT_LATER * (chunks - np.arange(chunks))
+    return costs
 
 
 def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,
              bins: int = DEFAULT_BINS) -> Plan | None:
-    """The full plan behind :func:`mpc`'s choice, or None with no throughput information.
+    """The plan at the calibrated estimate, or None with no throughput information.
 
-    Exposed so a caller can log the predicted finish time or compare plans.
+    Exposed so a caller can log the predicted finish time or compare plans; its first
+    column is mpc's choice unless the guard overrules it.
     """
-    estimate = robust_estimate(inp.history, window, inp.prior_bps)
+    estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
     if estimate is None:
         return None
-    return solve(option_seconds(inp, estimate), option_costs(inp), inp.time_left, bins)
+    return solve(option_seconds(inp, estimate), plan_costs(inp), inp.time_left, bins)
+
+
+def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
+    """Which options of chunk 0 leave the rest able to finish as text at the guard rate."""
+    rate = guard_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
+    assert rate is not None  # only called with information
+    seconds = option_seconds(inp, rate)
+    return seconds[0] + seconds[1:, -1].sum() <= inp.time_left
 
 
 def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice:
-    """First choice of the cheapest plan that fits; the smallest level as a probe when
-    nothing is known about the link (see :func:`streamer.adapt.base.probe_level`)."""
-    plan = mpc_plan(inp, window, bins)
-    if plan is None:
+    """See the module docstring; the smallest level as a probe when nothing is known about
+    the link (see :func:`streamer.adapt.base.probe_level`)."""
+    estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
+    if estimate is None:
         return probe_level(inp)
-    return choice_of(plan.columns[0], inp.levels)
+    seconds, costs = option_seconds(inp, estimate), plan_costs(inp)
+    totals = first_option_costs(seconds, costs, inp.time_left, bins)
+    if not np.isfinite(totals).any():
+        return choice_of(solve(seconds, costs, inp.time_left, bins).columns[0], inp.levels)
+    safe = np.where(guarded(inp, window), totals, np.inf)
+    best = safe if np.isfinite(safe).any() else totals
+    return choice_of(int(np.argmin(best)), inp.levels)

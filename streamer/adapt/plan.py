@@ -67,6 +67,31 @@ def fastest(seconds: ArrayLike, costs: ArrayLike) -> Plan:
     return _totals(t, c, columns, feasible=False)
 
 
+def _bins_needed(t: np.ndarray, budget: float, bins: int) -> np.ndarray:
+    """Whole bins per option, rounded up; anything over the budget is capped at bins + 1
+    ("does not fit"), which also keeps inf out of the integer cast. A budget so small
+    that a bin's width underflows to 0 leaves only instant options."""
+    width = budget / bins
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return np.where(t == 0, 0, np.minimum(np.ceil(t / width), bins + 1)).astype(np.intp)
+
+
+def _value_table(c: np.ndarray, need: np.ndarray, bins: int, first: int) -> np.ndarray:
+    """best[i, e] = least cost of chunks i.. (for i >= first) with e bins already used.
+
+    Padding each row with inf past ``bins`` makes "over budget" an ordinary lookup.
+    """
+    chunks = c.shape[0]
+    best = np.full((chunks + 1, 2 * (bins + 1)), np.inf)
+    best[chunks, : bins + 1] = 0.0
+    # after[i + 1, q] = best[i + 1, q:q + bins + 1] is "after spending q bins on chunk i",
+    # for every e at once
+    after = np.lib.stride_tricks.sliding_window_view(best, bins + 1, axis=1)
+    for i in range(chunks - 1, first - 1, -1):
+        best[i, : bins + 1] = (after[i + 1, need[i]] + c[i][:, None]).min(axis=0)
+    return best
+
+
 def solve(seconds: ArrayLike, costs: ArrayLike, budget: float,
           bins: int = DEFAULT_BINS) -> Plan:
     """Minimum-cost plan with total time within ``budget``; else :func:`fastest`.
@@ -84,31 +109,31 @@ def solve(seconds: ArrayLike, costs: ArrayLike, budget: float,
         return _totals(t, c, np.argmin(np.where(free, c, np.inf), axis=1), feasible=True)
     if not budget > 0:
         return fastest(t, c)
-    chunks = t.shape[0]
-    width = budget / bins
-    # Whole bins per option, rounded up; anything over the budget is capped at
-    # bins + 1 ("does not fit"), which also keeps inf out of the integer cast. A
-    # budget so small that width underflows to 0 leaves only instant options.
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        need = np.where(free, 0, np.minimum(np.ceil(t / width), bins + 1)).astype(np.intp)
-
-    # best[i, e] = least cost of chunks i.. with e bins already used. Padding each
-    # row with inf past `bins` makes "over budget" an ordinary lookup, and the view
-    # after[i + 1, q] = best[i + 1, q:q + bins + 1] is "after spending q bins on
-    # chunk i", for every e at once.
-    best = np.full((chunks + 1, 2 * (bins + 1)), np.inf)
-    best[chunks, : bins + 1] = 0.0
-    after = np.lib.stride_tricks.sliding_window_view(best, bins + 1, axis=1)
-    for i in range(chunks - 1, -1, -1):
-        best[i, : bins + 1] = (after[i + 1, need[i]] + c[i][:, None]).min(axis=0)
+    need = _bins_needed(t, budget, bins)
+    best = _value_table(c, need, bins, first=0)
     if not np.isfinite(best[0, 0]):
         return fastest(t, c)
-
     # Walk forward from 0 bins used, redoing each chunk's minimum at the one state
     # reached (cheaper than storing an argmin for every state).
+    chunks = t.shape[0]
     columns = np.empty(chunks, dtype=np.intp)
     spent = 0
     for i in range(chunks):
         columns[i] = np.argmin(c[i] + best[i + 1, spent + need[i]])
         spent += need[i, columns[i]]
     return _totals(t, c, columns, feasible=True)
+
+
+def first_option_costs(seconds: ArrayLike, costs: ArrayLike, budget: float,
+                       bins: int = DEFAULT_BINS) -> np.ndarray:
+    """For each option of chunk 0, the least total cost of a plan that starts with it and
+    fits ``budget`` (inf where none does): what a policy needs to weigh its first choice
+    against a constraint the plan itself does not know (see ``adapt.mpc``)."""
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    t, c = _validate(seconds, costs)
+    if not budget > 0:
+        return np.full(t.shape[1], np.inf)
+    need = _bins_needed(t, budget, bins)
+    best = _value_table(c, need, bins, first=1)
+    return c[0] + best[1, need[0]]

@@ -16,14 +16,15 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   (validated against the real proxy: :func:`streamer.tools.bench_policies.validate`).
 * **Requests, just in time.** Chunk 0 is requested at time 0; every later chunk when
   the bytes still due on the requests in flight drop to ``estimate * rtt + 64 KiB``
-  (``adapt.MIN_SAMPLE_BYTES``; at most ``adapt.MAX_QUEUED_AHEAD`` KV chunk queued
+  (``estimator.MIN_SAMPLE_BYTES``; at most ``adapt.MAX_QUEUED_AHEAD`` KV chunk queued
   behind the one arriving), or at once when nothing is in flight, exactly the
   session's ``_request_ahead`` rule (including requesting several tiny text chunks
   at the same instant). The condition is re-checked at every chunk end, where the
   estimate changes by a whole sample, and in between at the exact crossing time
   (the session checks at each arriving part, at most one part later).
 * **Measurement.** The receiver only sees its own observations, as the session does:
-  per finished chunk of >= 64 KiB, ``Observation(bytes, busy)`` with busy time from
+  per finished chunk of >= 64 KiB (smaller ones pooled until they reach it:
+  ``estimator.pool_sample``), ``Observation(bytes, busy)`` with busy time from
   ``max(request + rtt, previous chunk's end)`` (here the first byte) to the last byte;
   at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived.
   ``time_left`` is ``slo - now - outstanding / estimate`` minus the recompute seconds
@@ -57,8 +58,8 @@ import numpy as np
 from netsim.trace import Trace
 
 from streamer.adapt import estimator
-from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD,
-                                   MIN_SAMPLE_BYTES, decide)
+from streamer.adapt.decide import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD, decide
+from streamer.adapt.estimator import MIN_SAMPLE_BYTES
 from streamer.wire.manifest import Manifest
 from streamer.adapt.policies import TEXT, Choice, Observation, Policy, get_policy
 
@@ -113,6 +114,7 @@ class SimResult:
     distortion: float      # token-weighted mean distortion (``distortion`` given; text = 0)
     text_chunks: int
     next_prior: float | None = None   # the session's per-server prior after this fetch
+    next_errors: tuple[float, ...] = ()   # and its memory of log prediction errors
 
     @property
     def completion(self) -> float:
@@ -202,12 +204,14 @@ class Simulator:
 
     # ------------------------------------------------------------------ decisions
     def decide(self, policy: str | Policy, chunk: int, *, time_left: float,
-               history: Sequence[Observation], prior_bps: float | None) -> tuple[Choice, str | None]:
+               history: Sequence[Observation], prior_bps: float | None,
+               prior_errors: Sequence[float] = ()) -> tuple[Choice, str | None]:
         """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
         context's manifest and recompute cost (the session calls the same function)."""
         fn, _ = _as_policy(policy)
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
-                      prior_bps=prior_bps, recompute_seconds_per_token=self.recompute)
+                      prior_bps=prior_bps, prior_errors=prior_errors,
+                      recompute_seconds_per_token=self.recompute)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
         return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]
@@ -232,12 +236,14 @@ class Simulator:
 
     # ------------------------------------------------------------------ one fetch
     def run(self, policy: str | Policy, trace: Trace, *, slo: float, start: float = 0.0,
-            prior_bps: float | None = None, schedule: Sequence[Choice] | None = None,
-) -> SimResult:
+            prior_bps: float | None = None, prior_errors: Sequence[float] = (),
+            schedule: Sequence[Choice] | None = None) -> SimResult:
         """Simulate one fetch starting at trace time ``start``.
 
         ``schedule`` replays fixed choices instead of asking the policy (e.g. the
-        oracle's schedule), with the same timing model. As in the session, ``time_left``
+        oracle's schedule), with the same timing model. ``prior_bps`` and ``prior_errors``
+        are the peer's memory from earlier fetches (:attr:`SimResult.next_prior`,
+        :attr:`SimResult.next_errors`). As in the session, ``time_left``
         excludes the recompute seconds of chunks already sent to text (here every one of
         them is still pending: recompute runs after the transfers).
         """
@@ -259,6 +265,7 @@ class Simulator:
         decisions: list[Decision] = []
         history: list[Observation] = []
         busy_of: list[float] = [0.0] * n
+        pending: Observation | None = None   # small transfers pooled until they make a sample
         completed = 0          # chunks whose end has been processed
         last_end: float | None = None
         link_free = 0.0
@@ -272,7 +279,7 @@ class Simulator:
                        trace.bits_between(start + link_start[j], start + now - owd) / 8.0)
 
         def complete_until(now: float) -> None:
-            nonlocal completed, last_end
+            nonlocal completed, last_end, pending
             while completed < len(end) and end[completed] <= now:
                 j = completed
                 at = end[j]
@@ -280,8 +287,9 @@ class Simulator:
                 busy = max(at - max(b0, last_end if last_end is not None else 0.0), 0.0)
                 busy_of[j] = busy
                 last_end = at
-                if nbytes[j] >= MIN_SAMPLE_BYTES and busy > 0:
-                    history.append(Observation(nbytes[j], busy))
+                sample, pending = estimator.pool_sample(pending, nbytes[j], busy)
+                if sample is not None:
+                    history.append(sample)
                 completed += 1
 
         def estimate_at(now: float) -> tuple[list[Observation], float | None]:
@@ -293,7 +301,7 @@ class Simulator:
                     s = max(begin[j], last_end if last_end is not None else begin[j])
                     if now > s:
                         hist.append(Observation(int(got), now - s))
-            return hist, estimator.robust_estimate(hist, prior=prior_bps)
+            return hist, estimator.robust_estimate(hist, prior=prior_bps, prior_errors=prior_errors)
 
         def outstanding(now: float) -> float:
             return sum(nbytes[j] - received(j, now) for j in range(completed, len(end)))
@@ -350,7 +358,8 @@ class Simulator:
                 reason = None if time_left > 0 else "deadline passed"
             else:
                 choice, reason = decide(fn, self.manifest, index, time_left=time_left, history=hist,
-                                        prior_bps=prior_bps, recompute_seconds_per_token=self.recompute)
+                                        prior_bps=prior_bps, prior_errors=prior_errors,
+                                        recompute_seconds_per_token=self.recompute)
             decisions.append(Decision(index, now, time_left, tuple(hist), prior_bps, est, choice, reason))
             size = self._bytes_of(index, choice)
             s = max(now + owd, link_free)
@@ -380,7 +389,9 @@ class Simulator:
         return SimResult(choices=choices, chunks=timings, decisions=decisions, history=history,
                          finish=done, recompute=self.recompute * text_tokens, slo=float(slo),
                          cost=self.cost_of(choices), distortion=self.distortion_of(choices),
-                         text_chunks=sum(is_text), next_prior=estimator.robust_estimate(history))
+                         text_chunks=sum(is_text),
+                         next_prior=estimator.robust_estimate(history, prior_errors=prior_errors),
+                         next_errors=tuple(estimator.recent_errors(history, prior_errors)))
 
     # ------------------------------------------------------------------ oracle
     def oracle(self, trace: Trace, *, slo: float, start: float = 0.0) -> "OracleResult":

@@ -41,7 +41,8 @@ from typing import Any, Callable, Sequence
 import codec
 
 from streamer.adapt import estimator
-from streamer.adapt.decide import MAX_QUEUED_AHEAD, MIN_SAMPLE_BYTES, decide
+from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide
+from streamer.adapt.estimator import MIN_SAMPLE_BYTES
 from streamer.adapt.policies import TEXT, Choice, Observation, get_policy
 from streamer.net.client import (AuthenticationFailed, ClientConnection, ConnectionLost,
                                  ServerError, StreamError)
@@ -58,8 +59,20 @@ MAX_CORRUPT_RETRIES = 2
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
-#: Last robust throughput estimate (bytes/s) per server: the prior of the next fetch.
-_server_priors: dict[tuple[str, int], float] = {}
+
+
+@dataclass(frozen=True)
+class LinkMemory:
+    """What one fetch leaves for the next to the same sender: its robust throughput
+    estimate (bytes/s) and the recent log prediction errors that calibrate it."""
+
+    rate: float
+    errors: tuple[float, ...] = ()
+
+
+#: Per sender address: the prior of the next fetch (a reused connection, the receiver
+#: daemon and successive sessions of one process all carry it).
+_server_priors: dict[tuple[str, int], LinkMemory] = {}
 
 
 class FetchFailed(StreamError):
@@ -118,6 +131,8 @@ class StreamSession:
         self._client: ClientConnection | None = None
         self.manifest: Manifest | None = None
         self.profile: codec.Profile | None = None
+        #: bytes/s of the manifest (and profile) answers, measured when the context opens
+        self.handshake_bps: float | None = None
         #: the level (or "text") each chunk was last requested at, as soon as it is requested:
         #: lets a consumer label layers before the chunk's report exists
         self.levels: dict[int, Choice] = {}
@@ -235,7 +250,9 @@ class StreamSession:
         client = self._client
         assert client is not None
         timeout = self.config.connect_timeout
+        asked = time.monotonic()
         answer = await client.call(p.Open(context_id=self.context_id, slo=self.slo), p.ManifestData, timeout)
+        received = len(answer.data)
         manifest = Manifest.from_bytes(answer.data)
         if self.manifest is not None and manifest.version != self.manifest.version:
             raise ContextChanged(f"context {self.context_id!r} changed from version "
@@ -243,7 +260,9 @@ class StreamSession:
         self.manifest = manifest
         profile = _profiles.get(manifest.profile_id)
         if profile is None:
-            profile = codec.Profile.from_bytes(await client.get_profile(manifest.profile_id, timeout))
+            data = await client.get_profile(manifest.profile_id, timeout)
+            received += len(data)
+            profile = codec.Profile.from_bytes(data)
             if profile.id != manifest.profile_id:
                 raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
             _profiles[manifest.profile_id] = profile
@@ -251,6 +270,9 @@ class StreamSession:
                 _profiles.popitem(last=False)
         _profiles.move_to_end(manifest.profile_id)
         self.profile = profile
+        # round trips included, so a lower bound on the link: the first chunk's prior when
+        # neither the caller nor an earlier fetch from this sender gives a better one
+        self.handshake_bps = received / max(time.monotonic() - asked, 1e-6)
 
     # ------------------------------------------------------------------ fetching
     async def fetch(self) -> FetchReport:
@@ -279,7 +301,12 @@ class _Fetch:
                                         on_layer=session._on_layer, on_text=session._on_text,
                                         on_corrupt=self._on_corrupt, executor=session._executor,
                                         decode=session._decode)
-        self.prior = session.config.prior_bps or _server_priors.get(session.address)
+        memory = _server_priors.get(session.address)
+        #: the first decision's rate: the caller's prior, else the last fetch's from this
+        #: sender, else what the handshake measured (a lower bound: it includes round trips)
+        self.prior = session.config.prior_bps or (memory.rate if memory else session.handshake_bps)
+        self.prior_errors: tuple[float, ...] = memory.errors if memory else ()
+        self.pending_sample: Observation | None = None   # small transfers pooled into one sample
         #: request-to-first-byte of a request sent to an idle sender (the first chunk's):
         #: one round trip plus the sender's store read, the lead time the next request needs
         self.response_latency = 0.0
@@ -324,9 +351,10 @@ class _Fetch:
                     self.s._client.resume_reading()
         consumer.result()  # re-raise a callback's exception
         self._finish()
-        estimate = estimator.robust_estimate(self.history)
+        estimate = estimator.robust_estimate(self.history, prior_errors=self.prior_errors)
         if estimate:
-            _server_priors[self.s.address] = estimate
+            errors = estimator.recent_errors(self.history, self.prior_errors)
+            _server_priors[self.s.address] = LinkMemory(estimate, tuple(float(e) for e in errors))
         return self.report
 
     def _finish(self) -> None:
@@ -411,12 +439,14 @@ class _Fetch:
                 start = self._busy_start(head)
                 if now > start:
                     history.append(Observation(head.received, now - start))
-        return history, estimator.robust_estimate(history, prior=self.prior)
+        return history, estimator.robust_estimate(history, prior=self.prior,
+                                                  prior_errors=self.prior_errors)
 
     def _decide(self, index: int, time_left: float, history: list[Observation]) -> tuple[Choice, str | None]:
         """The policy's choice (and the rule's reason, if any) for chunk ``index``."""
-        return decide(self.s._policy, self.manifest, index, time_left=time_left,
-                      history=history, prior_bps=self.prior, recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
+        return decide(self.s._policy, self.manifest, index, time_left=time_left, history=history,
+                      prior_bps=self.prior, prior_errors=self.prior_errors,
+                      recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
 
     def _pending_recompute(self) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text."""
@@ -550,8 +580,9 @@ class _Fetch:
         report.finished_at = at - self.start
         report.busy_seconds = busy
         report.throughput_bps = 8 * chunk.received / busy if busy > 0 else 0.0
-        if chunk.received >= MIN_SAMPLE_BYTES and busy > 0:
-            self.history.append(Observation(chunk.received, busy))
+        sample, self.pending_sample = estimator.pool_sample(self.pending_sample, chunk.received, busy)
+        if sample is not None:
+            self.history.append(sample)
         if self.s._on_chunk is not None:
             self.s._on_chunk(report)
         if chunk.choice != TEXT and (chunk.header is None or chunk.next_layer < chunk.header.layers):
