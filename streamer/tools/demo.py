@@ -5,12 +5,18 @@
    text (Apache-2.0, MPL-2.0, GFDL-1.3);
 2. the context is encoded in chunks at every quality level into a file store;
 3. a sender daemon starts on loopback behind the shaping proxy, whose capacity follows
-   a trace with a bandwidth drop and a recovery;
+   a trace with a bandwidth drop and a recovery; both run in a child process, so their
+   CPU does not disturb what the receiver measures;
 4. StreamSession fetches under the SLO, printing each chunk's level, measured
    throughput, estimate and slack; chunks sent as text are recomputed with the model;
 5. a table compares raw fp16, 8-bit and kvwire (bytes, fetch time, quality as the
-   sentence-embedding cosine against the original), and a PNG shows capacity against
-   the level chosen per chunk.
+   sentence-embedding cosine against the original), and a PNG shows capacity, the
+   throughput estimate and the measured throughput against the level chosen per chunk.
+
+Before anything is timed the codec's numba kernels are compiled (a *cold* start: the
+numba cache is empty, as on a fresh clone) or loaded from the cache (a *warm* start);
+the demo says which and how long it took (``codec.warm_up``). ``--json`` prints a
+machine-readable summary instead of the progress and the table.
 
 Raw fp16 and 8-bit are not streamed: their fetch time is the exact transfer time of
 their bytes over the same trace (``Trace.time_to_send``) plus one round trip, which is
@@ -20,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 #: MiniLM sees at most 512 positions: chunks aligned to its windows recompute exactly.
 CHUNK_TOKENS = 512
@@ -56,41 +64,184 @@ def _progress(report) -> None:
           flush=True)
 
 
-async def _fetch(args, store_url: str, trace, on_layer, on_text, verbose: bool):
-    """Serve (unless --server), shape with the proxy, fetch; the trace's time 0 is fetch()."""
+def _link_child(spec: str) -> None:
+    """Child process entry (``python -c``): the sender (unless ``server``) behind the shaping
+    proxy, driven by one-line JSON messages: stdout carries ``{"port": ...}`` (or
+    ``{"error": ...}``) once listening; on stdin ``"trace"`` starts the trace now (its time
+    0) and is answered with ``{"trace_at": time.monotonic()}``, and ``"stop"`` or the end of
+    stdin (the parent is gone) shuts everything down. Ctrl-C is the parent's to handle."""
+    import os
+    import signal
+
+    from streamer.tools.serve_fetch import run_async
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints go to stderr, never into the protocol
+    run_async(lambda: _link_main(json.loads(spec), out))
+
+
+async def _link_main(spec: dict, out: Any) -> None:
+    import os
+
     import netsim
     import streamer
 
-    store = None
-    sender = None
-    if args.server:
-        host, port = args.server
-    else:
-        store = await streamer.open_store(store_url)
-        sender = await streamer.serve(store)
-        host, port = "127.0.0.1", sender.port
+    def send(message: dict) -> None:
+        out.write(json.dumps(message) + "\n")
+
+    trace = netsim.Trace(*spec["trace"])
+    store = sender = proxy = None
     try:
-        async with netsim.ShapingProxy(upstream=(host, port), trace=trace.rate_at(0),
-                                       delay_ms=args.delay_ms) as proxy:
-            async with streamer.StreamSession("127.0.0.1", proxy.port, args.context, slo=args.slo,
-                                              policy=args.policy, on_layer=on_layer, on_text=on_text,
-                                              on_chunk=_progress if verbose else None,
-                                              recompute_seconds_per_token=args.recompute_ms_per_token / 1e3
-                                              ) as session:
-                proxy.set_trace(trace, direction="down")
-                return await session.fetch()
+        try:
+            if spec["server"] is not None:
+                upstream = tuple(spec["server"])
+            else:
+                store = await streamer.open_store(spec["store"])
+                sender = await streamer.serve(store)
+                upstream = ("127.0.0.1", sender.port)
+            proxy = netsim.ShapingProxy(upstream=upstream, trace=trace.rate_at(0), delay_ms=spec["delay_ms"])
+            await proxy.start()
+        except Exception as exc:
+            send({"error": f"{type(exc).__name__}: {exc}"})
+            return
+        send({"port": proxy.port})
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue = asyncio.Queue()
+        pending = b""
+
+        def readable() -> None:   # on the loop, no thread hop: "trace" is answered at once
+            nonlocal pending
+            data = os.read(0, 4096)
+            if not data:
+                loop.remove_reader(0)
+                lines.put_nowait("stop")
+                return
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                lines.put_nowait(line.decode().strip())
+
+        loop.add_reader(0, readable)
+        try:
+            while (command := await lines.get()) != "stop":
+                if command == "trace":
+                    proxy.set_trace(trace, direction="down")
+                    send({"trace_at": time.monotonic()})
+        finally:
+            loop.remove_reader(0)
     finally:
+        if proxy is not None:
+            await proxy.close()
         if sender is not None:
             await sender.close()
         if store is not None:
             await store.close()
 
 
+class LinkProcess:
+    """The sender and the shaping proxy in a child ``python`` process, so their CPU does
+    not disturb what the receiver measures; a context manager that ends the child on every
+    exit path (the child also exits by itself when this process dies: its stdin closes)."""
+
+    def __init__(self, store_url: str, server: tuple[str, int] | None, trace, delay_ms: float,
+                 start_timeout: float = 120.0) -> None:
+        import subprocess
+        import sys
+
+        spec = {"store": store_url, "server": server, "delay_ms": delay_ms,
+                "trace": [trace.times.tolist(), trace.rates.tolist(), trace.name]}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from streamer.tools.demo import _link_child; "
+                                   "_link_child(sys.argv[1])", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._buffer = b""
+        try:
+            answer = self._receive(start_timeout)
+            if "error" in answer:
+                raise RuntimeError(f"the sender/proxy process failed to start: {answer['error']}")
+            self.port: int = answer["port"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _receive(self, timeout: float) -> dict:
+        import os
+        import select
+
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise RuntimeError(f"the sender/proxy process did not answer within {timeout:g} s")
+            data = os.read(fd, 4096)
+            if not data:
+                raise RuntimeError(f"the sender/proxy process exited (code {self._proc.wait()})")
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _send(self, command: str) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(command.encode() + b"\n")
+        self._proc.stdin.flush()
+
+    def start_trace(self) -> float:
+        """Start the proxy's trace now; the child's ``time.monotonic()`` at its time 0 (one
+        system-wide clock, so comparable with this process's)."""
+        self._send("trace")
+        return float(self._receive(10.0)["trace_at"])
+
+    def close(self) -> None:
+        import subprocess
+
+        with contextlib.suppress(OSError, ValueError):
+            self._send("stop")
+        with contextlib.suppress(OSError, ValueError):
+            self._proc.stdin.close()  # type: ignore[union-attr]
+        for stop in (None, self._proc.terminate, self._proc.kill):
+            if stop is not None:
+                stop()
+            try:
+                self._proc.wait(10.0)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+    def __enter__(self) -> "LinkProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _fetch(args, port: int, start_trace: Callable[[], float], on_layer, on_text, verbose: bool):
+    """Fetch through the proxy at ``port``; the trace starts just before fetch() starts its clock.
+
+    Returns (report, offset): offset is how long before the fetch's time 0 the trace's time 0
+    was (the round trip to the child; ~1 ms), so capacity at fetch time t is rate_at(t + offset)."""
+    import streamer
+
+    async with streamer.StreamSession("127.0.0.1", port, args.context, slo=args.slo,
+                                      policy=args.policy, on_layer=on_layer, on_text=on_text,
+                                      on_chunk=_progress if verbose else None,
+                                      recompute_seconds_per_token=args.recompute_ms_per_token / 1e3
+                                      ) as session:
+        trace_at = start_trace()
+        fetch_at = time.monotonic()
+        report = await session.fetch()
+    return report, fetch_at - trace_at
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
     import codec
-    from codec import baselines
+    from codec import baselines, warmup
     from netsim import Trace
 
     from streamer.model import hf
@@ -101,6 +252,15 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     started = time.monotonic()
     say(f"kvwire demo: model {args.model or 'all-MiniLM-L6-v2'}, text {args.text}")
+    codec.warm_up()  # before anything is timed: the numba kernels compile (cold) or load (warm)
+    warm = warmup.last_result()
+    assert warm is not None
+    start_kind = "cold" if warm.cold else "warm"
+    numba_cache = warmup_cache_dir()
+    say(f"0. {start_kind} start: codec kernels "
+        + (f"compiled ({warm.compiled} specializations missing from the numba cache)" if warm.cold
+           else f"loaded from the numba cache ({warm.loaded} specializations)")
+        + f" in {warm.seconds:.1f} s, outside the timed fetch; cache {numba_cache}")
     model, tokenizer = hf.load_model(args.model)
     ids = hf.tokenize(tokenizer, hf.read_text([Path(args.text)]))[: args.tokens]
     ids = ids[: len(ids) - len(ids) % CHUNK_TOKENS] or ids
@@ -155,7 +315,11 @@ def run(args: argparse.Namespace) -> dict:
         fetched[:, :, start:start + len(token_ids)] = hf.capture_kv(model, tokenizer, token_ids).to(torch.float16)
         text_chunks.append(chunk)
 
-    report = asyncio.run(_fetch(args, store_url, trace, on_layer, on_text, verbose))
+    from streamer.tools.serve_fetch import run_async
+
+    with LinkProcess(store_url, args.server, trace, args.delay_ms) as link:
+        report, trace_offset = run_async(
+            lambda: _fetch(args, link.port, link.start_trace, on_layer, on_text, verbose))
     rtt = 2 * args.delay_ms / 1e3
 
     def cosine(candidate: torch.Tensor) -> float:
@@ -174,16 +338,29 @@ def run(args: argparse.Namespace) -> dict:
                               cosine(recon.to(torch.float16))))
     rows.append(MethodRow(f"kvwire ({args.policy})", report.bytes, report.total_seconds, True, cosine(fetched)))
     plot_path = out_dir / "demo_levels.png"
-    plot(report, trace, plot_path, len(profile.levels))
-    result = {"tokens": tokens, "shape": list(kv.shape), "profile_id": profile.id, "slo": args.slo,
-              "trace": trace.name or args.trace, "fetch": report.to_dict(),
-              "methods": [asdict(r) for r in rows], "plot": str(plot_path),
-              "seconds": time.monotonic() - started}
+    plot(report, trace, plot_path, len(profile.levels), trace_offset)
+    chunks = sorted(report.chunks, key=lambda c: c.index)
+    result = {
+        # the summary
+        "slo": args.slo, "deadline_met": report.deadline_met, "total_seconds": report.total_seconds,
+        "first_layer_seconds": report.first_layer_seconds, "levels": [c.level for c in chunks],
+        "text_chunks": report.text_chunks, "bytes": report.bytes, "cosine": rows[-1].cosine,
+        "quality": {r.method: {"cosine": r.cosine, "bytes": r.bytes, "fetch_seconds": r.fetch_seconds,
+                               "measured": r.measured} for r in rows},
+        "start": start_kind, "warmup_seconds": warm.seconds,
+        "warmup": {"compiled": warm.compiled, "loaded": warm.loaded, "numba_cache": numba_cache},
+        # the details
+        "tokens": tokens, "shape": list(kv.shape), "profile_id": profile.id,
+        "trace": trace.name or args.trace, "trace_offset_seconds": trace_offset, "fetch": report.to_dict(),
+        "methods": [asdict(r) for r in rows], "plot": str(plot_path),
+        "seconds": time.monotonic() - started,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return result
     print(f"5. result (SLO {args.slo:g} s {'met' if report.deadline_met else 'MISSED'}; "
-          f"{report.text_chunks} chunks recomputed from text):")
+          f"{report.text_chunks} chunks recomputed from text; {start_kind} start, codec kernels "
+          f"{'compiled' if warm.cold else 'loaded'} in {warm.seconds:.1f} s before the fetch):")
     print(f"   {'method':<16}{'MB':>9}{'fetch s':>9}  {'':<9}{'cosine':>9}")
     for r in rows:
         print(f"   {r.method:<16}{r.bytes / 1e6:>9.2f}{r.fetch_seconds:>9.3f}  "
@@ -191,36 +368,60 @@ def run(args: argparse.Namespace) -> dict:
     print(f"   kvwire: first layer delivered after {report.first_layer_seconds or 0:.3f} s; "
           f"{rows[0].fetch_seconds / report.total_seconds:.1f}x faster than raw fp16, "
           f"{rows[1].fetch_seconds / report.total_seconds:.1f}x faster than 8-bit")
-    print(f"   plot of capacity vs chosen level: {plot_path.resolve()}")
+    print(f"   plot of capacity, throughput and chosen level: {plot_path.resolve()}")
     print(f"   demo took {result['seconds']:.0f} s")
     return result
 
 
-def plot(report, trace, path: Path, levels: int) -> None:
-    """Capacity over the fetch (trace time 0 = fetch start) and each chunk's level at its finish."""
+def warmup_cache_dir() -> str:
+    """Where numba caches the codec's kernels ($NUMBA_CACHE_DIR or codec/__pycache__)."""
+    from codec import rans
+
+    stats = getattr(rans.decode_lanes, "stats", None)
+    return str(getattr(stats, "cache_path", None) or "none (numba caching is off)")
+
+
+def plot(report, trace, path: Path, levels: int, trace_offset: float = 0.0) -> None:
+    """Over the fetch (x = seconds since fetch() started): link capacity, the throughput
+    estimate each chunk was decided with (at its request), each chunk's measured throughput
+    (over its busy time), and the level chosen per chunk (at its finish)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    chunks = sorted(report.chunks, key=lambda c: c.index)
     end = max(report.total_seconds, report.slo) * 1.1
     t = np.linspace(0, end, 400)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.step(t, [trace.rate_at(x) for x in t], where="post", color="tab:blue", label="capacity")
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.step(t, [trace.rate_at(x + trace_offset) for x in t], where="post", color="tab:blue",
+            label="capacity")
+    estimated = [(c.finished_at - c.seconds, c.estimate_bps / 1e6) for c in chunks if c.estimate_bps]
+    if estimated:
+        ax.plot(*zip(*estimated), "s--", color="tab:green", markersize=4, drawstyle="steps-post",
+                label="throughput estimate (at each request)")
+    for i, c in enumerate(chunks):
+        if c.throughput_bps > 0:
+            ax.hlines(c.throughput_bps / 1e6, c.finished_at - c.busy_seconds, c.finished_at, color="tab:orange",
+                      linewidth=2, label="measured throughput (per chunk)" if i == 0 else None)
     ax.axvline(report.slo, color="gray", linestyle="--", label="SLO")
     ax.set_xlabel("seconds since the fetch started")
-    ax.set_ylabel("link capacity (Mbit/s)", color="tab:blue")
+    ax.set_ylabel("Mbit/s")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(   # 20, 50, 200, 500, ...
+        lambda value, _: f"{value:g}" if value > 0 and f"{value:e}"[0] in "25" else ""))
     ax.set_xlim(0, end)
     ax2 = ax.twinx()
-    ax2.plot([c.finished_at for c in report.chunks],
-             [levels if c.level == "text" else c.level for c in report.chunks], "o-", color="tab:red",
-             label="level chosen")
+    ax2.plot([c.finished_at for c in chunks], [levels if c.level == "text" else c.level for c in chunks],
+             "o-", color="tab:red", label="level chosen")
     ax2.set_ylim(levels + 0.5, -0.5)
     ax2.set_yticks(list(range(levels + 1)), [f"L{i}" for i in range(levels)] + ["text"])
     ax2.set_ylabel("level per chunk (top = best quality)", color="tab:red")
-    ax.set_title("kvwire demo: link capacity and the level chosen per chunk (at its finish)")
-    ax.legend(loc="lower left")
+    ax.set_title("kvwire demo: capacity, throughput and the level chosen per chunk")
+    handles = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles, [h.get_label() for h in handles], loc="lower left", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -247,5 +448,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="recompute cost the policy assumes for text chunks (default 0.1 ms/token)")
     p.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "kvwire-demo"),
                    help="where the store and the plot go")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print only a JSON summary (slo, deadline_met, total_seconds, first_layer_seconds, "
+                        "levels, text_chunks, cosine, quality, start, warmup_seconds, ...)")
     p.set_defaults(handler=lambda args: (run(args), 0)[1])
