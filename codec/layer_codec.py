@@ -78,8 +78,13 @@ def plan_layer(profile: Profile, slot: int, layer: int, coded_tokens: int) -> La
                              for kv in range(2)]),
         group=np.concatenate([np.full(kept[kv], profile.delta_group[layer, kv], dtype=np.int32)
                               for kv in range(2)]),
-        table=np.concatenate([profile.table[slot, layer, kv, :, : kept[kv]].T for kv in range(2)]),
-        shift=np.concatenate([profile.shift[slot, layer, kv, :, : kept[kv]].T for kv in range(2)]),
+        # C order whatever kept is (concatenating transposes yields Fortran order when both
+        # parts have >= 2 rows): one array type per kernel argument, so one numba
+        # specialization per kernel to compile or load (codec.warmup)
+        table=np.ascontiguousarray(np.concatenate(
+            [profile.table[slot, layer, kv, :, : kept[kv]].T for kv in range(2)])),
+        shift=np.ascontiguousarray(np.concatenate(
+            [profile.shift[slot, layer, kv, :, : kept[kv]].T for kv in range(2)])),
         lane_rows=np.array(starts + [kept[0] + kept[1]], dtype=np.int64),
     )
 
@@ -167,6 +172,10 @@ def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int,
     if table_end + 2 * int(lane_start[-1]) != len(payload):
         raise CorruptBitstream(f"layer {layer}: lane lengths disagree with the section size")
     words = np.frombuffer(payload, dtype="<u2", offset=table_end)
+    # read-only whether the section came as bytes or as a bytearray: one array type for
+    # the decode kernel (see the note in plan_layer)
+    states.flags.writeable = False
+    words.flags.writeable = False
     return LanePayload(plan, lane_start, states, words)
 
 

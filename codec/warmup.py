@@ -9,21 +9,12 @@ an edited ``rans.py``), tens of milliseconds when loading. Paid inside a fetch, 
 a stall the throughput estimator reads as a slow link. :func:`warm_up` pays it up front
 by encoding and decoding a tiny synthetic tensor through the public API.
 
-The specializations the encode and decode paths can need (argument types are fixed
-by the codec except for these two properties of the arrays):
-
-* ``table``/``shift`` rows of a layer plan are Fortran-ordered when every K/V of the layer
-  keeps at least 2 components, C-ordered when one keeps a single component (numpy's
-  concatenation follows its inputs' strides). Which one a real profile hits depends on
-  the level and the data, so both are warmed, for ``quantize_rows``, ``encode_lanes``
-  and ``decode_lanes``.
-* the lane words and final states of a section are read-only arrays when the section is
-  ``bytes`` (what ``StreamSession`` and ``codec.decode(bytes)`` pass) and writable ones
-  when it is a ``bytearray`` or a view of one; both are warmed for ``decode_lanes``.
-
-Nothing else changes the types: the output dtype (fp16/bf16/fp32), attention sinks,
-escapes and embedded profiles differ only in torch code or in branches of the same
-compiled kernel; alignment is not part of numba's array type. ``rans.ideal_bits``
+The codec fixes every argument type of its kernels, including two that would otherwise
+follow the data: a layer plan's ``table``/``shift`` rows are always C-ordered, and a
+section's lane words and states are always read-only arrays (``layer_codec``), so each
+kernel has exactly one specialization. The output dtype (fp16/bf16/fp32), attention
+sinks, escapes and embedded profiles differ only in torch code or in branches of the
+same compiled kernel; alignment is not part of numba's array type. ``rans.ideal_bits``
 (benchmarks only) is not warmed. The encode kernels are warmed too: producing the blob
 to decode needs them, and they are the ones ``put_context`` runs.
 """
@@ -37,9 +28,9 @@ import time
 import torch
 
 from . import container, rans
-from .api import decode, decode_section, encode, parse_header
+from .api import decode_section, encode, parse_header
 from .levels import DEFAULT_TARGETS
-from .profile import Profile, calibrate
+from .profile import calibrate
 from .synthetic import synthetic_kv
 
 log = logging.getLogger("kvwire.codec")
@@ -117,26 +108,11 @@ def cache_stats() -> dict[str, dict[str, int]]:
     return out
 
 
-def warmup_profile(kv: torch.Tensor) -> Profile:
-    """A 2-level profile fitted on ``kv`` whose level 0 keeps every component (Fortran-
-    ordered plan rows) and level 1 a single one per K/V (C-ordered rows)."""
-    profile = calibrate([kv], targets=(DEFAULT_TARGETS[0], DEFAULT_TARGETS[-1]), sink_tokens=_SINKS)
-    kept = profile.kept.copy()
-    kept[0] = profile.channels if profile.basis is None else profile.basis.shape[2]
-    kept[1] = 1
-    return dataclasses.replace(profile, kept=kept)
-
-
 def _exercise() -> None:
     kv = synthetic_kv(_LAYERS, _HEADS, _HEAD_DIM, _TOKENS, seed=0)
     kv[0, 0, _SINKS, 0, 0] = 1e3   # an outlier: the escape path
-    profile = warmup_profile(kv)
-    for level, dtype in ((0, torch.float16), (1, torch.bfloat16)):
-        blob = encode(kv.to(dtype), level, profile)
-        header = parse_header(blob)
-        for layer in range(header.layers):
-            section = bytes(container.section(blob, header, layer))
-            decode_section(header, profile, layer, section)              # read-only words
-            decode_section(header, profile, layer, bytearray(section))   # writable words
-    # float32, no sinks, and a blob that carries its own profile: codec.decode(bytes)
-    decode(encode(kv, 1, sink_tokens=0))
+    profile = calibrate([kv], targets=(DEFAULT_TARGETS[0],), sink_tokens=_SINKS)
+    blob = encode(kv.to(torch.float16), 0, profile)
+    header = parse_header(blob)
+    for layer in range(header.layers):
+        decode_section(header, profile, layer, bytes(container.section(blob, header, layer)))

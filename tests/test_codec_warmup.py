@@ -50,13 +50,12 @@ def test_warm_up_returns_seconds_and_is_idempotent(warm: warmup.WarmupResult) ->
     assert isinstance(warm.seconds, float) and warm.seconds > 0.0
 
 
-def test_warm_up_covers_every_kernel_and_layout(warm: warmup.WarmupResult) -> None:
+def test_warm_up_leaves_one_specialization_per_kernel(warm: warmup.WarmupResult) -> None:
+    """The codec fixes the argument types (C-ordered plan rows, read-only lane words), so
+    the warm-up has one specialization per kernel to compile or load."""
     for name in warmup.KERNELS:
-        layouts = {(sig[3].layout if name != "decode_lanes" else sig[6].layout)
-                   for sig in getattr(rans, name).signatures}
-        assert layouts == {"C", "F"}, (name, layouts)
-    readonly = {sig[0].mutable for sig in rans.decode_lanes.signatures}
-    assert readonly == {True, False}
+        assert len(getattr(rans, name).signatures) == 1, name
+    assert not rans.decode_lanes.signatures[0][0].mutable
 
 
 def test_warm_up_is_not_run_on_import() -> None:
@@ -143,7 +142,7 @@ def test_first_process_compiles_into_the_cache_and_the_next_loads_it(tmp_path: P
 
     first = child()
     files = _cache_files(cache)
-    assert first["compiled"] > 0 and first["loaded"] == 0
+    assert first["compiled"] == len(warmup.KERNELS) and first["loaded"] == 0
     index = [f for f in files if f.endswith(".nbi")]
     assert {Path(f).name.split("-")[0] for f in index} == {f"rans.{k}" for k in warmup.KERNELS}
     second = child()
