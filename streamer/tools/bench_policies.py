@@ -281,15 +281,17 @@ def sweep_trace(methods: Sequence[Method], name: str, trace: Trace, slos: Sequen
     starts = starts_of(trace, spacing)
     for slo in slos:
         for method in methods:
-            prior = None
+            prior, prior_errors = None, ()   # the session's per-sender memory across fetches
             for start in starts:
                 if method.policy == "oracle":
                     o = method.sim.oracle(trace, slo=slo, start=float(start))
                     out.append(_fetch(method, trace_set, name, slo, float(start), o.choices, o.feasible,
                                       o.cost, o.text_chunks, o.completion, first_token))
                     continue
-                r = method.sim.run(method.policy, trace, slo=slo, start=float(start), prior_bps=prior)
+                r = method.sim.run(method.policy, trace, slo=slo, start=float(start), prior_bps=prior,
+                                   prior_errors=prior_errors)
                 prior = r.next_prior or prior
+                prior_errors = r.next_errors or prior_errors
                 out.append(_fetch(method, trace_set, name, slo, float(start), r.choices, r.met, r.cost,
                                   r.text_chunks, r.completion, first_token))
     return out
