@@ -16,8 +16,12 @@ is scaled by the median of the recent prediction errors measured in the log doma
 (``log(actual / predicted)``, never above 1), over a longer window that may include the
 same peer's earlier fetches. A steady link has errors near zero and is planned at its
 measured rate; a link that usually delivers less than its recent mean predicts is
-planned at what it usually delivers. Risk is not folded into this central estimate: the
-planner guards its first step separately (:func:`guard_estimate`, ``adapt.mpc``).
+planned at what it usually delivers. A drop that lasts must not wait for five samples
+to outweigh the old ones, so the estimate is the lower of that slow one and the harmonic
+mean of the last two samples (as dash.js plans at the lower of a fast and a slow
+average): a level shift is believed at once, a single fade for two chunks. Risk is not
+folded into this estimate: the planner guards its first step separately
+(:func:`guard_estimate`, ``adapt.mpc``).
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ from streamer.adapt.base import Observation
 MIN_SAMPLE_BYTES = 64 * 1024
 #: Samples in the harmonic mean (robustMPC's 5).
 DEFAULT_WINDOW = 5
+#: Samples in the fast estimate: a level shift shows in it at once (dash.js's rule: plan
+#: at the lower of a fast and a slow average), a single fade only for two chunks.
+FAST_WINDOW = 2
 #: Prediction errors the pessimism is calibrated on (this fetch's, after the peer's earlier ones).
 ERROR_WINDOW = 20
 #: The quantile of log prediction errors the robust estimate plans for (the median: a
@@ -139,16 +146,20 @@ def recent_errors(history: Sequence[Observation], prior_errors: Sequence[float] 
 
 def robust_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
                     prior: float | None = None, prior_errors: Sequence[float] = ()) -> float | None:
-    """The harmonic mean scaled by the calibrated error factor (see the module docstring).
+    """The lower of the calibrated slow estimate (the harmonic mean of ``window`` samples
+    scaled by the error factor, see the module docstring) and the fast one (the harmonic
+    mean of the last ``FAST_WINDOW``), so a drop that lasts is believed at once.
 
-    With no informative sample the prior is returned as is; with no errors to calibrate
-    on, the harmonic mean is; None when there is no sample and no prior.
+    With no informative sample the prior is returned as is; None when there is no sample
+    and no prior.
     """
     mean = harmonic_mean(history, window, prior)
     if mean is None:
         return None
     factor = error_factor(recent_errors(history, prior_errors, window))
-    return mean if factor is None else mean * factor
+    slow = mean if factor is None else mean * factor
+    fast = harmonic_mean(history, FAST_WINDOW, prior)
+    return min(slow, fast)
 
 
 def guard_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
