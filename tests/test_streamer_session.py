@@ -392,3 +392,34 @@ async def test_a_context_of_small_chunks_arrives_at_the_best_level(tmp_path: Pat
         await server.close()
         await store.close()
     assert [c.level for c in report.chunks] == [0, 0, 0, 0]
+
+
+async def test_arrival_times_do_not_wait_for_a_busy_decoder(context, sender, monkeypatch) -> None:
+    """The rate is measured where bytes arrive: with a decoder far slower than the link,
+    every chunk's measured end still comes before its last layer is even decoded (were
+    the clock read when the consumer got round to the chunk, it would come after)."""
+    import time
+
+    from streamer.net import session as session_module
+
+    def slow_decoder(device):
+        def decode(*args, **kwargs):
+            time.sleep(0.05)                 # per layer section, in the decode worker
+            return codec.decode_section(*args, **kwargs)
+        return decode
+
+    monkeypatch.setattr(session_module, "section_decoder", slow_decoder)
+    delivered: dict[int, float] = {}
+
+    def on_layer(chunk: int, layer: int, k, v) -> None:
+        delivered[chunk] = time.monotonic()
+
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=60.0, policy="fixed:0",
+                                      on_layer=on_layer) as session:
+        started = time.monotonic()           # at or before the fetch clock's start
+        report = await session.fetch()
+    chunks = context["manifest"].chunks
+    assert len(report.chunks) == len(chunks) and set(delivered) == set(range(len(chunks)))
+    late = [c.index for c in report.chunks if started + c.finished_at >= delivered[c.index]]
+    assert late == []
+    assert report.total_seconds >= 0.05 * LAYERS * len(chunks)   # one worker: the sleeps add up
