@@ -1,8 +1,8 @@
 """Stores for contexts and profiles, opened by URL: ``await open_store(url)``.
 
-``file:///abs/path`` or a plain path: a local directory (``stores.file``).
+``file:///abs/path`` or a plain path: a local directory (``store.file``).
 ``redis://host:port/db`` (or ``rediss://``, TLS): a redis database shared by any
-number of senders (``stores.redis``; needs the ``kvwire[redis]`` extra).
+number of senders (``store.redis``; needs the ``kvwire[redis]`` extra).
 """
 from __future__ import annotations
 
