@@ -580,9 +580,10 @@ class _Fetch:
         report.finished_at = at - self.start
         report.busy_seconds = busy
         report.throughput_bps = 8 * chunk.received / busy if busy > 0 else 0.0
-        sample, self.pending_sample = estimator.pool_sample(self.pending_sample, chunk.received, busy)
-        if sample is not None:
-            self.history.append(sample)
+        if chunk.choice != TEXT:   # a few kB of token ids measure the round trip, not the link
+            sample, self.pending_sample = estimator.pool_sample(self.pending_sample, chunk.received, busy)
+            if sample is not None:
+                self.history.append(sample)
         if self.s._on_chunk is not None:
             self.s._on_chunk(report)
         if chunk.choice != TEXT and (chunk.header is None or chunk.next_layer < chunk.header.layers):
