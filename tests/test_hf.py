@@ -253,3 +253,19 @@ async def test_stream_session_into_assembler(llama, stored_context, policy):
     prompt = _ids(3, 24)
     generated = hf.generate_with_kv(llama, None, assembler.kv, prompt, max_new_tokens=6)
     assert len(generated) == 6
+
+
+def test_generation_stops_at_the_end_of_sequence_token(llama):
+    """Both generators stop after EOS: with the model's EOS set to the first token it
+    would generate, each returns that one token."""
+    context, prompt = list(range(3, 40)), [5, 6, 7]
+    first = hf.greedy_generate(llama, None, context + prompt, max_new_tokens=1)[0]
+    kv = hf.capture_kv(llama, None, context)
+    saved = llama.generation_config.eos_token_id
+    llama.generation_config.eos_token_id = [first]
+    try:
+        assert hf.greedy_generate(llama, None, context + prompt, max_new_tokens=8) == [first]
+        assert hf.generate_with_kv(llama, None, kv, prompt, max_new_tokens=8) == [first]
+    finally:
+        llama.generation_config.eos_token_id = saved
+

@@ -328,19 +328,35 @@ def kv_to_cache(kv: torch.Tensor, *, model=None, dtype: torch.dtype | None = Non
 # --------------------------------------------------------------------- generation
 @torch.no_grad()
 def greedy_generate(model, tokenizer, text_or_ids: str | Sequence[int], max_new_tokens: int = 16) -> list[int]:
-    """Greedy continuation of a context after a full prefill (the reference)."""
+    """Greedy continuation of a context after a full prefill (the reference); it stops after
+    the model's end-of-sequence token, as ``generate_with_kv`` does."""
     ids = _ids(tokenizer, text_or_ids)
     return _greedy(model, ids, None, max_new_tokens)
 
 
+def _eos_ids(model) -> frozenset[int]:
+    """The model's end-of-sequence token ids (its config may name one, several or none)."""
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([int(eos)] if isinstance(eos, int) else (int(e) for e in eos))
+
+
 def _greedy(model, prompt: list[int], cache, max_new_tokens: int) -> list[int]:
+    """Up to ``max_new_tokens`` greedy tokens; stops after the model's end-of-sequence token."""
     generated: list[int] = []
     feed = prompt
+    eos = _eos_ids(model)
     for _ in range(max_new_tokens):
         out = _decoder_forward(model, feed, cache, logits=True)
         cache = _out_cache(out)
         token = int(out.logits[0, -1].argmax())
         generated.append(token)
+        if token in eos:
+            break
         feed = [token]
     return generated
 
