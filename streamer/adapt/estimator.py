@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
 import numpy as np
 
 from streamer.adapt.base import Observation
@@ -181,7 +182,7 @@ def pool_sample(pending: Observation | None, nbytes: int, busy_seconds: float
     """Fold one finished transfer into the samples: (sample to record or None, new pending).
 
     A transfer of at least ``MIN_SAMPLE_BYTES`` is a sample of its own. Smaller ones
-    (a context of small chunks, text answers) are pooled with the ones before them until
+    (a context of small chunks) are pooled with the ones before them until
     together they reach that size, so a fetch of small chunks still measures its link
     instead of planning blind on the prior. A transfer with no busy time adds nothing.
     """
