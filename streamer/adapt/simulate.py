@@ -111,7 +111,6 @@ class SimResult:
     recompute: float       # seconds of text-chunk recompute after the fetch
     slo: float
     cost: float            # the policies' objective: distortion per level + TEXT_PENALTY per text
-    distortion: float      # token-weighted mean distortion (``distortion`` given; text = 0)
     text_chunks: int
     next_prior: float | None = None   # the session's per-server prior after this fetch
     next_errors: tuple[float, ...] = ()   # and its memory of log prediction errors
@@ -220,11 +219,6 @@ class Simulator:
         """The policies' objective for a whole schedule."""
         d = self.manifest.level_distortion
         return float(sum(TEXT_PENALTY if c == TEXT else d[c] for c in choices))
-
-    def distortion_of(self, choices: Sequence[Choice]) -> float:
-        """Token-weighted mean reported distortion (text chunks are recomputed exactly: 0)."""
-        per = np.array([0.0 if c == TEXT else self.distortion[c] for c in choices])
-        return float((per * self.tokens).sum() / self.tokens.sum())
 
     def kv_distortion_of(self, choices: Sequence[Choice]) -> float:
         """Token-weighted mean distortion of the chunks fetched as KV (nan if none was)."""
@@ -388,7 +382,7 @@ class Simulator:
         text_tokens = float(sum(self.tokens[j] for j in range(n) if is_text[j]))
         return SimResult(choices=choices, chunks=timings, decisions=decisions, history=history,
                          finish=done, recompute=self.recompute * text_tokens, slo=float(slo),
-                         cost=self.cost_of(choices), distortion=self.distortion_of(choices),
+                         cost=self.cost_of(choices),
                          text_chunks=sum(is_text),
                          next_prior=estimator.robust_estimate(history, prior_errors=prior_errors),
                          next_errors=tuple(estimator.recent_errors(history, prior_errors)))
@@ -413,7 +407,6 @@ class OracleResult:
     feasible: bool
     cost: float
     completion: float     # under the oracle's timing (a lower bound on the simulator's)
-    distortion: float
     text_chunks: int
     slo: float
     states: int = 0       # Pareto states explored (for the curious)
@@ -512,7 +505,7 @@ def _oracle(sim: Simulator, link: _Link, *, slo: float, start: float) -> OracleR
     cols.reverse()
     choices: list[Choice] = [TEXT if c == L else c for c in cols]
     return OracleResult(choices=choices, feasible=feasible, cost=sim.cost_of(choices),
-                        completion=float(finish[best]), distortion=sim.distortion_of(choices),
+                        completion=float(finish[best]),
                         text_chunks=sum(c == TEXT for c in choices), slo=float(slo), states=explored)
 
 
