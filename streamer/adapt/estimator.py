@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -161,6 +162,24 @@ def robust_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW
     slow = mean if factor is None else mean * factor
     fast = harmonic_mean(history, FAST_WINDOW, prior)
     return min(slow, fast)
+
+
+@dataclass(frozen=True)
+class LinkMemory:
+    """What one fetch leaves for the next to the same peer: its robust throughput
+    estimate (bytes/s) and the recent log prediction errors that calibrate it."""
+
+    rate: float
+    errors: tuple[float, ...] = ()
+
+
+def remember(history: Sequence[Observation], prior_errors: Sequence[float] = ()) -> LinkMemory | None:
+    """The memory a fetch with this ``history`` leaves (None when it measured nothing):
+    the session keeps one per sender, the simulator hands it to the next fetch."""
+    rate = robust_estimate(history, prior_errors=prior_errors)
+    if rate is None:
+        return None
+    return LinkMemory(rate, tuple(float(e) for e in recent_errors(history, prior_errors)))
 
 
 def guard_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW,

@@ -380,12 +380,13 @@ class Simulator:
             timings.append(ChunkTiming(j, choices[j], nbytes[j], requested[j], begin[j], end[j],
                                        done, busy_of[j]))
         text_tokens = float(sum(self.tokens[j] for j in range(n) if is_text[j]))
+        memory = estimator.remember(history, prior_errors)
         return SimResult(choices=choices, chunks=timings, decisions=decisions, history=history,
                          finish=done, recompute=self.recompute * text_tokens, slo=float(slo),
                          cost=self.cost_of(choices),
                          text_chunks=sum(is_text),
-                         next_prior=estimator.robust_estimate(history, prior_errors=prior_errors),
-                         next_errors=tuple(estimator.recent_errors(history, prior_errors)))
+                         next_prior=memory.rate if memory else None,
+                         next_errors=memory.errors if memory else ())
 
     # ------------------------------------------------------------------ oracle
     def oracle(self, trace: Trace, *, slo: float, start: float = 0.0) -> "OracleResult":

@@ -59,20 +59,9 @@ MAX_CORRUPT_RETRIES = 2
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
-
-
-@dataclass(frozen=True)
-class LinkMemory:
-    """What one fetch leaves for the next to the same sender: its robust throughput
-    estimate (bytes/s) and the recent log prediction errors that calibrate it."""
-
-    rate: float
-    errors: tuple[float, ...] = ()
-
-
 #: Per sender address: the prior of the next fetch (a reused connection, the receiver
 #: daemon and successive sessions of one process all carry it).
-_server_priors: dict[tuple[str, int], LinkMemory] = {}
+_server_priors: dict[tuple[str, int], estimator.LinkMemory] = {}
 
 
 class FetchFailed(StreamError):
@@ -351,10 +340,9 @@ class _Fetch:
                     self.s._client.resume_reading()
         consumer.result()  # re-raise a callback's exception
         self._finish()
-        estimate = estimator.robust_estimate(self.history, prior_errors=self.prior_errors)
-        if estimate:
-            errors = estimator.recent_errors(self.history, self.prior_errors)
-            _server_priors[self.s.address] = LinkMemory(estimate, tuple(float(e) for e in errors))
+        memory = estimator.remember(self.history, self.prior_errors)
+        if memory is not None:
+            _server_priors[self.s.address] = memory
         return self.report
 
     def _finish(self) -> None:
@@ -450,7 +438,8 @@ class _Fetch:
 
     def _pending_recompute(self) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text."""
-        return sum(self.s.config.recompute_seconds_per_token * (self.manifest.chunks[c.index].end - self.manifest.chunks[c.index].start)
+        per_token = self.s.config.recompute_seconds_per_token
+        return sum(per_token * self.manifest.chunks[c.index].tokens
                    for c in self.chunks if c.choice == TEXT and not self.delivery.is_done(c.index))
 
     def _outstanding_bytes(self) -> int:
