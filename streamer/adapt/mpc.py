@@ -33,7 +33,7 @@ import numpy as np
 from streamer.adapt.base import (Choice, PlanInput, choice_of, option_costs, option_seconds,
                                  probe_level)
 from streamer.adapt.estimator import DEFAULT_WINDOW, guard_estimate, robust_estimate
-from streamer.adapt.plan import DEFAULT_BINS, Plan, first_option_costs, solve
+from streamer.adapt.plan import DEFAULT_BINS, Plan, fastest, first_option_costs, solve
 
 #: Extra cost of text per position earlier in the plan: far below any level's distortion
 #: step, so it only breaks ties between plans that differ in where their text goes.
@@ -77,8 +77,8 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
         return probe_level(inp)
     seconds, costs = option_seconds(inp, estimate), plan_costs(inp)
     totals = first_option_costs(seconds, costs, inp.time_left, bins)
-    if not np.isfinite(totals).any():
-        return choice_of(solve(seconds, costs, inp.time_left, bins).columns[0], inp.levels)
+    if not np.isfinite(totals).any():   # nothing fits: miss by as little as possible
+        return choice_of(fastest(seconds, costs).columns[0], inp.levels)
     safe = np.where(guarded(inp, window), totals, np.inf)
     best = safe if np.isfinite(safe).any() else totals
     return choice_of(int(np.argmin(best)), inp.levels)
