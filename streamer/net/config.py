@@ -1,7 +1,8 @@
 """One configuration object per role, validated in one place (as aioquic's
 ``QuicConfiguration``): ``SessionConfig`` for a receiving ``StreamSession`` -- shared
 by the receiver daemon and the CLI, which thread it through unchanged -- and
-``ServerConfig`` (in ``streamer.net.sender``) for the sender daemon."""
+``ServerConfig`` (in ``streamer.net.sender``) for the sender daemon; both check their
+fields with the ``require_*`` helpers here."""
 from __future__ import annotations
 
 import math
@@ -20,12 +21,25 @@ from streamer.wire.frames import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
 DEFAULT_MAX_BUFFERED_BYTES = 64 * 1024 * 1024
 
 
-def _positive(name: str, value: object, *, allow_zero: bool = False) -> None:
+def require_positive(owner: str, name: str, value: object, *, allow_zero: bool = False) -> None:
+    """ValueError unless ``value`` is a finite number > 0 (>= 0 with ``allow_zero``)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
         and (value >= 0 if allow_zero else value > 0)
     if not ok:
-        raise ValueError(f"SessionConfig.{name} must be a finite number {'>=' if allow_zero else '>'} 0, "
+        raise ValueError(f"{owner}.{name} must be a finite number {'>=' if allow_zero else '>'} 0, "
                          f"got {value!r}")
+
+
+def require_int(owner: str, name: str, value: object, minimum: int) -> None:
+    """ValueError unless ``value`` is an int (not a bool) >= ``minimum``."""
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def require_max_frame(owner: str, value: object) -> None:
+    """ValueError unless ``value`` is a frame size limit both ends can honour."""
+    if type(value) is not int or not MIN_MAX_FRAME <= value <= 0xFFFF_FFFF:
+        raise ValueError(f"{owner}.max_frame must be an int in [{MIN_MAX_FRAME}, 2**32-1], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,8 @@ class SessionConfig:
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
 
     def __post_init__(self) -> None:
-        _positive("slo", self.slo)
+        owner = "SessionConfig"
+        require_positive(owner, "slo", self.slo)
         object.__setattr__(self, "slo", float(self.slo))
         get_policy(self.policy)  # ValueError listing the valid names
         try:
@@ -74,19 +89,18 @@ class SessionConfig:
             raise ValueError(f"SessionConfig.device: {exc}") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"SessionConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _positive("recompute_seconds_per_token", self.recompute_seconds_per_token, allow_zero=True)
+        require_positive(owner, "recompute_seconds_per_token", self.recompute_seconds_per_token,
+                         allow_zero=True)
         if self.prior_bps is not None:
-            _positive("prior_bps", self.prior_bps)
+            require_positive(owner, "prior_bps", self.prior_bps)
         for name in ("connect_timeout", "stall_timeout", "backoff", "max_backoff"):
-            _positive(name, getattr(self, name))
-        if type(self.max_reconnects) is not int or self.max_reconnects < 0:
-            raise ValueError(f"SessionConfig.max_reconnects must be an int >= 0, got {self.max_reconnects!r}")
-        if type(self.max_buffered_bytes) is not int or self.max_buffered_bytes < 1:
-            raise ValueError(f"max_buffered_bytes must be an int >= 1, got {self.max_buffered_bytes!r}")
-        if type(self.max_frame) is not int or not MIN_MAX_FRAME <= self.max_frame <= 0xFFFF_FFFF:
-            raise ValueError(f"max_frame must be an int in [{MIN_MAX_FRAME}, 2**32-1]")
+            require_positive(owner, name, getattr(self, name))
+        require_int(owner, "max_reconnects", self.max_reconnects, 0)
+        require_int(owner, "max_buffered_bytes", self.max_buffered_bytes, 1)
+        require_max_frame(owner, self.max_frame)
         if self.ssl is not None and not isinstance(self.ssl, (bool, _ssl.SSLContext)):
-            raise TypeError(f"ssl must be an ssl.SSLContext, True or None, got {type(self.ssl).__name__}")
+            raise TypeError(f"SessionConfig.ssl must be an ssl.SSLContext, True or None, "
+                            f"got {type(self.ssl).__name__}")
         if self.server_hostname is not None and not isinstance(self.server_hostname, str):
             raise TypeError("SessionConfig.server_hostname must be a str or None")
         object.__setattr__(self, "auth_token", auth.normalize_token(self.auth_token))

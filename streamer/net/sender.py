@@ -31,6 +31,7 @@ import codec
 from streamer.wire import auth, protocol as p
 from streamer.wire.frames import PART_HEADER
 from streamer.wire.manifest import Manifest, validate_context_id
+from streamer.net.config import require_int, require_max_frame, require_positive
 from streamer.net.sender_metrics import SenderMetrics, new_session_id, session_logger
 from streamer.store import ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError
 
@@ -74,15 +75,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout", "read_timeout", "write_timeout", "shutdown_grace"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ServerConfig.{name} must be > 0 seconds, got {value!r}")
+            require_positive("ServerConfig", name, getattr(self, name))
         for name in ("max_sessions", "max_pending_requests"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {value!r}")
-        if type(self.max_frame) is not int or not p.MIN_MAX_FRAME <= self.max_frame <= 0xFFFF_FFFF:
-            raise ValueError(f"ServerConfig.max_frame must be in [{p.MIN_MAX_FRAME}, 2**32-1]")
+            require_int("ServerConfig", name, getattr(self, name), 1)
+        require_max_frame("ServerConfig", self.max_frame)
         if self.ssl is not None and not isinstance(self.ssl, _ssl.SSLContext):
             raise TypeError(f"ServerConfig.ssl must be an ssl.SSLContext, got {type(self.ssl).__name__}")
         object.__setattr__(self, "auth_token", auth.normalize_token(self.auth_token))
