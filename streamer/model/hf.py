@@ -171,6 +171,13 @@ def kv_shape(model) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def vocab_size(model) -> int:
+    """The model's vocabulary size: pass it to ``put_context(vocab_size=...)`` so receivers
+    range-check the text fallback's token ids against it."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.vocab_size)
+
+
 def _cache_arg(model) -> str:
     """Name of the forward argument that takes the cache (``cache`` in newer 5.x)."""
     params = inspect.signature(_base(model).forward).parameters
@@ -464,6 +471,9 @@ class CacheAssembler:
         if (manifest.layers, manifest.heads, manifest.head_dim) != (layers, heads, head_dim):
             raise ValueError(f"manifest KV is {manifest.layers}x{manifest.heads}x{manifest.head_dim}, "
                              f"the model's {layers}x{heads}x{head_dim}")
+        if manifest.vocab_size is not None and manifest.vocab_size != vocab_size(model):
+            raise ValueError(f"manifest's vocabulary has {manifest.vocab_size} tokens, "
+                             f"the model's {vocab_size(model)}")
         self.model = model
         self.manifest = manifest
         self.window = window

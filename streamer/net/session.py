@@ -508,7 +508,8 @@ class _Fetch:
             chunk.begin_at = chunk.begin_at or at
             chunk.received = len(event.data)
             try:
-                tokens = decode_tokens(event.data)
+                tokens = decode_tokens(event.data, expected_tokens=self.manifest.chunks[event.chunk].tokens,
+                                       vocab_size=self.manifest.vocab_size)
             except ValueError as exc:
                 raise ConnectionLost(f"chunk {event.chunk}: bad text fallback: {exc}") from exc
             self.delivery.add_text(event.chunk, tokens)

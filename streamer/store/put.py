@@ -2,17 +2,36 @@
 
 Each chunk of ``chunk_tokens`` tokens is encoded independently (a receiver can decode
 chunk i as soon as it has arrived, at whatever level the sender chose for it) and its
-token ids are stored too, as the *text fallback*: zstd-compressed little-endian uint32
-(``encode_tokens`` / ``decode_tokens``), from which a receiver can recompute the KV
-when fetching it would miss the deadline. The manifest is committed last, so the
-context appears complete or not at all. (``kvwire put`` is in ``streamer.tools.put``.)
+token ids are stored too, as the *text fallback* (``encode_tokens`` / ``decode_tokens``),
+from which a receiver can recompute the KV when fetching it would miss the deadline.
+The manifest is committed last, so the context appears complete or not at all.
+(``kvwire put`` is in ``streamer.tools.put``.)
+
+Text payload format, version 1 (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic b"KVTX"
+    4       1     format version (1)
+    5       4     n: token count (uint32)
+    9       ...   one zstd frame of the n ids as uint32 (4n bytes once decompressed)
+    end-4   4     CRC-32 (zlib) of every byte before it
+
+The CRC is checked before anything is decompressed and covers the header too, so any
+single-bit (indeed any burst of <= 32 bits) corruption is a ValueError, never wrong
+ids. A payload comes from a store or a sender, so it is hostile input: ``n`` is
+checked against the chunk's token count before decompressing, decompression stops
+after 4n + 1 bytes whatever the frame declares (a 17-byte frame may claim 64 GiB),
+and the ids are checked against the vocabulary size when the manifest records one.
+Payloads written before this format (a bare zstd frame) are refused saying so.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
 import os
+import struct
 import time
+import zlib
 from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
@@ -23,7 +42,14 @@ from streamer.store import ContextWriter, Store
 
 DEFAULT_CHUNK_TOKENS = 1536
 _TOKEN_DTYPE = np.dtype("<u4")
-_MAX_TEXT_BYTES = 1 << 32  # 2**30 uint32 tokens: far beyond any chunk
+TEXT_MAGIC = b"KVTX"
+TEXT_VERSION = 1
+_TEXT_HEADER = struct.Struct("<4sBI")   # magic, version, token count
+_TEXT_CRC = struct.Struct("<I")
+#: Most tokens a text payload may hold when the caller does not say how many it expects:
+#: the codec's limit per blob (``codec.container.MAX_TOKENS``), i.e. at most 64 MiB of ids.
+MAX_TEXT_TOKENS = 1 << 24
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 T = TypeVar("T")
 
 if TYPE_CHECKING:  # imported on use: registering `kvwire put` must not load torch (~1.5 s)
@@ -33,22 +59,65 @@ if TYPE_CHECKING:  # imported on use: registering `kvwire put` must not load tor
 
 
 def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as zstd-compressed little-endian uint32 (the text fallback format)."""
-    return zstandard.ZstdCompressor(level=9).compress(np.ascontiguousarray(token_ids, _TOKEN_DTYPE).tobytes())
+    """Token ids as a text fallback payload (the format is in the module docstring)."""
+    ids = np.ascontiguousarray(token_ids, _TOKEN_DTYPE)
+    body = _TEXT_HEADER.pack(TEXT_MAGIC, TEXT_VERSION, len(ids)) + \
+        zstandard.ZstdCompressor(level=9).compress(ids.tobytes())
+    return body + _TEXT_CRC.pack(zlib.crc32(body))
 
 
-def decode_tokens(data: bytes) -> list[int]:
-    """Inverse of ``encode_tokens``; ValueError if ``data`` is not such a payload."""
+def decode_tokens(data: bytes, *, expected_tokens: int | None = None,
+                  vocab_size: int | None = None) -> list[int]:
+    """The token ids of a text fallback payload; ValueError naming the fault otherwise.
+
+    ``expected_tokens``: the chunk's token count (the manifest's); the payload must hold
+    exactly that many. Never more than :data:`MAX_TEXT_TOKENS` ids (64 MiB) are
+    decompressed, whatever the payload claims. ``vocab_size``: every id must be below it.
+    """
+    view = memoryview(data)
+    if len(view) < _TEXT_HEADER.size + _TEXT_CRC.size:
+        raise ValueError(f"text payload is {len(view)} bytes, shorter than its header and checksum")
+    magic, version, tokens = _TEXT_HEADER.unpack_from(view)
+    if magic != TEXT_MAGIC:
+        if bytes(view[:4]) == _ZSTD_MAGIC:
+            raise ValueError("text payload is a bare zstd frame (written before text format 1, "
+                             "which adds a checksum): put the context again")
+        raise ValueError(f"not a kvwire text payload (magic {bytes(magic)!r})")
+    (crc,) = _TEXT_CRC.unpack_from(view, len(view) - _TEXT_CRC.size)
+    if zlib.crc32(view[:-_TEXT_CRC.size]) != crc:
+        raise ValueError("text payload checksum mismatch (corrupt token ids)")
+    if version != TEXT_VERSION:
+        raise ValueError(f"unsupported text payload version {version} (this build reads {TEXT_VERSION})")
+    if expected_tokens is not None and tokens != expected_tokens:
+        raise ValueError(f"text payload holds {tokens} token ids, the chunk has {expected_tokens}")
+    if tokens > MAX_TEXT_TOKENS:
+        raise ValueError(f"text payload claims {tokens} token ids, more than {MAX_TEXT_TOKENS}")
+    raw = _decompress_at_most(view[_TEXT_HEADER.size:-_TEXT_CRC.size], 4 * tokens)
+    if len(raw) != 4 * tokens:
+        raise ValueError(f"text payload's zstd frame holds {len(raw)} bytes, its header says "
+                         f"{tokens} token ids ({4 * tokens} bytes)")
+    ids = np.frombuffer(raw, dtype=_TOKEN_DTYPE)
+    if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+        raise ValueError(f"text payload holds token id {int(ids.max())}, outside the vocabulary "
+                         f"of {vocab_size} tokens")
+    return ids.tolist()
+
+
+def _decompress_at_most(frame: memoryview, limit: int) -> bytes:
+    """The content of one zstd frame, reading at most ``limit + 1`` bytes of it (so an
+    over-long frame is noticed without decompressing it); ValueError if not zstd."""
+    out = bytearray()
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=_MAX_TEXT_BYTES)
+        with zstandard.ZstdDecompressor().stream_reader(frame) as reader:
+            while len(out) <= limit and (piece := reader.read(limit + 1 - len(out))):
+                out += piece
     except zstandard.ZstdError as exc:
-        raise ValueError(f"text fallback is not a zstd frame: {exc}") from None
-    if len(raw) % _TOKEN_DTYPE.itemsize:
-        raise ValueError(f"text fallback holds {len(raw)} bytes, not a whole number of uint32 token ids")
-    return np.frombuffer(raw, dtype=_TOKEN_DTYPE).tolist()
+        raise ValueError(f"text payload's token ids are not a zstd frame: {exc}") from None
+    return bytes(out)
 
 
-def _check_token_ids(token_ids: Sequence[int] | np.ndarray | torch.Tensor, tokens: int) -> np.ndarray:
+def _check_token_ids(token_ids: Sequence[int] | np.ndarray | torch.Tensor, tokens: int,
+                     vocab_size: int | None) -> np.ndarray:
     ids = np.asarray(token_ids)  # lists, numpy arrays and CPU torch tensors alike
     if ids.ndim != 1 or len(ids) != tokens:
         raise ValueError(f"token_ids must be a flat sequence of {tokens} ids (one per KV token), "
@@ -57,6 +126,11 @@ def _check_token_ids(token_ids: Sequence[int] | np.ndarray | torch.Tensor, token
         raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) > np.iinfo(_TOKEN_DTYPE).max):
         raise ValueError("token ids must be in [0, 2**32)")
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        if ids.size and int(ids.max()) >= vocab_size:
+            raise ValueError(f"token id {int(ids.max())} is outside the vocabulary of {vocab_size} tokens")
     return ids.astype(_TOKEN_DTYPE)
 
 
@@ -114,13 +188,16 @@ async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Te
 async def put_context(store: Store, context_id: str, kv: torch.Tensor,
                       token_ids: Sequence[int] | np.ndarray | torch.Tensor, *,
                       profile: codec.Profile | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                      levels: Iterable[int] | None = None) -> Manifest:
+                      levels: Iterable[int] | None = None, vocab_size: int | None = None) -> Manifest:
     """Encode ``kv`` [layers, 2, tokens, heads, head_dim] chunk by chunk at ``levels``
     (default: all of the profile's) and commit it to ``store`` as a new version.
 
     ``profile=None`` calibrates one on this context itself (fine for a one-off; a
     profile calibrated once per model on other text makes no per-context fitting
-    necessary). The profile is stored too. Returns the committed manifest.
+    necessary). The profile is stored too. ``vocab_size`` (the model's vocabulary size,
+    ``streamer.model.hf.vocab_size``) is recorded in the manifest, so a receiver can
+    range-check the text fallback's ids; every id must be below it. Returns the committed
+    manifest.
     """
     import codec
     from codec.profile import validate_kv
@@ -129,7 +206,7 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
     validate_kv(kv)
     kv = kv.detach().cpu()
     layers, _, tokens, heads, head_dim = kv.shape
-    ids = _check_token_ids(token_ids, tokens)
+    ids = _check_token_ids(token_ids, tokens, vocab_size)
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     if profile is None:
@@ -146,6 +223,7 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
         manifest = Manifest(
             context_id=context_id, version=writer.version, layers=layers, heads=heads, head_dim=head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), tokens=tokens, profile_id=profile.id,
-            level_distortion=tuple(profile.targets), chunks=tuple(chunks), created=time.time())
+            level_distortion=tuple(profile.targets), chunks=tuple(chunks), created=time.time(),
+            vocab_size=vocab_size)
         await writer.commit(manifest)
     return manifest

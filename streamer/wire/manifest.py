@@ -5,10 +5,15 @@ the chunk's token ids (the text fallback: the receiver can recompute the KV inst
 fetching it). The manifest lists every chunk's token range and blob sizes, so a sender
 can plan per-chunk quality against a deadline without touching the blobs.
 
-It is JSON (tagged ``"format": "kvwire-manifest", "version": 1``), not pickle: any
+It is JSON (tagged ``"format": "kvwire-manifest", "version": 2``), not pickle: any
 language can read it and a malformed one cannot execute anything. Every field is
 checked on construction, so a ``Manifest`` that exists is internally consistent
 (contiguous chunks covering ``[0, tokens)``, one size per level, ...).
+
+Version 2 adds ``"vocab_size"`` (the model's vocabulary size, or null when the writer
+did not give it): a receiver range-checks the text fallback's token ids against it.
+Version 1 manifests (no such key) are still read, with ``vocab_size=None``; their
+text fallbacks predate the checksummed text format and are refused when fetched.
 """
 from __future__ import annotations
 
@@ -19,7 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MANIFEST_FORMAT = "kvwire-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+#: Manifest format versions this build reads (1: before ``vocab_size``).
+READABLE_VERSIONS = (1, 2)
 DTYPES = ("float16", "bfloat16", "float32")
 
 # Ids become file names and redis key parts: no separators (/ :), no leading dot
@@ -126,6 +133,8 @@ class Manifest:
     ``version`` is the id of the put that wrote it (unique per put): blobs are stored
     under it, so a re-put never overwrites data a reader of the old manifest fetches.
     ``level_distortion`` is the profile's target distortion per level (best first).
+    ``vocab_size`` is the model's vocabulary size when the writer knew it: every token id
+    of the text fallback is below it.
     """
 
     context_id: str
@@ -139,6 +148,7 @@ class Manifest:
     level_distortion: tuple[float, ...]
     chunks: tuple[ChunkInfo, ...]
     created: float
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         _id(self.context_id, "context id")
@@ -156,6 +166,8 @@ class Manifest:
             raise ManifestError("level_distortion must be strictly increasing (best quality first), "
                                 f"got {self.level_distortion!r}")
         _finite(self.created, "created", positive=False)
+        if self.vocab_size is not None:
+            _int(self.vocab_size, "vocab_size", 1)
         self._check_chunks()
 
     def _check_chunks(self) -> None:
@@ -195,6 +207,7 @@ class Manifest:
             "layers": self.layers, "heads": self.heads, "head_dim": self.head_dim,
             "dtype": self.dtype, "tokens": self.tokens, "profile_id": self.profile_id,
             "level_distortion": list(self.level_distortion), "created": self.created,
+            "vocab_size": self.vocab_size,
             "chunks": [{"index": c.index, "start": c.start, "end": c.end, "sizes": list(c.sizes),
                         "text_bytes": c.text_bytes, "sink_tokens": c.sink_tokens}
                        for c in self.chunks],
@@ -210,10 +223,11 @@ class Manifest:
             raise ManifestError(f"manifest is not UTF-8 JSON: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
             raise ManifestError(f"not a kvwire manifest (no \"format\": \"{MANIFEST_FORMAT}\" tag)")
-        if doc.get("version") != MANIFEST_VERSION:
-            raise ManifestError(f"unsupported manifest version {doc.get('version')!r} "
-                                f"(this build reads version {MANIFEST_VERSION})")
-        fields = _exact_keys(doc, _MANIFEST_KEYS, "manifest")
+        version = doc.get("version")
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
+            raise ManifestError(f"unsupported manifest version {version!r} "
+                                f"(this build reads versions {READABLE_VERSIONS})")
+        fields = _exact_keys(doc, _MANIFEST_KEYS | ({"vocab_size"} if version >= 2 else set()), "manifest")
         chunks = fields["chunks"]
         if not isinstance(chunks, list):
             raise ManifestError(f"chunks must be a list, got {type(chunks).__name__}")
@@ -223,7 +237,7 @@ class Manifest:
             dtype=fields["dtype"], tokens=fields["tokens"], profile_id=fields["profile_id"],
             level_distortion=_tuple(fields["level_distortion"], "level_distortion"),
             chunks=tuple(_chunk_from_json(c, i) for i, c in enumerate(chunks)),
-            created=fields["created"],
+            created=fields["created"], vocab_size=fields.get("vocab_size"),
         )
 
 
@@ -257,4 +271,4 @@ def _chunk_from_json(doc: object, position: int) -> ChunkInfo:
 
 
 __all__ = ["ChunkInfo", "DTYPES", "MANIFEST_FORMAT", "MANIFEST_VERSION", "Manifest", "ManifestError",
-           "validate_context_id", "validate_id"]
+           "READABLE_VERSIONS", "validate_context_id", "validate_id"]
