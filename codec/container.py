@@ -22,8 +22,20 @@ SECTION_ENTRY = struct.Struct("<II")
 CRC = struct.Struct("<I")
 FLAG_EMBEDDED_PROFILE = 0x01
 _KNOWN_FLAGS = FLAG_EMBEDDED_PROFILE
-#: Largest token count a blob may claim: bounds what a hostile header can make us allocate.
+# Limits (FORMAT.md, "Limits"): every size a reader takes from untrusted bytes is
+# checked against one of these before anything is allocated from it.
+#: Largest token count a blob may claim.
 MAX_TOKENS = 1 << 24
+#: layers, heads, head_dim and sink tokens are u16 fields.
+MAX_U16 = 0xFFFF
+#: Largest channel count (heads * head_dim) of one K or V.
+MAX_CHANNELS = 1 << 16
+#: Largest tokens * channels of one layer's K or V (1 GiB of float32 coefficients).
+MAX_LAYER_VALUES = 1 << 28
+#: The level is a u8 field, so a profile has at most 256 levels.
+MAX_LEVELS = 256
+#: Table classes are u8 indices, so a profile has at most 256 frequency tables.
+MAX_TABLES = 256
 
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}

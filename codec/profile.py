@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import entropy, transform
-from .container import MAX_TOKENS
+from .container import MAX_CHANNELS, MAX_LEVELS, MAX_TABLES, MAX_TOKENS, MAX_U16
 from .errors import CorruptBitstream
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS, design_step
 
@@ -169,6 +169,12 @@ class Profile:
         L, C, V = self.layers, self.channels, len(self.targets)
         if min(L, self.heads, self.head_dim) < 1 or V < 1 or self.sink_tokens < 0:
             raise ValueError("profile dimensions must be positive")
+        # the blob format's limits (FORMAT.md, "Limits"): a profile outside them could
+        # never describe a blob, and the coder's tables are sized from these numbers
+        if max(L, self.heads, self.head_dim, self.sink_tokens) > MAX_U16 or C > MAX_CHANNELS \
+                or V > MAX_LEVELS:
+            raise ValueError(f"profile dimensions exceed the format's limits (layers, heads, head_dim, "
+                             f"sink_tokens <= {MAX_U16}, channels <= {MAX_CHANNELS}, levels <= {MAX_LEVELS})")
         if self.transform not in TRANSFORMS:
             raise ValueError(f"unknown transform {self.transform!r}")
         if len(self.estimated_bits) != V:
@@ -184,6 +190,8 @@ class Profile:
                 got = (getattr(array, "dtype", type(array)), getattr(array, "shape", None))
                 raise ValueError(f"profile.{name} must be {np.dtype(dtype)} {shape}, got {got}")
         entropy.validate_tables(self.tables)
+        if self.tables.shape[0] > MAX_TABLES:  # the decoder builds a 4096-entry lookup per table
+            raise ValueError(f"profile.tables has {self.tables.shape[0]} tables, at most {MAX_TABLES}")
         if self.table.size and int(self.table.max()) >= self.tables.shape[0]:
             raise ValueError("profile.table refers to a missing table")
         if self.shift.size and int(self.shift.max()) > entropy.PROB_BITS:
@@ -192,17 +200,24 @@ class Profile:
             raise ValueError("profile.steps must be positive and finite")
         if not np.all(np.isfinite(self.mean)):
             raise ValueError("profile.mean must be finite")
-        if np.any(self.delta_group < 0):
-            raise ValueError("profile.delta_group must be >= 0")
+        if np.any(self.delta_group < 0) or np.any(self.delta_group > MAX_TOKENS):
+            raise ValueError(f"profile.delta_group must be in [0, {MAX_TOKENS}]")
+        if np.any(self.kept < 0):
+            raise ValueError("profile.kept must be >= 0")
         if self.basis is None:
             if self.transform != "identity" or np.any(self.kept != C):
                 raise ValueError("a profile without a basis must keep every channel")
         else:
+            # kept <= basis rows <= channels: the coder's per-row tables (shift, table)
+            # have C entries and the inverse transform reads kept basis rows
             if self.basis.dtype != np.float32 or self.basis.ndim != 4 \
-                    or self.basis.shape[:2] != (L, 2) or self.basis.shape[3] != C:
-                raise ValueError(f"profile.basis must be float32 [{L}, 2, K, {C}]")
-            if np.any(self.kept < 0) or np.any(self.kept > self.basis.shape[2]):
+                    or self.basis.shape[:2] != (L, 2) or self.basis.shape[3] != C \
+                    or self.basis.shape[2] > C:
+                raise ValueError(f"profile.basis must be float32 [{L}, 2, R, {C}] with R <= {C}")
+            if np.any(self.kept > self.basis.shape[2]):
                 raise ValueError("profile.kept exceeds the stored basis rows")
+            if not np.all(np.isfinite(self.basis)):
+                raise ValueError("profile.basis must be finite")
 
     def check_shape(self, layers: int, heads: int, head_dim: int) -> None:
         if (layers, heads, head_dim) != (self.layers, self.heads, self.head_dim):

@@ -169,6 +169,7 @@ def test_load_missing_file_is_os_error(tmp_path):
     "table_out_of_range", "shift_too_big", "tables_sum", "tables_no_escape",
     "kept_too_many", "layers_meta", "transform_meta", "targets_meta", "bad_json", "meta_not_utf8",
     "estimated_bits_len", "basis_for_missing_identity", "negative_delta",
+    "kept_past_channels", "kept_negative", "basis_nan", "delta_past_tokens", "too_many_tables",
 ])
 def test_malformed_profile_is_corrupt(codec_profile, mutation):
     arrays = _safetensors_arrays(codec_profile)
@@ -225,6 +226,21 @@ def test_malformed_profile_is_corrupt(codec_profile, mutation):
         del arrays["basis"]  # a "layer" profile without its basis
     elif mutation == "negative_delta":
         arrays["delta_group"] = -np.ones_like(arrays["delta_group"])
+    elif mutation == "kept_past_channels":  # #15: basis padded so kept <= rows, but rows > channels
+        channels = arrays["mean"].shape[2]
+        basis = np.zeros(arrays["basis"].shape[:2] + (channels + 8, channels), np.float32)
+        basis[:, :, : arrays["basis"].shape[2]] = arrays["basis"]
+        arrays["basis"] = basis
+        arrays["kept"] = np.full_like(arrays["kept"], channels + 8)
+    elif mutation == "kept_negative":
+        arrays["kept"] = np.full_like(arrays["kept"], -1)
+    elif mutation == "basis_nan":
+        arrays["basis"] = arrays["basis"].copy()
+        arrays["basis"][0, 0, 0, 0] = np.nan
+    elif mutation == "too_many_tables":  # each costs a 4 KiB decode lookup: bounded
+        arrays["tables"] = np.repeat(arrays["tables"][:1], 257, axis=0)
+    elif mutation == "delta_past_tokens":
+        arrays["delta_group"] = np.full_like(arrays["delta_group"], 1 << 30)
     if mutation not in ("bad_json", "meta_not_utf8", "drop_metadata"):
         arrays["metadata"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     with pytest.raises(codec.CorruptBitstream):
