@@ -8,6 +8,7 @@ stored context is intact afterwards (the old version or the new one, never half)
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -28,7 +29,10 @@ from streamer_helpers import synthetic_kv
 from netsim.proxy import LinkSpec
 from netsim.shaping import Cut
 from streamer.wire import frames
+from streamer.wire.frames import MIN_MAX_FRAME
 from streamer.adapt.policies import TEXT
+from streamer.net import sender as sender_module
+from streamer.net import session as session_module
 from streamer.store import StoreError, open_store
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 32
@@ -87,6 +91,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple] = []
         self.position = (0, 0)
+        self.superseded: dict[int, int] = {}   # chunk -> layers delivered before its text
 
     def on_layer(self, chunk: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         assert (chunk, layer) == self.position, f"got {(chunk, layer)}, expected {self.position}"
@@ -94,14 +99,20 @@ class Recorder:
         self.events.append((chunk, layer, k.clone(), v.clone()))
 
     def on_text(self, chunk: int, token_ids: list[int]) -> None:
-        assert self.position == (chunk, 0), f"text for chunk {chunk} at {self.position}"
+        # a chunk may switch to text after some of its layers went out (superseding them)
+        assert self.position[0] == chunk, f"text for chunk {chunk} at {self.position}"
+        self.superseded[chunk] = self.position[1]
         self.position = (chunk + 1, 0)
         self.events.append((chunk, TEXT, token_ids))
 
 
-def check_delivery(rec: Recorder, report, ctx: dict, reference: dict, *, complete: bool = True) -> None:
-    """No wrong tensor, no wrong text: each delivery equals the reference of its level."""
+def check_delivery(rec: Recorder, report, ctx: dict, reference: dict, *, complete: bool = True,
+                   superseded_level: int = 0) -> None:
+    """No wrong tensor, no wrong text: each delivery equals the reference of its level
+    (``superseded_level`` for layers of a chunk that then switched to text)."""
     manifest = ctx["manifest"]
+    for c in report.chunks:
+        assert c.superseded_layers == rec.superseded.get(c.index, 0), (c.index, rec.superseded)
     if complete:
         assert rec.position == (len(manifest.chunks), 0), rec.position
     for event in rec.events:
@@ -110,7 +121,10 @@ def check_delivery(rec: Recorder, report, ctx: dict, reference: dict, *, complet
             assert event[2] == ctx["tokens"][info.start:info.end]
             continue
         level = report.chunks[chunk].level
-        assert level != TEXT, f"chunk {chunk} delivered layers but reports text"
+        if level == TEXT:   # layers that went out before the chunk switched to text
+            assert event[1] < report.chunks[chunk].superseded_layers, \
+                f"chunk {chunk} delivered layer {event[1]} but reports text"
+            level = superseded_level
         ref = reference[chunk, level]
         assert torch.equal(event[2], ref[event[1], 0]), f"wrong K for chunk {chunk} layer {event[1]}"
         assert torch.equal(event[3], ref[event[1], 1]), f"wrong V for chunk {chunk} layer {event[1]}"
@@ -387,29 +401,53 @@ async def test_truncated_frame_without_fallback_fails_cleanly_or_resumes(ctx, re
         check_delivery(rec, report, ctx, reference, complete=failed is None)
 
 
-# ---------------------------------------------------------------- row 6: one corrupted payload byte
+# ---------------------------------------------------------------- row 6: one corrupted byte
+#: where the damaged byte of chunk 2's level-0 blob sits: offset from the start of a
+#: layer's section, or in the header (the magic; a field the header CRC covers)
+DAMAGE = {"layer0": lambda h: h.section_offset(0) + 17, "layer2": lambda h: h.section_offset(2) + 17,
+          "magic": lambda h: 0, "header_field": lambda h: 20}
+
+
+@pytest.mark.parametrize("source, where", [("store", "layer0"), ("store", "layer2"), ("wire", "layer2"),
+                                           ("wire", "magic"), ("wire", "header_field")])
 @pytest.mark.parametrize("times", [1, 100], ids=["once", "always"])
-async def test_one_corrupted_payload_byte(ctx, reference, times: int) -> None:
-    """The store returns chunk 2's level-0 blob with one byte of layer 0's section flipped,
-    once (the refetch is clean: every layer at level 0) or every time (after
-    MAX_CORRUPT_RETRIES refetches the chunk comes as text). The section CRC catches it
-    before any layer of the chunk is delivered."""
+async def test_one_corrupted_byte(ctx, reference, monkeypatch, times: int, source: str, where: str) -> None:
+    """Chunk 2's level-0 blob arrives with one byte flipped, once (the refetch is clean:
+    every layer at level 0) or every time (after MAX_CORRUPT_RETRIES refetches the chunk
+    comes as text, superseding any of its layers already delivered). The damage is in
+    the stored blob, or made on the way (after the sender's own checks): a bad header is
+    caught like a bad section, and one bad byte costs one refetch, not one per frame."""
     store = await open_store(ctx["root"])
     real_get_chunk = store.get_chunk
     served: list[int] = []
 
+    def damage(blob: bytes) -> bytes:
+        if len(served) >= times:
+            return blob
+        damaged = bytearray(blob)
+        damaged[DAMAGE[where](codec.parse_header(blob))] ^= 0x01
+        served.append(2)
+        return bytes(damaged)
+
     async def get_chunk(context_id, version, chunk, level):
         blob = await real_get_chunk(context_id, version, chunk, level)
-        if (chunk, level) == (2, 0) and len(served) < times:
-            header = codec.parse_header(blob)
-            damaged = bytearray(blob)
-            damaged[header.section_offset(0) + 17] ^= 0x01
-            served.append(chunk)
-            return bytes(damaged)
-        return blob
+        return damage(blob) if (chunk, level) == (2, 0) and source == "store" else blob
 
+    real_blob_parts = sender_module.blob_parts
+
+    def blob_parts(blob: bytes, limit: int):
+        parts = list(real_blob_parts(blob, limit))
+        if source != "wire" or codec.parse_header(blob).tokens != CHUNK_TOKENS or blob != reference_blobs[2]:
+            return iter(parts)
+        data = damage(b"".join(parts))
+        return iter(memoryview(data)[start:start + len(part)]
+                    for start, part in zip(itertools.accumulate((len(q) for q in parts), initial=0), parts))
+
+    reference_blobs = {2: await real_get_chunk("ctx", ctx["manifest"].version, 2, 0)}
     store.get_chunk = get_chunk
-    sender = await streamer.serve(store)
+    monkeypatch.setattr(sender_module, "blob_parts", blob_parts)
+    # small frames: a chunk's answer spans many parts, so a bad header is seen by each
+    sender = await streamer.serve(store, config=streamer.ServerConfig(max_frame=MIN_MAX_FRAME))
     rec = Recorder()
     try:
         await _warm_profile_cache(sender.port)
@@ -418,14 +456,39 @@ async def test_one_corrupted_payload_byte(ctx, reference, times: int) -> None:
     finally:
         await sender.close()
         await store.close()
-    assert served
     check_delivery(rec, report, ctx, reference)
-    assert report.chunks[2].retries >= 1
     if times == 1:
+        assert len(served) == 1 and report.chunks[2].retries == 1
         assert all(c.level == 0 for c in report.chunks)
     else:
+        assert len(served) == 1 + session_module.MAX_CORRUPT_RETRIES
         assert report.chunks[2].level == TEXT and "corrupt" in report.chunks[2].reason
+        assert report.chunks[2].superseded_layers == (2 if where == "layer2" else 0)
         assert all(c.level == 0 for i, c in enumerate(report.chunks) if i != 2)
+
+
+async def test_a_stored_blob_with_a_bad_header_goes_to_text(ctx, reference) -> None:
+    """The sender checks a stored blob's header before sending it: a damaged one is
+    answered with an error, and the session sends that chunk as text at once."""
+    store = await open_store(ctx["root"])
+    real_get_chunk = store.get_chunk
+
+    async def get_chunk(context_id, version, chunk, level):
+        blob = await real_get_chunk(context_id, version, chunk, level)
+        return b"X" + blob[1:] if (chunk, level) == (2, 0) else blob
+
+    store.get_chunk = get_chunk
+    sender = await streamer.serve(store)
+    rec = Recorder()
+    try:
+        async with _session(sender.port, rec) as session:
+            report = await session.fetch()
+    finally:
+        await sender.close()
+        await store.close()
+    check_delivery(rec, report, ctx, reference)
+    assert report.chunks[2].level == TEXT and "stored chunk is corrupt" in report.chunks[2].reason
+    assert all(c.level == 0 for i, c in enumerate(report.chunks) if i != 2)
 
 
 # ---------------------------------------------------------------- row 7: Redis restarted mid-fetch

@@ -496,3 +496,39 @@ async def test_fetches_reuse_the_connection_to_the_sender(contexts, sender, rece
         status, body = await _post(http, receiver, context_id=context_id, slo=5.0, policy="fixed:3")
         assert status == 200 and body["status"] == "fetched", body
     assert await _metric(http, receiver, "kvwire_receiver_connections_reused_total") == 1
+
+
+class DamagingStore(FileStore):
+    """Serves chunk 1's level-2 blob with layer 2's section always damaged."""
+
+    async def get_chunk(self, context_id: str, version: str, chunk: int, level: int) -> bytes:
+        blob = await super().get_chunk(context_id, version, chunk, level)
+        if (chunk, level) != (1, 2):
+            return blob
+        damaged = bytearray(blob)
+        damaged[codec.parse_header(blob).section_offset(2) + 9] ^= 0x40
+        return bytes(damaged)
+
+
+async def test_a_chunk_that_stays_corrupt_after_layers_went_out_is_superseded(contexts, receive, http) -> None:
+    """Layers 0-1 of chunk 1 are delivered, layer 2 stays corrupt: the chunk comes as
+    text, and the event stream says its delivered layers are void before the text."""
+    store = DamagingStore(Path(contexts["root"]))
+    server = await streamer.serve(store)
+    try:
+        receiver = await receive([("127.0.0.1", server.port)])
+        events_task = asyncio.create_task(_events(http, f"{receiver.url}/contexts/c/events?wait=10"))
+        await asyncio.sleep(0.05)
+        status, result = await _post(http, receiver, context_id="c", slo=10.0, policy="fixed:2")
+        events = await events_task
+    finally:
+        await server.close()
+        await store.close()
+    assert status == 200, result
+    kinds = [(kind, d.get("chunk")) for _, kind, d in events if kind in ("layer", "superseded", "text")]
+    chunk1 = [kind for kind, chunk in kinds if chunk == 1]
+    assert chunk1 == ["layer", "layer", "superseded", "text"], chunk1
+    superseded = next(d for _, kind, d in events if kind == "superseded")
+    assert superseded == {"chunk": 1, "layers": 2}
+    report = next(d for _, kind, d in events if kind == "done")["report"]
+    assert report["chunks"][1]["level"] == "text" and report["chunks"][1]["superseded_layers"] == 2

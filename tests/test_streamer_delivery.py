@@ -47,17 +47,23 @@ async def test_layers_arrive_in_order_whatever_order_sections_land() -> None:
     assert seen == [(c, l) for c in range(2) for l in range(LAYERS)]
 
 
-async def test_corrupt_section_is_replaced_by_a_refetch() -> None:
+@pytest.mark.parametrize("bad", [{(0, 1)}, {(0, 0), (0, 2)}], ids=["one", "two"])
+async def test_corrupt_sections_are_replaced_by_one_refetch(bad: set) -> None:
+    """A refetch resends every section of the chunk (delivered ones are skipped): one
+    on_corrupt per bad answer, and a second bad section of that answer never wins."""
     seen: list[tuple] = []
+    corrupt_calls: list[int] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         holder: dict = {}
 
         def on_corrupt(chunk: int, layer: int, exc: Exception) -> None:
-            holder["delivery"].add_section(chunk, layer, None, None, b"0,")  # the refetched copy
+            corrupt_calls.append(layer)
+            for again in range(LAYERS):   # the refetched answer: clean this time
+                holder["delivery"].add_section(chunk, again, None, None, b"0,")
 
         delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
                                    on_text=None, on_corrupt=on_corrupt, executor=pool,
-                                   decode=_decoder({(0, 1)}))
+                                   decode=_decoder(set(bad)))
         holder["delivery"] = delivery
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 0)
@@ -65,6 +71,31 @@ async def test_corrupt_section_is_replaced_by_a_refetch() -> None:
             delivery.add_section(0, layer, None, None, b"0,")
         await consumer
     assert seen == [(0, l) for l in range(LAYERS)]
+    assert corrupt_calls == [min(bad)[1]]
+
+
+async def test_text_after_delivered_layers_supersedes_them() -> None:
+    """The session may switch a chunk to text after layers went out: on_text follows the
+    delivered layers, and superseded_layers says how many it voided."""
+    events: list[tuple] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = OrderedDelivery(chunks=2, layers=LAYERS, on_layer=lambda c, l, k, v: events.append((c, l)),
+                                   on_text=lambda c, ids: events.append((c, TEXT)),
+                                   on_corrupt=lambda *a: None, executor=pool, decode=_decoder(set()))
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 1)
+        delivery.add_section(0, 0, None, None, b"0,")
+        while delivery.delivered_layers(0) < 1:
+            await asyncio.sleep(0.001)
+        delivery.resolve(0, TEXT)
+        with pytest.raises(RuntimeError):
+            delivery.resolve(0, 2)   # another level is no longer possible
+        delivery.add_text(0, [1])
+        delivery.resolve(1, TEXT)
+        delivery.add_text(1, [2])
+        await consumer
+    assert events == [(0, 0), (0, TEXT), (1, TEXT)]
+    assert delivery.superseded_layers(0) == 1 and delivery.superseded_layers(1) == 0
 
 
 async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
@@ -86,17 +117,3 @@ async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
         delivery.add_section(0, 0, None, None, b"0,")
         await consumer
     assert texts == [(0, [1, 2, 3])]
-
-
-async def test_a_chunk_that_delivered_layers_cannot_switch_to_text() -> None:
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=None, on_text=None,
-                                   on_corrupt=lambda *a: None, executor=pool, decode=_decoder(set()))
-        consumer = asyncio.create_task(delivery.run())
-        delivery.resolve(0, 0)
-        delivery.add_section(0, 0, None, None, b"0,")
-        while delivery.delivered_layers(0) == 0:
-            await asyncio.sleep(0.01)
-        with pytest.raises(RuntimeError, match="must complete at its level"):
-            delivery.resolve(0, TEXT)
-        consumer.cancel()

@@ -7,6 +7,11 @@ chunk, layers 0..L-1, awaiting each decode in turn and calling ``on_layer`` — 
 ``on_text`` for a chunk the session resolved as text. Because only that task
 calls the callbacks, order and exactly-once hold by construction, whatever the
 network does (refetches after a reset or a corrupt section just refill slots).
+
+A chunk may switch to text after some of its layers went out (its sections stayed
+corrupt, or the session cancelled it to meet the deadline): the consumer then gets
+``on_text`` for that chunk too and must recompute the whole chunk, the delivered
+layers included; ``superseded_layers(chunk)`` says how many layers that made void.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class _ChunkSlots:
     layers: dict[int, asyncio.Future] = field(default_factory=dict)
     text: asyncio.Future | None = None
     delivered: int = 0            # layers handed to on_layer so far
+    superseded: int = 0           # layers delivered before the chunk switched to text
     decode_seconds: float = 0.0
     done: bool = False
 
@@ -95,14 +101,17 @@ class OrderedDelivery:
         return slots[layer]
 
     def resolve(self, chunk: int, kind: int | str) -> None:
-        """Fix how a chunk will be delivered; a change to TEXT is allowed until a layer went out."""
+        """Fix how a chunk will be delivered. Another level is allowed until a layer went
+        out; TEXT is allowed until the chunk is done (it supersedes delivered layers)."""
         state = self._chunks[chunk]
         if state.kind.done():
             if state.kind.result() == kind:
                 return
-            if state.delivered:
+            if state.done:
+                raise RuntimeError(f"chunk {chunk} was delivered already; it cannot change")
+            if state.delivered and kind != TEXT:
                 raise RuntimeError(f"chunk {chunk} already delivered {state.delivered} layers; "
-                                   "it must complete at its level")
+                                   "it can only complete at its level or switch to text")
             state.kind = self._loop.create_future()
             for fut in state.layers.values():
                 if not fut.done():
@@ -120,6 +129,9 @@ class OrderedDelivery:
 
     def is_done(self, chunk: int) -> bool:
         return self._chunks[chunk].done
+
+    def superseded_layers(self, chunk: int) -> int:
+        return self._chunks[chunk].superseded
 
     def add_section(self, chunk: int, layer: int, header: codec.BlobHeader, profile: codec.Profile,
                     section: bytes | memoryview) -> None:
@@ -162,6 +174,7 @@ class OrderedDelivery:
             while True:
                 kind = await state.kind
                 if kind == TEXT:
+                    state.superseded = state.delivered
                     if state.text is None:
                         state.text = self._loop.create_future()
                     token_ids = await state.text
@@ -178,6 +191,8 @@ class OrderedDelivery:
         """Deliver the chunk's remaining layers; False if it was retargeted to text."""
         kind = state.kind
         while state.delivered < self._layers:
+            if state.kind is not kind:
+                return False   # retargeted to text while on_layer ran
             layer = state.delivered
             job = await self._slot(index, layer)
             if isinstance(job, _Retarget):
@@ -185,8 +200,11 @@ class OrderedDelivery:
             try:
                 k, v, seconds = await job
             except codec.CorruptBitstream as exc:
-                del state.layers[layer]
-                self._release(index, layer)
+                # the refetch resends every section: drop the rest of the bad answer too, so
+                # a second bad section in it cannot win over its replacement
+                for pending in [l for l in state.layers if l >= layer]:
+                    del state.layers[pending]
+                self._release(index)
                 self._on_corrupt(index, layer, exc)
                 if state.kind is not kind:
                     return False  # the session gave up on the layers and resolved the chunk anew

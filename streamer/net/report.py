@@ -32,6 +32,10 @@ class ChunkReport:
     retries: int = 0
     #: why a chunk went to text without the policy choosing it ("deadline", "servers lost", ...)
     reason: str | None = None
+    #: layers delivered through on_layer before the chunk switched to text (its sections
+    #: stayed corrupt, or it was cancelled to meet the deadline): the consumer got on_text
+    #: for the chunk as well and recomputes all of it
+    superseded_layers: int = 0
 
 
 @dataclass

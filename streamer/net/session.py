@@ -89,7 +89,8 @@ class _Chunk:
     header: codec.BlobHeader | None = None
     next_layer: int = 0
     corrupt_retries: int = 0
-    refetch: bool = False
+    refetch: bool = False      # a refetch is due when the current answer ends
+    discard: bool = False      # ignore the rest of the current answer (its header was corrupt)
     report: ChunkReport | None = None
 
 
@@ -126,6 +127,7 @@ class StreamSession:
         #: lets a consumer label layers before the chunk's report exists
         self.levels: dict[int, Choice] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
+        self._fetch: _Fetch | None = None
 
     @property
     def slo(self) -> float:
@@ -268,7 +270,13 @@ class StreamSession:
         """Fetch every chunk; returns when the last layer or text chunk was delivered."""
         if self.manifest is None or self._client is None:
             raise RuntimeError("use `async with StreamSession(...)` before fetch()")
-        return await _Fetch(self).run()
+        self._fetch = _Fetch(self)
+        return await self._fetch.run()
+
+    def delivered_layers(self, chunk: int) -> int:
+        """Layers of ``chunk`` handed to ``on_layer`` so far in the current (or last) fetch:
+        called from ``on_text``, non-zero means the text supersedes them."""
+        return self._fetch.delivery.delivered_layers(chunk) if self._fetch is not None else 0
 
 
 class _Fetch:
@@ -355,6 +363,7 @@ class _Fetch:
         for chunk in self.chunks:
             if chunk.report is not None:
                 chunk.report.decode_seconds = self.delivery.decode_seconds(chunk.index)
+                chunk.report.superseded_layers = self.delivery.superseded_layers(chunk.index)
 
     async def _next_arrival(self, consumer: asyncio.Task):
         """The next network event, or None when woken for another reason."""
@@ -383,9 +392,11 @@ class _Fetch:
 
     # ------------------------------------------------------------------ backpressure
     def _buffered(self) -> int:
-        """Received payload bytes not yet delivered: queued events plus the delivery backlog."""
+        """Received payload bytes not yet delivered: queued events, sections still being
+        assembled from parts, and the delivery backlog."""
         client = self.s._client
-        return self.delivery.backlog_bytes + (client.queued_bytes if client is not None else 0)
+        assembling = sum(len(self.chunks[i].buffer) - self.chunks[i].consumed for i in self.inflight)
+        return self.delivery.backlog_bytes + assembling + (client.queued_bytes if client is not None else 0)
 
     def _maybe_pause(self) -> None:
         """After each socket read and each handled event: stop reading when over the limit."""
@@ -479,6 +490,7 @@ class _Fetch:
         chunk.header = None
         chunk.next_layer = 0
         chunk.refetch = False
+        chunk.discard = False
         info = self.manifest.chunks[chunk.index]
         chunk.expected = info.text_bytes if choice == TEXT else info.sizes[choice]
         self.delivery.resolve(chunk.index, choice)
@@ -524,15 +536,22 @@ class _Fetch:
 
     def _on_part(self, chunk: _Chunk, data: bytes, at: float) -> None:
         chunk.received += len(data)
+        if chunk.discard:
+            return   # the rest of an answer whose header was corrupt: it is refetched whole
         chunk.buffer += data
         if chunk.header is None:
-            size = codec.header_length(chunk.buffer)
-            if size is None or len(chunk.buffer) < size:
-                return
             try:
+                size = codec.header_length(chunk.buffer)
+                if size is not None and size > chunk.expected:
+                    raise codec.CorruptBitstream(f"chunk header claims {size} bytes, the chunk "
+                                                 f"has {chunk.expected}")
+                if size is None or len(chunk.buffer) < size:
+                    return
                 header = codec.parse_header(chunk.buffer)
-                self._check_header(header)
+                self._check_header(chunk, header)
             except codec.CorruptBitstream as exc:
+                chunk.discard = True
+                chunk.buffer = bytearray()
                 self._on_corrupt(chunk.index, 0, exc)
                 return
             chunk.header = header
@@ -550,11 +569,17 @@ class _Fetch:
             del chunk.buffer[: chunk.consumed]
             chunk.consumed = 0
 
-    def _check_header(self, header: codec.BlobHeader) -> None:
+    def _check_header(self, chunk: _Chunk, header: codec.BlobHeader) -> None:
+        """The blob must be the one the manifest describes: a stored blob of another
+        context, level or shape is corruption, whatever its checksums say."""
         m = self.manifest
         if header.profile_id != m.profile_id or (header.layers, header.heads, header.head_dim) != \
                 (m.layers, m.heads, m.head_dim):
             raise codec.CorruptBitstream("chunk header disagrees with the manifest")
+        if header.tokens != m.chunks[chunk.index].tokens or header.level != chunk.choice:
+            raise codec.CorruptBitstream(
+                f"chunk header says {header.tokens} tokens at level {header.level}; the manifest "
+                f"says {m.chunks[chunk.index].tokens} tokens and we asked for level {chunk.choice}")
 
     def _on_end(self, chunk: _Chunk, at: float, cancelled: bool) -> None:
         if chunk.index in self.inflight:
@@ -576,11 +601,11 @@ class _Fetch:
                 self.history.append(sample)
         if self.s._on_chunk is not None:
             self.s._on_chunk(report)
-        if chunk.choice != TEXT and (chunk.header is None or chunk.next_layer < chunk.header.layers):
+        if chunk.refetch:
+            self._refetch(chunk)
+        elif chunk.choice != TEXT and (chunk.header is None or chunk.next_layer < chunk.header.layers):
             self._on_corrupt(chunk.index, chunk.next_layer,
                              codec.CorruptBitstream(f"chunk {chunk.index} ended before all its layers"))
-        elif chunk.refetch:
-            self._refetch(chunk)
 
     def _on_error(self, event: p.Error) -> None:
         """A non-fatal ERROR answers the oldest outstanding request."""
@@ -595,20 +620,26 @@ class _Fetch:
         raise ServerError(event.code, f"chunk {chunk.index}: {event.message}")
 
     def _on_corrupt(self, index: int, layer: int, exc: Exception) -> None:
-        """A section failed its checks: refetch the chunk (its delivered layers are skipped)."""
+        """A section (or the header) failed its checks: refetch the chunk once its current
+        answer ends (its delivered layers are skipped); after MAX_CORRUPT_RETRIES refetches
+        send it as text, even if some of its layers went out (they are superseded)."""
         chunk = self.chunks[index]
+        if chunk.refetch:
+            return   # one refetch per answer, however many of its sections are bad
         chunk.corrupt_retries += 1
+        report = chunk.report
+        assert report is not None
         if chunk.corrupt_retries > MAX_CORRUPT_RETRIES:
-            if self.delivery.delivered_layers(index) == 0 and chunk.choice != TEXT:
-                chunk.report.reason = f"corrupt data: {exc}"  # type: ignore[union-attr]
-                chunk.report.level = TEXT  # type: ignore[union-attr]
-                chunk.choice = TEXT
-                chunk.refetch = True
-            else:
+            if chunk.choice == TEXT:
                 self.delivery.fail_chunk(index, FetchFailed(f"chunk {index} stays corrupt: {exc}", self.report))
                 return
-        chunk.report.retries += 1  # type: ignore[union-attr]
+            report.reason = f"corrupt data: {exc}"
+            report.level = TEXT
+            chunk.choice = TEXT
+        report.retries += 1
         chunk.refetch = True
+        chunk.discard = True   # the rest of this answer is superseded by the refetch
+        chunk.buffer = bytearray()
         if index not in self.inflight:
             self._refetch(chunk)
         self.wake.set()

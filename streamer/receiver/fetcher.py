@@ -330,6 +330,9 @@ class Fetcher:
 
             async def on_text(chunk: int, token_ids: list[int]) -> None:
                 info = m.chunks[chunk]
+                superseded = session.delivered_layers(chunk)
+                if superseded:   # its layers went out, then it switched to text: void them
+                    job.emit("superseded", chunk=chunk, layers=superseded)
                 if assembler is not None:
                     await assembler.on_text(chunk, token_ids)
                     recomputed.append(chunk)
