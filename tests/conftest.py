@@ -175,11 +175,47 @@ def redis_store_url(redis_url):
             client.delete(*keys)
     finally:
         client.close()
-@pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(scope="session")
+def redis_cluster_url():
+    """``$REDIS_CLUSTER_URL`` (a redis+cluster:// URL; .ci/run starts the cluster with
+    scripts/redis-cluster.sh), else skip."""
+    import os
+
+    url = os.environ.get("REDIS_CLUSTER_URL")
+    if not url:
+        pytest.skip("REDIS_CLUSTER_URL is unset (start a local cluster with "
+                    "`scripts/redis-cluster.sh start 7100` and export the URL it prints)")
+    return url
+
+
+@pytest.fixture
+def redis_cluster_store_url(redis_cluster_url):
+    """``redis_cluster_url`` with a fresh key prefix (the URL's path); its keys are
+    deleted afterwards, on every master."""
+    import uuid
+
+    from redis.cluster import ClusterNode, RedisCluster
+
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    yield f"{redis_cluster_url.rstrip('/')}/{prefix}"
+    hosts = redis_cluster_url.split("://", 1)[1].split("/", 1)[0].split(",")
+    client = RedisCluster(startup_nodes=[ClusterNode(*h.rsplit(":", 1)) for h in hosts],
+                          socket_connect_timeout=5, socket_timeout=10)
+    try:
+        for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+            client.delete(key)
+    finally:
+        client.close()
+
+
+@pytest.fixture(params=["file", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("cluster", marks=pytest.mark.redis)])
 def store_url(request, tmp_path) -> str:
-    """Each store test runs against a file store and a real redis store."""
+    """Each store test runs against a file store, a real redis store and a real cluster."""
     if request.param == "file":
         return str(tmp_path / "store")
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster_store_url")
     return request.getfixturevalue("redis_store_url")
 
 

@@ -212,7 +212,7 @@ async def stored_items(store: Store, context_id: str, version: str) -> list[str]
         directory = store.version_dir(context_id, version)
         return sorted(os.listdir(directory)) if directory.exists() else []
     assert isinstance(store, RedisStore)
-    pattern = f"{store.prefix}:ctx:{context_id}:{version}:*"
+    pattern = store.version_pattern(context_id, version)
     return sorted([key.decode() async for key in store._client.scan_iter(match=pattern)])
 
 

@@ -3,6 +3,8 @@
 ``file:///abs/path`` or a plain path: a local directory (``store.file``).
 ``redis://host:port/db`` (or ``rediss://``, TLS): a redis database shared by any
 number of senders (``store.redis``; needs the ``kvwire[redis]`` extra).
+``redis+cluster://host:port[,host:port...][/prefix]`` (or ``rediss+cluster://``): a Redis
+Cluster (``store.redis_cluster``; the same store on a cluster client).
 """
 from __future__ import annotations
 
@@ -30,15 +32,19 @@ async def open_store(url: str) -> Store:
         from streamer.store.file import FileStore
 
         return FileStore(Path(unquote(parts.path)))
-    if parts.scheme in ("redis", "rediss"):
+    if parts.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         try:
             from streamer.store.redis import RedisStore
+            from streamer.store.redis_cluster import open_cluster_store
         except ImportError as exc:
             raise StoreError(f"{parts.scheme}:// stores need the redis package "
                              f"(pip install 'kvwire[redis]'): {exc}") from exc
+        if parts.scheme.endswith("+cluster"):
+            return await open_cluster_store(url)
         return await RedisStore.open(url)
     raise ValueError(f"unsupported store URL scheme {parts.scheme!r} in {url!r}; supported: "
-                     "file:///abs/path (or a plain path), redis://host:port/db, rediss://host:port/db")
+                     "file:///abs/path (or a plain path), redis://host:port/db, rediss://host:port/db, "
+                     "redis+cluster://host:port[,host:port...][/prefix]")
 
 
 __all__ = ["ChunkNotFound", "ContextNotFound", "ContextWriter", "ProfileNotFound", "Store",
