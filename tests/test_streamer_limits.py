@@ -2,7 +2,9 @@
 typed error (a fatal ERROR frame with its code, or a StreamError), never a hang or an
 unbounded buffer: frame size (both sides), concurrent sessions, queued requests per
 connection, receiver backpressure, handshake / partial-frame read timeouts (slowloris),
-idle timeout and write timeout (a receiver that stops reading)."""
+idle timeout and write timeout (a receiver that stops reading); and sizes read from a
+store or a sender: a profile over the receiver's limit, stored data whose size is not
+the manifest's, a corrupt stored manifest."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +19,7 @@ import streamer
 from streamer_helpers import put_context_now, synthetic_kv
 from streamer.wire import protocol as p
 from streamer.wire.frames import encode
+from streamer.net.client import ClientConnection, ProfileTooLarge, ServerError
 from streamer.net.sender import ServerConfig
 
 LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 4, 8, 32, 256, 8
@@ -368,3 +371,93 @@ def test_server_config_validation(kw) -> None:
 def test_session_config_validation(kw) -> None:
     with pytest.raises(ValueError):
         streamer.StreamSession("127.0.0.1", 1, "ctx", **kw)
+
+
+# ------------------------------------------------- stored data and profile sizes
+@pytest.fixture
+def own_store(store_root: str, tmp_path) -> str:
+    """A copy of the module's store that a test may damage."""
+    import shutil
+
+    shutil.copytree(store_root, tmp_path / "store")
+    return str(tmp_path / "store")
+
+
+async def _client(port: int) -> ClientConnection:
+    return await ClientConnection.connect("127.0.0.1", port, timeout=5.0)
+
+
+async def test_a_profile_larger_than_the_client_accepts_is_refused_past_one_frame() -> None:
+    store = FakeStore(profile=bytes(3 << 20))
+    sender = await streamer.serve(store, config=ServerConfig(max_frame=1 << 18))
+    try:
+        client = await _client(sender.port)
+        assert len(await client.get_profile(PID, 5.0, max_bytes=3 << 20)) == 3 << 20
+        with pytest.raises(ProfileTooLarge, match=f"exceeds {1 << 20} bytes"):
+            await client.get_profile(PID, 5.0, max_bytes=1 << 20)
+        assert client.closed
+    finally:
+        await sender.close()
+
+
+async def test_the_sender_refuses_to_send_a_profile_over_the_receivers_limit(monkeypatch) -> None:
+    import streamer.net.sender as sender_module
+
+    monkeypatch.setattr(sender_module, "MAX_PROFILE_BYTES", 1000)
+    sender = await streamer.serve(FakeStore(profile=bytes(1001)))
+    try:
+        client = await _client(sender.port)
+        with pytest.raises(ServerError, match="1001 bytes, more than the 1000 receivers accept") as refused:
+            await client.get_profile(PID, 5.0)
+        assert refused.value.code == "internal"
+        await client.close()
+    finally:
+        await sender.close()
+
+
+@pytest.mark.parametrize("name, request_, message", [
+    ("chunk-1-L2.kvw", p.Request(chunk=1, level=2), "stored chunk 1 at level 2 is {} bytes, the manifest says {}"),
+    ("text-3.zst", p.Request(chunk=3, level=p.TEXT_LEVEL), "stored chunk 3's text is {} bytes, the manifest says {}"),
+])
+async def test_stored_data_whose_size_disagrees_with_the_manifest_is_not_sent(
+        own_store: str, name: str, request_: p.Request, message: str) -> None:
+    store = await streamer.open_store(own_store)
+    manifest = await store.get_manifest("ctx")
+    path = store.version_dir("ctx", manifest.version) / name
+    stated = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"\0" * 1000)   # a blob grown behind the manifest's back
+    sender = await streamer.serve(store)
+    try:
+        client = await _client(sender.port)
+        await client.call(p.Open(context_id="ctx"), p.ManifestData, 5.0)
+        with pytest.raises(ServerError, match=message.format(stated + 1000, stated)) as refused:
+            await client.call(request_, p.ChunkBegin if request_.level != p.TEXT_LEVEL else p.Text, 5.0)
+        assert refused.value.code == "internal"
+        client.send(p.Request(chunk=0, level=2))   # the connection goes on
+        assert isinstance((await client.next(5.0)).event, p.ChunkBegin)
+        await client.close()
+    finally:
+        await sender.close()
+        await store.close()
+
+
+async def test_a_corrupt_stored_manifest_and_a_bad_context_id_are_typed_errors(own_store: str) -> None:
+    from pathlib import Path
+
+    manifest_path = Path(own_store) / "contexts" / "ctx" / "manifest.json"
+    manifest_path.write_bytes(manifest_path.read_bytes().replace(b'"layers":4', b'"layers":0'))
+    store = await streamer.open_store(own_store)
+    sender = await streamer.serve(store)
+    try:
+        client = await _client(sender.port)
+        with pytest.raises(ServerError, match="stored manifest of context 'ctx' is corrupt: layers must be") as bad:
+            await client.call(p.Open(context_id="ctx"), p.ManifestData, 5.0)
+        assert bad.value.code == "internal"
+        with pytest.raises(ServerError, match="invalid context id '../etc'") as bad:
+            await client.call(p.Open(context_id="../etc"), p.ManifestData, 5.0)
+        assert (bad.value.code, bad.value.message.split(":")[0]) == ("bad_request", "invalid context id '../etc'")
+        await client.close()
+    finally:
+        await sender.close()
+        await store.close()

@@ -161,15 +161,14 @@ async def test_put_context_records_and_enforces_the_vocabulary(tmp_path: Path, p
 
 async def test_a_fetch_never_delivers_ids_outside_the_vocabulary(tmp_path: Path, profile) -> None:
     """A stored text payload with a valid checksum but ids >= vocab_size (a hostile or
-    buggy writer) never reaches on_text: the fetch fails with a typed error."""
-    ids = [999 - i for i in range(96)]
+    buggy writer: here the manifest is edited after the put) never reaches on_text: the
+    fetch fails with a typed error."""
+    ids = [5000 + i for i in range(96)]
     async with await streamer.open_store(str(tmp_path)) as store:
-        manifest = await put_context(store, "doc", KV, ids, profile=profile, chunk_tokens=32, levels=[2],
-                                     vocab_size=1000)
-    text_file = next(p for p in FileStore(tmp_path).version_dir("doc", manifest.version).iterdir()
-                     if p.name.startswith("text-1"))
-    hostile = _payload(32, _ids_frame([5000] * 32))
-    text_file.write_bytes(hostile)
+        await put_context(store, "doc", KV, ids, profile=profile, chunk_tokens=32, levels=[2])
+    manifest_file = tmp_path / "contexts" / "doc" / "manifest.json"
+    manifest_file.write_bytes(Manifest.from_bytes(manifest_file.read_bytes()).to_bytes()
+                              .replace(b'"vocab_size":null', b'"vocab_size":1000'))
     received: list[list[int]] = []
     store = FileStore(tmp_path)
     sender = await streamer.serve(store)

@@ -17,6 +17,11 @@ from typing import Callable, Optional, Union
 from streamer.wire import auth, protocol as p
 
 CLIENT_NAME = "kvwire-receiver/1"
+#: Largest profile accepted from a sender (bytes, all its PROFILE frames together). A
+#: profile is dominated by its float32 PCA bases, 8 x layers x channels^2 bytes:
+#: ~270 MB for Llama-3-8B (32 layers, 1024 KV channels), ~680 MB for 80 such layers.
+#: The sender refuses to send a larger one; ``get_profile`` refuses one frame past it.
+MAX_PROFILE_BYTES = 1 << 30
 
 
 class StreamError(Exception):
@@ -34,6 +39,11 @@ class ServerError(StreamError):
 
 class ConnectionLost(StreamError):
     """The connection closed, reset, stalled or broke the protocol."""
+
+
+class ProfileTooLarge(ConnectionLost):
+    """A sender sent more profile bytes than the receiver accepts (``MAX_PROFILE_BYTES``);
+    the connection is dropped (another sender may be tried)."""
 
 
 class AuthenticationFailed(StreamError):
@@ -212,19 +222,32 @@ class ClientConnection:
             raise ConnectionLost(f"expected {answer.__name__}, got {event!r}")
         return event
 
-    async def get_profile(self, profile_id: str, timeout: float) -> bytes:
-        """A profile's bytes, reassembled from as many PROFILE frames as the sender used."""
+    async def get_profile(self, profile_id: str, timeout: float, *,
+                          max_bytes: int = MAX_PROFILE_BYTES) -> bytes:
+        """A profile's bytes, reassembled from as many PROFILE frames as the sender used.
+
+        ProfileTooLarge (the connection is aborted, its unread frames dropped) as soon as
+        the frames received exceed ``max_bytes``: at most one frame is held past it.
+        """
         pieces = []
+        received = 0
         event = await self.call(p.GetProfile(profile_id=profile_id), p.ProfileData, timeout)
-        pieces.append(event.data)
-        while event.more:
+        while True:
+            if event.profile_id != profile_id:
+                raise ConnectionLost(f"asked for profile {profile_id}, the sender sends {event.profile_id}")
+            received += len(event.data)
+            if received > max_bytes:
+                self.abort()
+                raise ProfileTooLarge(f"profile {profile_id} from {self.address[0]}:{self.address[1]} "
+                                      f"exceeds {max_bytes} bytes (MAX_PROFILE_BYTES); refused")
+            pieces.append(event.data)
+            if not event.more:
+                return b"".join(pieces)
             event = (await self.next(timeout)).event
             if isinstance(event, p.Error):
                 raise ServerError(event.code, event.message)
             if not isinstance(event, p.ProfileData):
                 raise ConnectionLost(f"expected the rest of profile {profile_id}, got {event!r}")
-            pieces.append(event.data)
-        return b"".join(pieces)
 
     @property
     def reusable(self) -> bool:

@@ -14,6 +14,11 @@ challenge-response in the handshake, required by default off loopback), TLS thro
 an ``ssl.SSLContext``, a cap on concurrent sessions, on queued requests per session,
 a handshake/partial-frame read timeout (slowloris), an idle timeout and a write
 timeout (a receiver that stops reading).
+
+Stored data is checked before any of it is sent: a blob or text whose size is not the
+one the manifest states, a blob whose header disagrees with its length, a profile over
+``MAX_PROFILE_BYTES`` (receivers refuse those) or a manifest that does not parse is
+answered with ERROR "internal" naming the fault, and logged.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ import codec
 
 from streamer.wire import auth, protocol as p
 from streamer.wire.frames import PART_HEADER
-from streamer.wire.manifest import Manifest, validate_context_id
+from streamer.wire.manifest import Manifest, ManifestError, validate_context_id
+from streamer.net.client import MAX_PROFILE_BYTES
 from streamer.net.config import require_int, require_max_frame, require_positive
 from streamer.net.sender_metrics import SenderMetrics, new_session_id, session_logger
 from streamer.store import ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError
@@ -44,6 +50,11 @@ _WRITE_HIGH_WATER = 4 * 1024 * 1024
 
 class InsecureConfiguration(ValueError):
     """The daemon would listen off loopback with no authentication."""
+
+
+class StoredDataInvalid(Exception):
+    """Something read from the store is not what the manifest (or the format) says:
+    answered with ERROR "internal" and this message, never sent on."""
 
 
 @dataclass(frozen=True)
@@ -155,10 +166,16 @@ def blob_parts(blob: bytes, limit: int) -> Iterator[memoryview]:
     header = codec.parse_header(view)
     bounds = [0, header.size] + [header.section_offset(l + 1) for l in range(header.layers)]
     if bounds[-1] != len(blob):
-        raise codec.CorruptBitstream(f"stored blob is {len(blob)} bytes, its header says {bounds[-1]}")
+        raise StoredDataInvalid(f"stored blob is {len(blob)} bytes, its header says {bounds[-1]}")
     for start, end in zip(bounds, bounds[1:]):
         for piece in range(start, end, limit):
             yield view[piece:min(end, piece + limit)]
+
+
+def _check_size(data: bytes, stated: int, what: str) -> None:
+    """StoredDataInvalid unless ``data`` is the ``stated`` size (the manifest's)."""
+    if len(data) != stated:
+        raise StoredDataInvalid(f"stored {what} is {len(data)} bytes, the manifest says {stated}")
 
 
 class _ConnectionHandler:
@@ -349,10 +366,17 @@ class _ConnectionHandler:
             if isinstance(request, p.Open):
                 # before the store sees it: no path traversal, no key injection
                 context_id = validate_context_id(request.context_id)
-                self.manifest = await self.store.get_manifest(context_id)
+                try:
+                    self.manifest = await self.store.get_manifest(context_id)
+                except ManifestError as exc:
+                    raise StoredDataInvalid(f"stored manifest of context {context_id!r} is corrupt: {exc}") \
+                        from None
                 await self._write(self.conn.send(p.ManifestData(data=self.manifest.to_bytes())))
             elif isinstance(request, p.GetProfile):
                 data = memoryview(await self.store.get_profile_bytes(request.profile_id))
+                if len(data) > MAX_PROFILE_BYTES:
+                    raise StoredDataInvalid(f"stored profile {request.profile_id} is {len(data)} bytes, "
+                                            f"more than the {MAX_PROFILE_BYTES} receivers accept")
                 piece = self.conn.send_limit - 17  # the id and the continuation byte
                 for start in range(0, max(len(data), 1), piece):
                     end = min(start + piece, len(data))
@@ -370,10 +394,10 @@ class _ConnectionHandler:
             self._error("unavailable")
             self.log.error("store error answering %r: %s", request, exc)
             await self._write(self.conn.send(p.Error("unavailable", "store unavailable")))
-        except codec.CorruptBitstream as exc:
+        except (StoredDataInvalid, codec.CorruptBitstream) as exc:
             self._error("internal")
-            self.log.error("corrupt blob in the store: %s", exc)
-            await self._write(self.conn.send(p.Error("internal", "stored chunk is corrupt")))
+            self.log.error("invalid data in the store answering %r: %s", request, exc)
+            await self._write(self.conn.send(p.Error("internal", f"invalid stored data: {exc}")))
         return kind
 
     async def _send_chunk(self, request: p.Request) -> None:
@@ -389,6 +413,7 @@ class _ConnectionHandler:
             raise ValueError(f"chunk {chunk} out of range: context has {len(manifest.chunks)} chunks")
         if level == p.TEXT_LEVEL:
             data = await self.store.get_text(manifest.context_id, manifest.version, chunk)
+            _check_size(data, manifest.chunks[chunk].text_bytes, f"chunk {chunk}'s text")
             await self._write(self.conn.send(p.Text(chunk=chunk, data=data)))
             if self.metrics is not None:
                 self.metrics.chunks.labels(level="text").inc()
@@ -397,6 +422,7 @@ class _ConnectionHandler:
         if level >= len(manifest.level_distortion):
             raise ValueError(f"level {level} out of range: context has {len(manifest.level_distortion)} levels")
         blob = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
+        _check_size(blob, manifest.chunks[chunk].sizes[level], f"chunk {chunk} at level {level}")
         parts = list(blob_parts(blob, self.conn.send_limit - PART_HEADER.size))
         await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=len(blob),
                                                       parts=len(parts))))
