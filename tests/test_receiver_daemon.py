@@ -342,6 +342,19 @@ async def test_bad_requests_get_clear_4xx(contexts, sender, receive, http) -> No
     assert await _metric(http, receiver, 'kvwire_receiver_fetches_total{outcome="not_found"}') == 1
 
 
+async def test_a_fixed_level_beyond_the_ladder_is_400_fetched_or_cached(contexts, sender, receive, http) -> None:
+    receiver = await receive([("127.0.0.1", sender.port)])
+    for body in ({"policy": "fixed:9"}, {"min_level": 9}):   # min_level alone means fixed:9
+        status, error = await _post(http, receiver, context_id="b", slo=5.0, **body)
+        assert status == 400 and "level 9" in error["error"] and "levels 0-4" in error["error"], error
+    status, _ = await _post(http, receiver, context_id="b", slo=5.0, policy="fixed:4")
+    assert status == 200
+    status, error = await _post(http, receiver, context_id="b", slo=5.0, policy="fixed:9")   # a cache hit
+    assert status == 400 and "levels 0-4" in error["error"], error
+    status, hit = await _post(http, receiver, context_id="b", slo=5.0, policy="mpc", min_level=9)
+    assert status == 200 and hit["status"] == "cached"   # a floor past the ladder is no floor
+
+
 async def test_unreachable_sender_is_503_with_the_reason(contexts, receive, http) -> None:
     import socket
 
@@ -351,8 +364,12 @@ async def test_unreachable_sender_is_503_with_the_reason(contexts, receive, http
     receiver = await receive([("127.0.0.1", dead)])
     status, body = await _post(http, receiver, context_id="a", slo=1.0)
     assert status == 503 and "could not reach a sender" in body["error"], body
-    async with http.get(f"{receiver.url}/healthz") as r:
-        assert r.status == 200 and (await r.json())["status"] == "ok"
+    async with http.get(f"{receiver.url}/healthz") as r:   # not "ok" when no sender answers
+        health = await r.json()
+        assert r.status == 503 and health["status"] == "no_sender", health
+    [probe] = health["senders"]
+    assert probe["address"] == f"127.0.0.1:{dead}" and not probe["reachable"]
+    assert "cannot connect" in probe["error"]
     assert await _metric(http, receiver, 'kvwire_receiver_fetches_total{outcome="unavailable"}') == 1
 
 
@@ -372,6 +389,7 @@ async def test_healthz_and_metrics(contexts, sender, receive, http) -> None:
     async with http.get(f"{receiver.url}/healthz") as r:
         health = await r.json()
     assert r.status == 200 and health["status"] == "ok" and health["servers"] == [f"127.0.0.1:{sender.port}"]
+    assert [(s["address"], s["reachable"]) for s in health["senders"]] == [(f"127.0.0.1:{sender.port}", True)]
     await _post(http, receiver, context_id="a", slo=5.0, policy="fixed:2")
     await _post(http, receiver, context_id="a", slo=5.0, policy="fixed:2")
     async with http.get(f"{receiver.url}/metrics") as r:
@@ -387,6 +405,25 @@ async def test_healthz_and_metrics(contexts, sender, receive, http) -> None:
     assert await _metric(http, receiver, "kvwire_receiver_cache_hits_total") == 1
     assert await _metric(http, receiver, 'kvwire_receiver_chunks_total{level="2"}') == CHUNKS
     assert await _metric(http, receiver, "kvwire_receiver_cache_entries") == 1
+
+
+async def test_healthz_names_a_sender_that_refuses_the_handshake(contexts, sender, receive, http) -> None:
+    """A sender that is up but refuses us (here: we hold a token, it does not authenticate)
+    is not a healthy one."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    receiver = await receive([("127.0.0.1", sender.port)], session_options={"auth_token": "t" * 16})
+    async with http.get(f"{receiver.url}/healthz") as r:
+        health = await r.json()
+    assert r.status == 503 and health["status"] == "no_sender"
+    assert "authenticat" in health["senders"][0]["error"], health
+    receiver = await receive([("127.0.0.1", dead), ("127.0.0.1", sender.port)])
+    async with http.get(f"{receiver.url}/healthz") as r:   # one of two answering is enough
+        health = await r.json()
+    assert r.status == 200 and [s["reachable"] for s in health["senders"]] == [False, True]
 
 
 # ---------------------------------------------------------------------------- shutdown

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 from redis.crc import key_slot
 
 from streamer.store import ChunkNotFound, ContextNotFound, StoreError, open_store
@@ -316,3 +317,58 @@ async def test_slot_migrating_mid_put_is_followed_not_corrupting(cluster: Cluste
         with pytest.raises(ChunkNotFound):
             await store.get_chunk("moving", old.manifest.version, 0, 0)
         assert await store.gc() == 0
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_master_killed_mid_fetch_the_fetch_completes_exactly_once(cluster: Cluster) -> None:
+    """The master holding a context dies after the first chunk went out: the sender's
+    reads wait out the failover, the fetch completes, every layer in order and once,
+    each chunk the exact stored blob or (past the deadline) its text."""
+    import codec
+    from streamer.net.sender import serve
+    from streamer.net.session import StreamSession
+    from streamer.store.put import put_context
+    from streamer_helpers import synthetic_kv
+
+    layers, heads, head_dim, chunk_tokens, chunks, level = 2, 4, 32, 64, 16, 1
+    profile = codec.calibrate([synthetic_kv(1, 1024, layers, heads, head_dim)])
+    kv = synthetic_kv(2, chunks * chunk_tokens, layers, heads, head_dim)
+    async with await open_store(cluster.url("kill-fetch")) as store:
+        manifest = await put_context(store, "ctx", kv, list(range(kv.shape[2])), profile=profile,
+                                     chunk_tokens=chunk_tokens)
+        reference = [codec.decode(await store.get_chunk("ctx", manifest.version, i, level), profile)
+                     for i in range(chunks)]
+        cluster.wait_replicated()
+        victim = cluster.master_of(store._manifest_key("ctx"))
+        delivered: list[tuple[int, int]] = []
+        texts: list[int] = []
+
+        def on_layer(chunk: int, layer: int, k, v) -> None:
+            assert (chunk, layer) not in delivered
+            assert torch.equal(k, reference[chunk][layer, 0]) and torch.equal(v, reference[chunk][layer, 1])
+            delivered.append((chunk, layer))
+
+        def on_chunk(report) -> None:
+            if report.index == 0:
+                cluster.kill(victim)
+
+        sender = await serve(store)
+        try:
+            async with StreamSession("127.0.0.1", sender.port, "ctx", slo=10.0, policy=f"fixed:{level}",
+                                     on_layer=on_layer, on_text=lambda c, ids: texts.append(c),
+                                     on_chunk=on_chunk) as session:
+                report = await session.fetch()
+        finally:
+            await sender.close()
+            cluster.restart(victim)
+    assert [c.index for c in report.chunks] == list(range(chunks))
+    assert len(texts) == len(set(texts))
+    for c in report.chunks:
+        if c.level == "text":
+            assert c.index in texts
+        else:
+            assert c.level == level and [x for x in delivered if x[0] == c.index] == \
+                [(c.index, layer) for layer in range(layers)]
+    assert cluster.master_of(f"kill-fetch:ctx:{{ctx}}:manifest") != victim

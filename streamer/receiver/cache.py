@@ -51,6 +51,8 @@ class Quality:
 
     levels: list[int | str]
     recomputed: list[int] = field(default_factory=list)
+    #: how many levels the context is stored at (its manifest's); None in older entries
+    ladder: int | None = None
 
     @property
     def text_chunks(self) -> list[int]:
@@ -98,6 +100,7 @@ class Entry:
     def metadata(self) -> dict[str, str]:
         body = {"format": _META_FORMAT, "context_id": self.context_id, "version": self.version,
                 "levels": self.quality.levels, "recomputed": self.quality.recomputed,
+                "ladder": self.quality.ladder,
                 "text": self.text, "report": self.report, "shape": self.shape, "dtype": self.dtype,
                 "created": self.created}
         return {_META_KEY: json.dumps(body, separators=(",", ":"))}
@@ -108,7 +111,8 @@ class Entry:
         if body.get("format") != _META_FORMAT:
             raise ValueError(f"not a receiver cache entry: format {body.get('format')!r}")
         return cls(context_id=body["context_id"], version=body["version"],
-                   quality=Quality(levels=list(body["levels"]), recomputed=list(body["recomputed"])),
+                   quality=Quality(levels=list(body["levels"]), recomputed=list(body["recomputed"]),
+                                   ladder=body.get("ladder")),
                    text=list(body["text"]), report=dict(body["report"]), shape=list(body["shape"]),
                    dtype=str(body["dtype"]), nbytes=path.stat().st_size, path=path,
                    created=float(body.get("created", 0.0)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +30,14 @@ log = logging.getLogger("kvwire.receiver")
 
 DEFAULT_PORT = 7420
 DEFAULT_CACHE_BYTES = 4 << 30
+#: longest a /healthz probe of one sender may take (less if the session's connect_timeout is)
+PROBE_TIMEOUT = 2.0
 
 
 @dataclass
 class ReceiverConfig:
-    #: sender daemons, tried in order (the first is the primary, the others fallbacks)
+    #: sender daemons (stateless, over one shared store): fetches start on them round-robin,
+    #: each with the others as fallbacks
     servers: list[tuple[str, int]]
     cache_dir: str | None = None
     cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -90,6 +94,27 @@ class Receiver:
         sockets = getattr(server, "sockets", None) or ()
         self.address = tuple(sockets[0].getsockname()[:2]) if sockets else (host, port)  # type: ignore[assignment]
         return self
+
+    async def probe_senders(self) -> list[dict[str, Any]]:
+        """Handshake with every sender at once (authenticated, over TLS, as a fetch would)
+        and hang up: {"address", "reachable", "handshake_ms" or "error"} each."""
+        return list(await asyncio.gather(*(self._probe(host, port) for host, port in self.config.servers)))
+
+    async def _probe(self, host: str, port: int) -> dict[str, Any]:
+        from streamer.net.client import ClientConnection, StreamError
+
+        cfg = self.config.session
+        address = f"{host}:{port}"
+        start = time.monotonic()
+        try:
+            client = await ClientConnection.connect(
+                host, port, timeout=min(cfg.connect_timeout, PROBE_TIMEOUT), max_frame=cfg.max_frame,
+                auth_token=cfg.auth_token, ssl=cfg.ssl_context(), server_hostname=cfg.server_hostname)
+        except (StreamError, OSError) as exc:
+            return {"address": address, "reachable": False, "error": str(exc)}
+        await client.close()
+        return {"address": address, "reachable": True,
+                "handshake_ms": round(1000 * (time.monotonic() - start), 1)}
 
     async def close(self) -> None:
         if self.closing:

@@ -66,6 +66,15 @@ def fixed_level(policy: str) -> int | None:
     return None
 
 
+def check_fixed_level(policy: str, ladder: int | None, context_id: str) -> None:
+    """FetchError(400) when a ``fixed:N`` policy asks for a level the context (stored at
+    ``ladder`` levels; None: not known) does not have."""
+    level = fixed_level(policy)
+    if level is not None and ladder is not None and level >= ladder:
+        raise FetchError(400, f"policy {policy!r} asks for level {level}; context {context_id!r} "
+                              f"has levels 0-{ladder - 1}")
+
+
 @dataclass
 class Event:
     seq: int
@@ -155,12 +164,18 @@ class FetchJob:
         self.finished.set()
 
 
-#: Idle connections kept to the primary sender for reuse by later fetches.
+#: Idle connections kept per sender for reuse by later fetches.
 MAX_IDLE_CONNECTIONS = 4
 
 
 class Fetcher:
-    """Single-flight fetches into ``cache``; see the module docstring."""
+    """Single-flight fetches into ``cache``; see the module docstring.
+
+    Several senders (stateless, over one shared store) share the load: successive
+    fetches start on them round-robin, and each fetch has the others, in turn, as
+    fallbacks, which ``StreamSession`` moves to on a failed connect or a lost
+    connection, resuming where it was (no layer delivered twice).
+    """
 
     def __init__(self, servers: Sequence[tuple[str, int]], cache: ContextCache, metrics: Metrics,
                  session: SessionConfig, *, model: Any = None) -> None:
@@ -174,9 +189,10 @@ class Fetcher:
         self.inflight: dict[str, FetchJob] = {}
         self.closing = False
         self._changed = asyncio.Event()
-        #: idle, already authenticated connections to the primary sender, reused by the
-        #: next fetches (a new OPEN on the same connection) instead of a new handshake
-        self._idle: list[Any] = []
+        #: idle, already authenticated connections per sender, reused by the next fetches
+        #: it starts (a new OPEN on the same connection) instead of a new handshake
+        self._idle: dict[tuple[str, int], list[Any]] = {}
+        self._turn = itertools.count()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -191,6 +207,8 @@ class Fetcher:
             if self.closing:
                 raise FetchError(503, "the receiver is shutting down")
             entry = None if request.refresh else self.cache.get(cid)
+            if entry is not None:
+                check_fixed_level(request.policy, entry.quality.ladder, cid)
             if entry is not None and entry.quality.satisfies(required):
                 self.metrics.cache_hits.inc()
                 return Outcome("cached", entry)
@@ -300,18 +318,21 @@ class Fetcher:
         text: dict[int, list[int]] = {}
         recomputed: list[int] = []
         levels: dict[int, int | str] = {}
-        host, port = self.servers[0]
-        pooled = self._idle.pop() if self._idle else None
+        servers = self._rotation()
+        host, port = servers[0]
+        idle = self._idle.get((host, port))
+        pooled = idle.pop() if idle else None
         if pooled is not None:
             self.metrics.connections_reused.inc()
         async with StreamSession(host, port, req.context_id, config=self.session, slo=req.slo,
-                                 policy=req.policy, servers=self.servers[1:],
+                                 policy=req.policy, servers=servers[1:],
                                  on_chunk=lambda r: self._on_chunk(job, levels, r),
                                  connection=pooled) as session:
             m = session.manifest
             assert m is not None
+            check_fixed_level(req.policy, m.levels, req.context_id)
             job.version = m.version
-            job.emit("manifest", version=m.version, layers=m.layers, heads=m.heads, head_dim=m.head_dim,
+            job.emit("manifest", sender="%s:%d" % session.address, version=m.version, layers=m.layers, heads=m.heads, head_dim=m.head_dim,
                      tokens=m.tokens, dtype=m.dtype, profile_id=m.profile_id,
                      chunks=[[c.start, c.end] for c in m.chunks])
             job.opened.set()
@@ -351,16 +372,16 @@ class Fetcher:
                 raise
             client = session.detach_connection()
             if client is not None:
-                if client.address == self.servers[0] and len(self._idle) < MAX_IDLE_CONNECTIONS \
-                        and not self.closing:
-                    self._idle.append(client)
+                idle = self._idle.setdefault(client.address, [])
+                if len(idle) < MAX_IDLE_CONNECTIONS and not self.closing:
+                    idle.append(client)
                 else:
                     await client.close()
         self.metrics.bytes.inc(report.bytes)
         self.metrics.fetch_seconds.observe(report.total_seconds)
         if not report.deadline_met:
             self.metrics.deadline_missed.inc()
-        quality = Quality(levels=[c.level for c in report.chunks], recomputed=sorted(recomputed))
+        quality = Quality(levels=[c.level for c in report.chunks], recomputed=sorted(recomputed), ladder=m.levels)
         chunks = sorted(text)
         entry = Entry(context_id=req.context_id, version=m.version, quality=quality,
                       text=[{"chunk": c, "start": m.chunks[c].start, "end": m.chunks[c].end,
@@ -376,6 +397,11 @@ class Fetcher:
         self.metrics.cache_entries.set(len(self.cache))
         job.entry, job.stored = entry, stored
         job.emit("done", stored=stored, **entry.describe(token_ids=False), report=entry.report)
+
+    def _rotation(self) -> list[tuple[str, int]]:
+        """The senders, starting with the next one in round-robin order."""
+        start = next(self._turn) % len(self.servers)
+        return self.servers[start:] + self.servers[:start]
 
     def _on_chunk(self, job: FetchJob, levels: dict[int, int | str], report: Any) -> None:
         levels[report.index] = report.level
@@ -409,8 +435,8 @@ class Fetcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         await self.cache.flush()
-        idle, self._idle = self._idle, []
-        for client in idle:
+        idle, self._idle = self._idle, {}
+        for client in (c for clients in idle.values() for c in clients):
             await client.close()
 
 

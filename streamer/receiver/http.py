@@ -6,7 +6,9 @@
 ``GET  /contexts/{id}``         the decoded KV as safetensors (joins a running fetch), or 404
 ``GET  /contexts/{id}/events``  server-sent events of a fetch's progress (``?wait=S``: wait
                                 that long for a fetch to start; ``Last-Event-ID``: resume)
-``GET  /healthz``               200 {"status": "ok", ...}, 503 while shutting down
+``GET  /healthz``               200 {"status": "ok", "senders": [...], ...} when a sender
+                                answers a handshake; 503 with "no_sender" when none does
+                                (each sender's error listed), "shutting_down" on the way out
 ``GET  /metrics``               Prometheus text format
 
 Errors are JSON ``{"error": message, "status": code}``: 400 for a malformed request,
@@ -225,14 +227,17 @@ async def get_events(request: web.Request) -> web.StreamResponse:
 
 async def healthz(request: web.Request) -> web.Response:
     receiver = request.app[RECEIVER_KEY]
-    body = {"status": "shutting_down" if receiver.closing else "ok",
-            "servers": [f"{h}:{p}" for h, p in receiver.config.servers],
+    senders = [] if receiver.closing else await receiver.probe_senders()
+    reachable = any(s["reachable"] for s in senders)
+    status = "shutting_down" if receiver.closing else "ok" if reachable else "no_sender"
+    body = {"status": status,
+            "servers": [f"{h}:{p}" for h, p in receiver.config.servers], "senders": senders,
             "fetches_in_flight": len(receiver.fetcher.inflight),
             "cache": {"entries": len(receiver.cache), "bytes": receiver.cache.total_bytes,
                       "max_bytes": receiver.cache.max_bytes,
                       "directory": None if receiver.cache.directory is None else str(receiver.cache.directory)},
             "model": receiver.config.model, "device": receiver.config.device}
-    return web.json_response(body, status=503 if receiver.closing else 200)
+    return web.json_response(body, status=200 if status == "ok" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

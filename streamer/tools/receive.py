@@ -72,8 +72,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                          help=f"HOST:PORT of the HTTP API (default 127.0.0.1:{DEFAULT_PORT}; it has no "
                               "authentication: keep it on loopback)")
     receive.add_argument("--servers", type=parse_servers, required=True,
-                         help="sender daemons, HOST:PORT[,HOST:PORT...]: the first is tried first, "
-                              "the others are fallbacks")
+                         help="sender daemons, HOST:PORT[,HOST:PORT...] (over one shared store): "
+                              "fetches start on them round-robin, and move to the next if one fails")
     receive.add_argument("--cache", metavar="DIR",
                          help="keep finished contexts as safetensors files in DIR (kept across restarts); "
                               "default: in memory")

@@ -68,6 +68,18 @@ def session_config(args: argparse.Namespace, **fields):
 
 
 # ---------------------------------------------------------------------------- serve
+def _check_servable(store, url: str) -> None:
+    """A file store whose directory does not exist is a typo, not an empty store: refuse
+    to start (StoreError) rather than answer "not found" to every receiver. (Redis
+    stores are pinged when opened.)"""
+    from streamer.store import StoreError
+    from streamer.store.file import FileStore
+
+    if isinstance(store, FileStore) and not store.root.is_dir():
+        raise StoreError(f"store {url!r}: directory {str(store.root)!r} does not exist "
+                         "(kvwire put --store creates it)")
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from streamer.net.sender_metrics import SenderMetrics, configure_logging
     from streamer.net.sender import ServerConfig, serve
@@ -91,6 +103,7 @@ async def _serve(args: argparse.Namespace) -> int:
                           allow_insecure=args.insecure_no_auth, metrics=metrics)
     store = await open_store(args.store)
     try:
+        _check_servable(store, args.store)
         sender = await serve(store, host, port, config)
     except BaseException:
         await store.close()

@@ -1,0 +1,18 @@
+"""Command-line mistakes fail at start with a message naming them (issue 15, finding 9)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamer.tools.cli import main
+
+
+@pytest.mark.parametrize("form", ["path", "url"])
+def test_serve_refuses_a_store_directory_that_does_not_exist(tmp_path: Path, form: str, capsys) -> None:
+    missing = tmp_path / "no-such-store"
+    store = str(missing) if form == "path" else missing.as_uri()
+    assert main(["serve", "--store", store, "--listen", "127.0.0.1:0"]) == 1
+    err = capsys.readouterr().err
+    assert f"directory {str(missing)!r} does not exist" in err and "kvwire put --store creates it" in err
+    assert not missing.exists()
