@@ -24,13 +24,21 @@ def test_llama_manifest_sizes_follow_bits_per_element() -> None:
         for size, bits in zip(c.sizes, ev.CODEC_BENCH.level_bits):
             assert size == math.ceil(65536 * c.tokens * bits / 8)
         assert 0 < c.text_bytes < 4 * c.tokens
-    assert m.level_distortion == ev.LEVEL_TARGETS
+    assert m.level_distortion == ev.level_targets()
 
 
-def test_level_targets_are_the_codecs() -> None:
+def test_level_targets_and_codec_figures_cannot_drift_from_the_codec() -> None:
+    """The targets are the codec's own; the committed ``kvwire bench codec --json`` output
+    has one row per level of that ladder and measured each level near its target (unseen
+    text lands up to ~20% above), so a changed ladder without a re-run fails here."""
     import codec
 
-    assert ev.LEVEL_TARGETS == tuple(codec.DEFAULT_TARGETS)
+    assert ev.level_targets() == tuple(codec.DEFAULT_TARGETS)
+    figures = ev.CodecFigures.from_json(ev.CODEC_JSON)
+    assert figures == ev.CODEC_BENCH and "kvwire bench codec --json" in figures.source
+    assert len(figures.level_bits) == len(codec.DEFAULT_TARGETS)
+    for measured, target in zip(figures.level_distortion, codec.DEFAULT_TARGETS):
+        assert 0.5 * target <= measured <= 1.25 * target, (measured, target)
 
 
 def test_cost_models_are_the_stated_formulas() -> None:
@@ -60,6 +68,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def test_ttft_figures_are_labelled_modelled_with_their_assumptions(capsys) -> None:
+    args = _parser().parse_args(["bench", "policies", "--ttft-only"])
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("time to first token (s), MODELLED")
+    for assumption in ("GPU KV decode at 100 GB/s", "assumed, never measured", "40% of an H100's 989 TFLOP/s",
+                       "bits per element: measured, from codec_bench_minilm.json"):
+        assert assumption in out, assumption
+    args = _parser().parse_args(["bench", "policies", "--ttft-only", "--json"])
+    assert args.handler(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ttft"] == ev.ttft_table() and doc["ttft_model"] == ev.ttft_assumptions()
+    assert all(t["target"].startswith("modelled") for t in ev.ttft_targets(doc["ttft"]))
+
+
 def test_cli_json_and_plots(tmp_path, capsys) -> None:
     traces = tmp_path / "traces"
     traces.mkdir()
@@ -86,7 +109,7 @@ def test_cli_json_and_plots(tmp_path, capsys) -> None:
         # the oracle bounds every policy's violation rate (it meets whenever anything can)
         assert all(by[("oracle", slo)]["violation_rate"] <= r["violation_rate"]
                    for (p, s), r in by.items() if s == slo)
-    assert doc["ttft"] and doc["targets"]
+    assert doc["ttft"] and doc["targets"] and doc["config"]["ttft_model"] == ev.ttft_assumptions()
     issue = [t for t in doc["targets"] if t.get("id") in ("a", "b", "c")]
     assert sorted((t["slo"], t["id"]) for t in issue) == [(s, i) for s in (0.5, 1.0) for i in "abc"]
     assert all(t["trace_set"] == "traces" and isinstance(t["met"], bool) for t in issue)
