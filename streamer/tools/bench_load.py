@@ -1,21 +1,27 @@
-"""``kvwire bench load``: many concurrent receivers against one sender, for a while (issue #8).
+"""``kvwire bench load``: many concurrent sessions against N sender processes over one store.
 
-A small synthetic context is put into a temporary file store; one sender daemon (with
-metrics) runs in a *child process* on loopback, and ``--sessions`` receivers run in this
-process (uvloop when installed), each opening a ``StreamSession`` and fetching the whole
-context at a fixed level, again and again, until ``--seconds`` are up (or Ctrl-C). A new
-session per fetch, so session set-up and tear-down are under load too.
+Contexts of realistic size (``--store URL``, default a temporary file store; in a shared
+store they get fresh ids and are deleted afterwards, their profile stays) are put first: synthetic KV of
+8 layers x 8 heads x 64, 2-8 MB each at the best stored level. ``--senders`` sender
+daemons (with metrics) run as *child processes* on loopback over that store, stateless;
+``--sessions`` receivers run in this process (uvloop when installed), each opening a
+``StreamSession`` for a random context under ``--slo`` (default 5 s, policy mpc) again and
+again until ``--duration`` is up (or Ctrl-C). A new session per fetch, started on the
+senders round-robin with the others as fallbacks.
 
-Reported: errors (a fetch that raised, or came back incomplete or with text chunks; must
-be zero), throughput (fetches/s, MB/s of chunk bytes), p50/p99 chunk latency
-(``ChunkReport.seconds``: request sent -> last byte) and fetch latency, peak RSS (VmHWM)
-of the sender and the receiver processes, and RSS growth: both are sampled every
-``--sample-seconds``; growth is the last sample over the first one after the warm-up
-(a quarter of the run, at most 10 s). ``--soak`` runs until Ctrl-C (or ``--seconds``)
-and fails unless the growth stays under ``--max-growth`` (default 20%); the exit code
-is non-zero on any error, or on too much growth in ``--soak``.
+Every fetch is checked: each decoded layer against a checksum of the stored blob decoded
+at the level the session asked (wrong data), each (chunk, layer) and text at most once
+(duplicated), every chunk whole as layers or as text (lost), text token ids against the
+context's. Reported apart: errors by kind (exceptions, lost, duplicated, wrong data;
+must be zero), text fallbacks, SLO misses; fetches completed; chunk latency p50/p99
+(``ChunkReport.seconds``, KV chunks) and fetch latency; goodput (chunk bytes of completed
+fetches per second); RSS of the senders and the receiver process at start and end, and
+their growth after the warm-up (a quarter of the run, at most 10 s); the machine's CPUs
+and the contexts' sizes. ``--soak`` runs until Ctrl-C (or ``--duration``) and fails unless
+the growth stays under ``--max-growth`` (default 20%); the exit code is non-zero on any
+error, or on too much growth in ``--soak``.
 
-``--quick``: 16 sessions for 3 s (for tests); ``--json``: print a dict.
+``--quick``: 16 sessions for 3 s on small contexts (for tests); ``--json``: print a dict.
 """
 from __future__ import annotations
 
@@ -31,10 +37,10 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+import uuid
+import zlib
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
-
-CONTEXT = "load-ctx"
 
 
 @dataclass(frozen=True)
@@ -44,18 +50,24 @@ class LoadConfig:
     soak: bool = False
     sample_seconds: float = 2.0
     max_growth: float = 0.20       # soak: allowed RSS growth after the warm-up
-    decode: bool = True            # receivers really decode (else only the plumbing runs)
-    layers: int = 2
-    heads: int = 4
+    decode: bool = True            # receivers really decode (else only the plumbing runs, unchecked)
+    store: str | None = None       # None: a temporary file store
+    senders: int = 1
+    slo: float = 5.0
+    policy: str = "mpc"
+    layers: int = 8
+    heads: int = 8
     head_dim: int = 64
-    chunk_tokens: int = 64
-    chunks: int = 4
-    level: int = 3
-    calibration_tokens: int = 512
+    chunk_tokens: int = 128
+    #: one context per entry; at 8x8x64 level 0 takes ~4.3 kB a token: ~2, 4, 6 and 8 MB
+    context_tokens: tuple[int, ...] = (480, 960, 1440, 1856)
+    levels: tuple[int, ...] = (0, 2, 4)
+    calibration_tokens: int = 1024
 
 
 FULL = LoadConfig()
-QUICK = LoadConfig(sessions=16, seconds=3.0, sample_seconds=0.5)
+QUICK = LoadConfig(sessions=16, seconds=3.0, sample_seconds=0.5, layers=2, heads=4, head_dim=64,
+                   chunk_tokens=64, context_tokens=(256, 384), calibration_tokens=512)
 
 _RESERVOIR = 100_000   # latency samples kept (uniform reservoir): memory stays flat in a soak
 
@@ -79,33 +91,69 @@ def rss_bytes() -> dict[str, int]:
     return out
 
 
-# ----------------------------------------------------------------------- context
-async def _build(cfg: LoadConfig, root: str) -> dict[str, Any]:
+# ----------------------------------------------------------------------- contexts
+def layer_checksum(k: Any, v: Any) -> int:
+    """CRC-32 of one decoded layer's K and V bytes."""
+    import torch
+
+    crc = zlib.crc32(k.contiguous().view(torch.uint8).numpy())
+    return zlib.crc32(v.contiguous().view(torch.uint8).numpy(), crc)
+
+
+@dataclass
+class Context:
+    """One stored context and what a correct fetch of it delivers."""
+
+    context_id: str
+    token_ids: list[int]
+    chunk_bounds: list[tuple[int, int]]
+    #: (chunk, level, layer) -> checksum of the decoded layer
+    checksums: dict[tuple[int, int, int], int] = field(repr=False)
+    #: encoded bytes at each stored level
+    sizes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_bounds)
+
+
+async def _build(cfg: LoadConfig, url: str, run_id: str) -> list[Context]:
     import torch
 
     import codec
     from codec.synthetic import synthetic_kv
 
+    from streamer.store import open_store
     from streamer.store.put import put_context
+
+    shape = (cfg.layers, cfg.heads, cfg.head_dim)
+    profile = await asyncio.to_thread(codec.calibrate, [synthetic_kv(*shape, cfg.calibration_tokens, seed=1)])
+    contexts = []
+    async with await open_store(url) as store:
+        for i, tokens in enumerate(cfg.context_tokens):
+            kv = synthetic_kv(*shape, tokens, seed=2 + i).to(torch.float16)
+            ids = [(7 * t + i) % 32000 for t in range(tokens)]
+            manifest = await put_context(store, f"load-{run_id}-{i}", kv, ids, profile=profile,
+                                         chunk_tokens=cfg.chunk_tokens, levels=cfg.levels)
+            checksums = {}
+            for c in manifest.chunks:
+                for level in cfg.levels:
+                    blob = await store.get_chunk(manifest.context_id, manifest.version, c.index, level)
+                    decoded = await asyncio.to_thread(codec.decode, blob, profile)
+                    for layer in range(cfg.layers):
+                        checksums[c.index, level, layer] = layer_checksum(decoded[layer, 0], decoded[layer, 1])
+            contexts.append(Context(manifest.context_id, ids, [(c.start, c.end) for c in manifest.chunks],
+                                    checksums, {level: sum(c.sizes[level] for c in manifest.chunks)
+                                                for level in cfg.levels}))
+    return contexts
+
+
+async def _drop(url: str, contexts: list[Context]) -> None:
     from streamer.store import open_store
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        shape = (cfg.layers, cfg.heads, cfg.head_dim)
-        profile = await asyncio.to_thread(codec.calibrate, [synthetic_kv(*shape, cfg.calibration_tokens, seed=1)])
-        tokens = cfg.chunks * cfg.chunk_tokens
-        kv = synthetic_kv(*shape, tokens, seed=2).to(torch.float16)
-        store = await open_store(root)
-        try:
-            manifest = await put_context(store, CONTEXT, kv, [(7 * i) % 32000 for i in range(tokens)],
-                                         profile=profile, chunk_tokens=cfg.chunk_tokens, levels=(cfg.level,))
-        finally:
-            await store.close()
-    finally:
-        torch.set_num_threads(threads)
-    return {"chunks": len(manifest.chunks), "tokens": manifest.tokens,
-            "context_bytes": sum(c.sizes[cfg.level] for c in manifest.chunks)}
+    async with await open_store(url) as store:
+        for ctx in contexts:
+            await store.delete_context(ctx.context_id)
 
 
 # ------------------------------------------------------------------ sender process
@@ -117,13 +165,19 @@ _METRICS = (("sessions_total", "kvwire_sender_sessions_total", {}),
             ("chunk_requests", "kvwire_sender_request_seconds_count", {"kind": "chunk"}))
 
 
-def _sender_process(root: str, sessions: int, level: int, conn: Any) -> None:
-    """Child: a sender with metrics; answers "rss", "metrics" and "stop" over the pipe."""
+def _labelled(metrics: Any, family: str, label: str) -> dict[str, float]:
+    """``{label value: count}`` of a labelled counter's ``_total`` samples."""
+    return {s.labels[label]: s.value for fam in metrics.registry.collect() if fam.name == family
+            for s in fam.samples if s.name.endswith("_total")}
+
+
+def _sender_process(url: str, sessions: int, conn: Any) -> None:
+    """Child: a sender with metrics over ``url``; answers "rss", "metrics" and "stop"."""
     async def main() -> None:
         from streamer.net.sender import ServerConfig, serve
         from streamer.store import open_store
 
-        store = await open_store(root)
+        store = await open_store(url)
         sender = await serve(store, config=ServerConfig(metrics=True, max_sessions=max(1024, 2 * sessions)))
         metrics = sender.metrics
         assert metrics is not None
@@ -134,13 +188,9 @@ def _sender_process(root: str, sessions: int, level: int, conn: Any) -> None:
             if command == "rss":
                 conn.send(rss_bytes())
             elif command == "metrics":
-                values = {key: metrics.value(name, **labels) for key, name, labels in _METRICS}
-                values["chunks_total"] = metrics.value("kvwire_sender_chunks_total", level=str(level))
-                by_code = {s.labels["code"]: s.value for fam in metrics.registry.collect()
-                           if fam.name == "kvwire_sender_errors" for s in fam.samples
-                           if s.name.endswith("_total")}
-                values["errors_by_code"] = by_code
-                values["errors_total"] = sum(by_code.values())
+                values: dict[str, Any] = {key: metrics.value(name, **labels) for key, name, labels in _METRICS}
+                values["chunks_by_level"] = _labelled(metrics, "kvwire_sender_chunks", "level")
+                values["errors_by_code"] = _labelled(metrics, "kvwire_sender_errors", "code")
                 values["sessions_now"] = sender.sessions
                 conn.send(values)
             else:
@@ -155,12 +205,12 @@ def _sender_process(root: str, sessions: int, level: int, conn: Any) -> None:
 
 
 class _SenderChild:
-    def __init__(self, root: str, sessions: int, level: int) -> None:
+    def __init__(self, url: str, sessions: int) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")   # never fork a process with torch/numba threads
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_sender_process, args=(root, sessions, level, child), daemon=True,
+        self._proc = ctx.Process(target=_sender_process, args=(url, sessions, child), daemon=True,
                                  name="kvwire-bench-load-sender")
         self._proc.start()
         child.close()
@@ -169,7 +219,7 @@ class _SenderChild:
 
     async def start(self, timeout: float = 120.0) -> None:
         if not await asyncio.to_thread(self._conn.poll, timeout):
-            raise RuntimeError("the sender process did not start")
+            raise RuntimeError("a sender process did not start")
         self.port = self._conn.recv()["port"]
 
     async def ask(self, command: str) -> Any:
@@ -186,6 +236,21 @@ class _SenderChild:
         if self._proc.is_alive():
             self._proc.kill()
             await asyncio.to_thread(self._proc.join, 5.0)
+
+
+def _merge_metrics(each: list[dict[str, Any]]) -> dict[str, Any]:
+    """The senders' metrics summed (counters and per-label dicts), and each one's."""
+    total: dict[str, Any] = {}
+    for values in each:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                merged = total.setdefault(key, {})
+                for label, count in value.items():
+                    merged[label] = merged.get(label, 0) + count
+            else:
+                total[key] = total.get(key, 0) + value
+    total["per_sender_sessions"] = [v["sessions_total"] for v in each]
+    return total
 
 
 # ------------------------------------------------------------------------ measuring
@@ -217,53 +282,113 @@ class _Reservoir:
         return out
 
 
+#: The kinds of error a fetch can end in; each must stay at zero.
+ERROR_KINDS = ("exception", "lost", "duplicated", "wrong_data")
+
+
 class _Stats:
     def __init__(self) -> None:
         self.fetches = 0
-        self.errors = 0
+        self.errors = dict.fromkeys(ERROR_KINDS, 0)
         self.error_samples: list[str] = []
         self.bytes = 0
         self.chunks = 0
         self.text_chunks = 0
+        self.text_fetches = 0
+        self.slo_misses = 0
         self.retries = 0
         self.reconnects = 0
         self.chunk_seconds = _Reservoir(seed=1)
         self.fetch_seconds = _Reservoir(seed=2)
 
-    def error(self, message: str) -> None:
-        self.errors += 1
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+    def error(self, kind: str, message: str) -> None:
+        self.errors[kind] += 1
         if len(self.error_samples) < 10:
-            self.error_samples.append(message)
+            self.error_samples.append(f"{kind}: {message}")
 
 
 def _noop_decode(header: Any, profile: Any, layer: int, section: Any) -> tuple[None, None]:
     return None, None
 
 
-def _ignore(*args: Any) -> None:
-    return None
+class _Check:
+    """What one fetch delivered, checked as it arrives against the stored context."""
+
+    def __init__(self, ctx: Context, decode: bool) -> None:
+        self.ctx = ctx
+        self.decode = decode
+        self.session: Any = None
+        self.layers: dict[int, set[int]] = {}
+        self.texts: set[int] = set()
+        self.problems: list[tuple[str, str]] = []
+
+    def on_layer(self, chunk: int, layer: int, k: Any, v: Any) -> None:
+        seen = self.layers.setdefault(chunk, set())
+        if layer in seen:
+            self.problems.append(("duplicated", f"{self.ctx.context_id} chunk {chunk} layer {layer} twice"))
+        seen.add(layer)
+        if self.decode:
+            level = self.session.levels.get(chunk)
+            expected = self.ctx.checksums.get((chunk, level, layer))
+            if expected is None or layer_checksum(k, v) != expected:
+                self.problems.append(("wrong_data", f"{self.ctx.context_id} chunk {chunk} layer {layer} "
+                                                    f"level {level}"))
+
+    def on_text(self, chunk: int, token_ids: list[int]) -> None:
+        if chunk in self.texts:
+            self.problems.append(("duplicated", f"{self.ctx.context_id} chunk {chunk} text twice"))
+        self.texts.add(chunk)
+        start, end = self.ctx.chunk_bounds[chunk]
+        if list(token_ids) != self.ctx.token_ids[start:end]:
+            self.problems.append(("wrong_data", f"{self.ctx.context_id} chunk {chunk} token ids"))
+
+    def finish(self, layers: int) -> list[tuple[str, str]]:
+        for chunk in range(self.ctx.chunks):
+            if chunk not in self.texts and len(self.layers.get(chunk, ())) != layers:
+                self.problems.append(("lost", f"{self.ctx.context_id} chunk {chunk}: "
+                                              f"{len(self.layers.get(chunk, ()))}/{layers} layers, no text"))
+        return self.problems
 
 
-async def _receiver(port: int, cfg: LoadConfig, expected_chunks: int, stop: asyncio.Event,
-                    stats: _Stats) -> None:
-    """Fetch the context again and again, a new session each time, until ``stop``."""
+async def _receiver(index: int, ports: list[int], cfg: LoadConfig, contexts: list[Context],
+                    stop: asyncio.Event, stats: _Stats) -> None:
+    """Fetch random contexts again and again, a new session each time (starting on the
+    senders round-robin), until ``stop``."""
     from streamer.net.session import StreamSession
 
+    rng = random.Random(index)
+    turn = index
     while not stop.is_set():
+        ctx = rng.choice(contexts)
+        order = ports[turn % len(ports):] + ports[:turn % len(ports)]
+        turn += 1
+        check = _Check(ctx, cfg.decode)
         try:
-            async with StreamSession("127.0.0.1", port, CONTEXT, slo=600.0, policy=f"fixed:{cfg.level}",
-                                     on_layer=_ignore, on_text=_ignore, connect_timeout=30.0,
-                                     stall_timeout=30.0) as session:
+            async with StreamSession("127.0.0.1", order[0], ctx.context_id, slo=cfg.slo, policy=cfg.policy,
+                                     servers=[("127.0.0.1", p) for p in order[1:]],
+                                     on_layer=check.on_layer, on_text=check.on_text,
+                                     connect_timeout=30.0, stall_timeout=30.0) as session:
+                check.session = session
                 if not cfg.decode:
                     session._decode = _noop_decode   # private: skips only the codec work
                 report = await session.fetch()
         except Exception as exc:   # counted, not raised: the run goes on
-            stats.error(f"{type(exc).__name__}: {exc}")
+            stats.error("exception", f"{type(exc).__name__}: {exc}")
+            continue
+        problems = check.finish(cfg.layers)
+        for kind, message in problems:
+            stats.error(kind, message)
+        if problems:
             continue
         stats.fetches += 1
         stats.fetch_seconds.add(report.total_seconds)
         stats.bytes += report.bytes
         stats.reconnects += report.reconnects
+        stats.slo_misses += not report.deadline_met
         text = 0
         for chunk in report.chunks:
             stats.chunks += 1
@@ -273,18 +398,19 @@ async def _receiver(port: int, cfg: LoadConfig, expected_chunks: int, stop: asyn
             else:
                 stats.chunk_seconds.add(chunk.seconds)
         stats.text_chunks += text
-        if len(report.chunks) != expected_chunks or text:
-            stats.error(f"incomplete fetch: {len(report.chunks)}/{expected_chunks} chunks, {text} as text")
+        stats.text_fetches += bool(text)
 
 
 def _growth(samples: list[dict[str, Any]], key: str, warmup: float) -> dict[str, Any]:
-    """RSS at the first sample after the warm-up, at the end, and the growth between."""
+    """RSS at the first sample, at the first after the warm-up, at the end, and the growth
+    after the warm-up."""
     after = [s for s in samples if s["t"] >= warmup]
+    start = samples[0][key] / 1e6 if samples else None
     if len(after) < 2:
-        return {"baseline_mb": None, "end_mb": None, "max_mb": None, "growth": None}
+        return {"start_mb": start, "baseline_mb": None, "end_mb": None, "max_mb": None, "growth": None}
     base, end = after[0][key], after[-1][key]
-    return {"baseline_mb": base / 1e6, "end_mb": end / 1e6, "max_mb": max(s[key] for s in after) / 1e6,
-            "growth": (end - base) / base if base else None}
+    return {"start_mb": start, "baseline_mb": base / 1e6, "end_mb": end / 1e6,
+            "max_mb": max(s[key] for s in after) / 1e6, "growth": (end - base) / base if base else None}
 
 
 # ---------------------------------------------------------------------------- run
@@ -297,36 +423,43 @@ async def run(cfg: LoadConfig) -> dict[str, Any]:
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
     try:
-        with tempfile.TemporaryDirectory(prefix="kvwire-bench-load-") as root:
-            built = await _build(cfg, root)
-            child = _SenderChild(root, cfg.sessions, cfg.level)
+        with contextlib.ExitStack() as stack:
+            url = cfg.store or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvwire-bench-load-"))
+            contexts: list[Context] = []
             try:
-                await child.start()
-                return await _measure(cfg, built, child, stop)
+                contexts = await _build(cfg, url, uuid.uuid4().hex[:8])
+                children = [_SenderChild(url, cfg.sessions) for _ in range(cfg.senders)]
+                try:
+                    await asyncio.gather(*(child.start() for child in children))
+                    return await _measure(cfg, contexts, children, stop)
+                finally:
+                    await asyncio.gather(*(child.stop() for child in children))
             finally:
-                await child.stop()
+                if cfg.store and contexts:
+                    await _drop(url, contexts)
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
 
 
-async def _measure(cfg: LoadConfig, built: dict[str, Any], child: _SenderChild,
+async def _measure(cfg: LoadConfig, contexts: list[Context], children: list[_SenderChild],
                    stop: asyncio.Event) -> dict[str, Any]:
     from streamer.net.session import StreamSession
 
     # the profile once (receivers cache it per process), so the run measures steady state
-    async with StreamSession("127.0.0.1", child.port, CONTEXT, connect_timeout=30.0):
+    async with StreamSession("127.0.0.1", children[0].port, contexts[0].context_id, connect_timeout=30.0):
         pass
     stats = _Stats()
     samples: list[dict[str, Any]] = []
     start = time.monotonic()
 
     async def sample() -> None:
-        tx = await child.ask("rss")
+        tx = await asyncio.gather(*(child.ask("rss") for child in children))
         rx = rss_bytes()
-        samples.append({"t": time.monotonic() - start, "receiver_rss": rx["rss"], "sender_rss": tx["rss"],
-                        "receiver_peak": rx["peak"], "sender_peak": tx["peak"],
-                        "fetches": stats.fetches, "errors": stats.errors})
+        samples.append({"t": time.monotonic() - start, "receiver_rss": rx["rss"],
+                        "sender_rss": sum(s["rss"] for s in tx), "receiver_peak": rx["peak"],
+                        "sender_peak": sum(s["peak"] for s in tx), "fetches": stats.fetches,
+                        "errors": stats.error_count})
 
     async def sampler() -> None:
         while not stop.is_set():
@@ -340,32 +473,34 @@ async def _measure(cfg: LoadConfig, built: dict[str, Any], child: _SenderChild,
                 await asyncio.wait_for(stop.wait(), cfg.seconds)
             stop.set()
 
-    receivers = [asyncio.create_task(_receiver(child.port, cfg, built["chunks"], stop, stats))
-                 for _ in range(cfg.sessions)]
+    ports = [child.port for child in children]
+    await sample()   # at start, before any load
+    receivers = [asyncio.create_task(_receiver(i, ports, cfg, contexts, stop, stats))
+                 for i in range(cfg.sessions)]
     sampling = asyncio.create_task(sampler())
     timing = asyncio.create_task(timer())
     try:
         await stop.wait()
         end_requests = time.monotonic()
         # the fetches under way finish (they were started in time); never hang on one
-        done, pending = await asyncio.wait(receivers, timeout=60.0)
+        done, pending = await asyncio.wait(receivers, timeout=60.0 + cfg.slo)
         for task in pending:
             task.cancel()
-            stats.error("fetch still running 60 s after the end of the run")
+            stats.error("exception", "fetch still running 60 s past its SLO after the end of the run")
         for task in done:
             if task.exception() is not None:
-                stats.error(f"receiver task failed: {task.exception()!r}")
+                stats.error("exception", f"receiver task failed: {task.exception()!r}")
     finally:
         for task in (*receivers, sampling, timing):
             task.cancel()
         await asyncio.gather(*receivers, sampling, timing, return_exceptions=True)
     wall = time.monotonic() - start
     await sample()
-    sender_metrics = await child.ask("metrics")
-    return _result(cfg, built, stats, samples, wall, end_requests - start, sender_metrics)
+    sender_metrics = _merge_metrics(await asyncio.gather(*(child.ask("metrics") for child in children)))
+    return _result(cfg, contexts, stats, samples, wall, end_requests - start, sender_metrics)
 
 
-def _result(cfg: LoadConfig, built: dict[str, Any], stats: _Stats, samples: list[dict[str, Any]],
+def _result(cfg: LoadConfig, contexts: list[Context], stats: _Stats, samples: list[dict[str, Any]],
             wall: float, requested: float, sender_metrics: dict[str, Any]) -> dict[str, Any]:
     warmup = min(10.0, requested / 4)
     rx_growth = _growth(samples, "receiver_rss", warmup)
@@ -374,39 +509,46 @@ def _result(cfg: LoadConfig, built: dict[str, Any], stats: _Stats, samples: list
     chunk_p = stats.chunk_seconds.percentiles(50, 99)
     fetch_p = stats.fetch_seconds.percentiles(50, 99)
     ms = lambda v: None if v is None else v * 1e3   # noqa: E731
+    best = min(cfg.levels)
     out: dict[str, Any] = {
         "config": {**asdict(cfg), "seconds": cfg.seconds if math.isfinite(cfg.seconds) else None,
-                   **built, "loop": _loop_name(), "cpus": os.cpu_count()},
+                   "store": cfg.store or "temporary file store", "loop": _loop_name(), "cpus": os.cpu_count()},
+        "contexts": [{"context_id": c.context_id, "tokens": len(c.token_ids), "chunks": c.chunks,
+                      "bytes_by_level": c.sizes} for c in contexts],
+        "context_mb": [c.sizes[best] / 1e6 for c in contexts],
         "wall_seconds": wall, "run_seconds": requested,
-        "fetches": stats.fetches, "errors": stats.errors, "error_samples": stats.error_samples,
-        "chunks": stats.chunks, "text_chunks": stats.text_chunks, "retries": stats.retries,
-        "reconnects": stats.reconnects, "bytes": stats.bytes,
+        "fetches": stats.fetches, "errors": stats.error_count, "errors_by_kind": stats.errors,
+        "error_samples": stats.error_samples,
+        "chunks": stats.chunks, "text_chunks": stats.text_chunks, "text_fetches": stats.text_fetches,
+        "slo_misses": stats.slo_misses, "retries": stats.retries, "reconnects": stats.reconnects,
+        "bytes": stats.bytes,
         "fetches_per_second": stats.fetches / wall if wall > 0 else 0.0,
-        "mb_per_second": stats.bytes / wall / 1e6 if wall > 0 else 0.0,
+        "goodput_mb_per_second": stats.bytes / wall / 1e6 if wall > 0 else 0.0,
         "chunk_latency_ms": {k: ms(v) for k, v in chunk_p.items()},
         "fetch_latency_ms": {k: ms(v) for k, v in fetch_p.items()},
         "latency_samples": len(stats.chunk_seconds.values),
         "rss": {
             "warmup_seconds": warmup,
             "receiver": {"peak_mb": last["receiver_peak"] / 1e6, **rx_growth},
-            "sender": {"peak_mb": last["sender_peak"] / 1e6, **tx_growth},
+            "senders": {"peak_mb": last["sender_peak"] / 1e6, **tx_growth},
         },
         "sender_metrics": sender_metrics,
         "samples": [{"t": round(s["t"], 2), "receiver_rss_mb": round(s["receiver_rss"] / 1e6, 1),
-                     "sender_rss_mb": round(s["sender_rss"] / 1e6, 1), "fetches": s["fetches"],
+                     "senders_rss_mb": round(s["sender_rss"] / 1e6, 1), "fetches": s["fetches"],
                      "errors": s["errors"]} for s in samples],
     }
     growths = [g["growth"] for g in (rx_growth, tx_growth)]
-    checks = [{"check": "zero errors", "measured": stats.errors, "ok": stats.errors == 0},
+    checks = [{"check": "zero errors (exceptions, lost, duplicated, wrong data)", "measured": stats.error_count,
+               "ok": stats.error_count == 0},
               {"check": "at least one fetch per session", "measured": stats.fetches,
                "ok": stats.fetches >= cfg.sessions}]
     growth_ok = all(g is None or g < cfg.max_growth for g in growths)
-    checks.append({"check": f"RSS growth after the warm-up < {cfg.max_growth:.0%} (sender and receiver)"
+    checks.append({"check": f"RSS growth after the warm-up < {cfg.max_growth:.0%} (senders and receiver)"
                             + ("" if cfg.soak else " (informative outside --soak)"),
                    "measured": max((g for g in growths if g is not None), default=None),
                    "ok": growth_ok if any(g is not None for g in growths) else None})
     out["checks"] = checks
-    out["ok"] = stats.errors == 0 and (growth_ok or not cfg.soak)
+    out["ok"] = stats.error_count == 0 and (growth_ok or not cfg.soak)
     return out
 
 
@@ -420,26 +562,32 @@ def render(out: dict[str, Any]) -> str:
     cfg, rss = out["config"], out["rss"]
     fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)   # noqa: E731
     seconds = "until Ctrl-C" if cfg["seconds"] is None else f"{cfg['seconds']:g} s"
+    sizes = ", ".join(f"{mb:.1f}" for mb in out["context_mb"])
     lines = [
-        f"kvwire bench load: {cfg['sessions']} sessions, {seconds}{' (soak)' if cfg['soak'] else ''}; "
-        f"context {cfg['chunks']} chunks x {cfg['chunk_tokens']} tokens at level {cfg['level']} "
-        f"({cfg['context_bytes'] / 1e3:.1f} kB), {cfg['layers']}x{cfg['heads']}x{cfg['head_dim']}, "
-        f"decode {'on' if cfg['decode'] else 'off'}; {cfg['cpus']} CPUs, receiver loop {cfg['loop']}",
-        f"ran {out['run_seconds']:.1f} s (wall {out['wall_seconds']:.1f} s): {out['fetches']} fetches, "
-        f"{out['errors']} errors, {out['text_chunks']} text chunks, {out['retries']} retries, "
-        f"{out['reconnects']} reconnects",
-        f"throughput: {out['fetches_per_second']:.1f} fetches/s, {out['mb_per_second']:.2f} MB/s of chunks",
+        f"kvwire bench load: {cfg['sessions']} sessions, {cfg['senders']} sender(s), {seconds}"
+        f"{' (soak)' if cfg['soak'] else ''}; store {cfg['store']}; policy {cfg['policy']}, SLO {cfg['slo']:g} s",
+        f"contexts: {len(out['contexts'])} of {sizes} MB at level {min(cfg['levels'])} (levels "
+        f"{','.join(map(str, cfg['levels']))} stored), {cfg['layers']}x{cfg['heads']}x{cfg['head_dim']}, "
+        f"{cfg['chunk_tokens']} tokens a chunk; decode {'on (checked)' if cfg['decode'] else 'off'}",
+        f"machine: {cfg['cpus']} CPUs (receivers and senders share them); receiver loop {cfg['loop']}",
+        f"ran {out['run_seconds']:.1f} s (wall {out['wall_seconds']:.1f} s): {out['fetches']} fetches completed, "
+        f"{out['errors']} errors {out['errors_by_kind']}",
+        f"text fallbacks: {out['text_chunks']} chunks in {out['text_fetches']} fetches; SLO misses: "
+        f"{out['slo_misses']}; {out['retries']} retries, {out['reconnects']} reconnects",
+        f"goodput: {out['goodput_mb_per_second']:.2f} MB/s of chunks, {out['fetches_per_second']:.2f} fetches/s",
         f"chunk latency: p50 {fmt(out['chunk_latency_ms']['p50'])} ms, p99 {fmt(out['chunk_latency_ms']['p99'])} ms; "
         f"fetch latency: p50 {fmt(out['fetch_latency_ms']['p50'])} ms, p99 {fmt(out['fetch_latency_ms']['p99'])} ms",
     ]
-    for who in ("sender", "receiver"):
+    for who in ("senders", "receiver"):
         r = rss[who]
         growth = "-" if r["growth"] is None else f"{r['growth']:+.1%}"
-        lines.append(f"{who} RSS: peak {r['peak_mb']:.1f} MB; after {rss['warmup_seconds']:.1f} s warm-up "
+        lines.append(f"{who} RSS: start {fmt(r['start_mb'], '.1f')} MB, end {fmt(r['end_mb'], '.1f')} MB, "
+                     f"peak {r['peak_mb']:.1f} MB; after {rss['warmup_seconds']:.1f} s warm-up "
                      f"{fmt(r['baseline_mb'], '.1f')} -> {fmt(r['end_mb'], '.1f')} MB ({growth})")
     m = out["sender_metrics"]
-    lines.append(f"sender metrics: {m['sessions_total']:.0f} sessions, {m['chunks_total']:.0f} chunks, "
-                 f"{m['sent_bytes_total'] / 1e6:.1f} MB sent, errors {m['errors_by_code'] or 0}")
+    lines.append(f"sender metrics: {m['sessions_total']:.0f} sessions {m['per_sender_sessions']}, chunks by "
+                 f"level {m['chunks_by_level']}, {m['sent_bytes_total'] / 1e6:.1f} MB sent, "
+                 f"errors {m['errors_by_code'] or 0}")
     for sample in out["error_samples"]:
         lines.append(f"  error: {sample}")
     lines.append("checks:")
@@ -461,17 +609,19 @@ def _config(args: argparse.Namespace) -> LoadConfig:
     cfg = QUICK if args.quick else FULL
     seconds = args.seconds if args.seconds is not None else (math.inf if args.soak else cfg.seconds)
     changes: dict[str, Any] = {"seconds": seconds, "soak": args.soak, "decode": not args.no_decode}
-    if args.sessions is not None:
-        changes["sessions"] = args.sessions
-    if args.sample_seconds is not None:
-        changes["sample_seconds"] = args.sample_seconds
-    if args.max_growth is not None:
-        changes["max_growth"] = args.max_growth
-    if changes.get("sessions", cfg.sessions) < 1:
+    for name in ("sessions", "sample_seconds", "max_growth", "store", "senders", "slo", "policy"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    cfg = replace(cfg, **changes)
+    if cfg.sessions < 1:
         raise SystemExit("kvwire bench load: --sessions must be >= 1")
+    if cfg.senders < 1:
+        raise SystemExit("kvwire bench load: --senders must be >= 1")
     if not seconds > 0:
-        raise SystemExit("kvwire bench load: --seconds must be > 0")
-    return replace(cfg, **changes)
+        raise SystemExit("kvwire bench load: --duration must be > 0")
+    if not cfg.slo > 0:
+        raise SystemExit("kvwire bench load: --slo must be > 0")
+    return cfg
 
 
 def _cmd_load(args: argparse.Namespace) -> int:
@@ -482,18 +632,26 @@ def _cmd_load(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
     """Add ``kvwire bench load``."""
     b = bench_subparsers.add_parser(
-        "load", help="load and soak: many concurrent sessions against one sender",
-        description="Serve a small context from a sender process on loopback and fetch it from "
-                    "many concurrent receivers, repeatedly, for a while: errors, throughput, chunk "
-                    "latency, peak RSS and RSS growth of sender and receivers.")
+        "load", help="load and soak: many concurrent sessions against N senders over one store",
+        description="Put 2-8 MB contexts into a store, serve them from N sender processes on "
+                    "loopback and fetch them from many concurrent receivers under an SLO, for a "
+                    "while: errors by kind (every layer checked), text fallbacks, SLO misses, "
+                    "goodput, chunk latency, RSS of senders and receivers.")
+    b.add_argument("--store", help="store URL (file path, redis://, redis+cluster://; default: a "
+                                   "temporary file store); the contexts put there are deleted afterwards (their "
+                                   "profile stays: profiles are shared by content hash)")
+    b.add_argument("--senders", type=int, help="sender processes over the store (default 1)")
     b.add_argument("--sessions", type=int, help="concurrent receivers (default 256; --quick 16)")
-    b.add_argument("--seconds", type=float, help="run length (default 60; --quick 3; --soak: until Ctrl-C)")
+    b.add_argument("--duration", "--seconds", dest="seconds", type=float,
+                   help="run length in s (default 60; --quick 3; --soak: until Ctrl-C)")
+    b.add_argument("--slo", type=float, help="deadline of each fetch, s (default 5)")
+    b.add_argument("--policy", help="receivers' policy (default mpc)")
     b.add_argument("--soak", action="store_true",
-                   help="run until Ctrl-C (or --seconds) and fail if RSS grows more than --max-growth")
+                   help="run until Ctrl-C (or --duration) and fail if RSS grows more than --max-growth")
     b.add_argument("--max-growth", type=float, help="allowed RSS growth after the warm-up (default 0.2)")
     b.add_argument("--sample-seconds", type=float, help="RSS sampling period (default 2; --quick 0.5)")
-    b.add_argument("--no-decode", action="store_true", help="receivers skip the codec work")
-    b.add_argument("--quick", action="store_true", help="16 sessions for 3 s (for tests)")
+    b.add_argument("--no-decode", action="store_true", help="receivers skip the codec work (and its check)")
+    b.add_argument("--quick", action="store_true", help="16 sessions for 3 s on small contexts (for tests)")
     b.add_argument("--json", action="store_true", help="print machine-readable JSON")
     b.set_defaults(handler=_cmd_load)
 
