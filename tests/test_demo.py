@@ -54,3 +54,26 @@ def test_link_process_ends_on_an_error_in_the_parent(store: str) -> None:
 def test_link_process_start_failure_is_reported() -> None:
     with pytest.raises(RuntimeError, match="failed to start"):
         LinkProcess("redis://127.0.0.1:1/0", None, Trace.constant(100.0, 1.0), delay_ms=0.0)
+
+
+def test_the_demo_fetch_times_the_profile_download_apart(store: str) -> None:
+    """Opening the context (handshake, manifest, the profile) is timed on its own; the
+    fetch's bytes are the chunks' only, never the profile's."""
+    import argparse
+
+    from streamer.net import session as session_module
+    from streamer.tools.demo import _fetch
+
+    session_module._profiles.clear()   # a receiver that has not seen this model's profile
+    args = argparse.Namespace(context="demo", slo=10.0, policy="fixed:0", recompute_ms_per_token=0.05)
+    with LinkProcess(store, None, Trace.constant(100.0, 1.0), delay_ms=1.0) as link:
+        fetched = asyncio.run(_fetch(args, link.port, link.start_trace, lambda *a: None, None, False))
+
+    async def manifest():
+        async with await streamer.open_store(store) as s:
+            m = await s.get_manifest("demo")
+            return m, len(await s.get_profile_bytes(m.profile_id))
+
+    m, profile_bytes = asyncio.run(manifest())
+    assert profile_bytes > fetched.report.bytes == sum(c.sizes[0] for c in m.chunks)
+    assert fetched.open_seconds > 0 and fetched.trace_offset >= 0
