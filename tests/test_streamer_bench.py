@@ -15,6 +15,38 @@ def test_register_adds_bench_stream() -> None:
     assert args.quick and args.json and args.handler is bench._cmd_bench
 
 
+async def test_the_profile_is_fetched_over_the_wire_or_the_bench_fails(tmp_path) -> None:
+    """bench stream warms the session's profile cache over the wire and says how big the
+    profile was and how long it took; a sender that cannot give it is an error, never a
+    silent read of the store."""
+    import socket
+
+    import codec
+    import streamer
+    from streamer.net import session as session_module
+    from streamer_helpers import synthetic_kv
+
+    profile = codec.calibrate([synthetic_kv(1, 512, 2, 2, 16)])
+    async with await streamer.open_store(str(tmp_path)) as store:
+        await streamer.put_context(store, bench.BIG, synthetic_kv(0, 128, 2, 2, 16), list(range(128)),
+                                   profile=profile, chunk_tokens=64)
+    session_module._profiles.clear()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]
+    with pytest.raises(RuntimeError, match="could not fetch the profile from the sender"):
+        await bench._warm_profile(dead)
+    assert profile.id not in session_module._profiles
+    async with await streamer.open_store(str(tmp_path)) as store:
+        sender = await streamer.serve(store)
+        try:
+            warmed = await bench._warm_profile(sender.port)
+        finally:
+            await sender.close()
+    assert warmed["profile_bytes"] == len(profile.to_bytes()) and warmed["profile_fetch_seconds"] > 0
+    assert profile.id in session_module._profiles
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_json_run_completes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,6 +78,7 @@ def test_quick_json_run_completes(capsys: pytest.CaptureFixture[str]) -> None:
         assert session["chunks"] == small["chunks"] and session["bytes"] == small["bytes"]
     assert conc["bytes"] == 64 * small["bytes"]
 
+    assert out["config"]["profile_bytes"] > 0 and "profile_over_wire" not in out["config"]
     for target in out["targets"]:
         assert set(target) >= {"target", "measured", "unit", "met"} and isinstance(target["met"], bool)
     assert len(out["targets"]) == 2 * 2 + 2 + 2
