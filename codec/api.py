@@ -7,7 +7,7 @@ decode layer l as soon as that section has arrived (``decode_section``).
 """
 from __future__ import annotations
 
-import weakref
+import functools
 from typing import Iterator
 
 import numpy as np
@@ -20,16 +20,37 @@ from .errors import CorruptBitstream, ProfileMismatch
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .profile import DEFAULT_SINK_TOKENS, Profile, embedded_profile, validate_kv
 
-_MAX_EMBEDDED_PROFILE = 64 << 20
 _ITEM_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
-_embedded_cache: "weakref.WeakValueDictionary[str, Profile]" = weakref.WeakValueDictionary()
 
 
-def _sink_bytes(kv_layer: torch.Tensor, sinks: int) -> bytes:
-    """The first ``sinks`` tokens of K and V of one layer, bit-exact in their dtype."""
-    raw = kv_layer[:, :sinks].contiguous()
+def _token_bytes(tokens: torch.Tensor) -> bytes:
+    """K then V tokens [2, n, heads, head_dim] of one layer, bit-exact, little-endian."""
+    raw = tokens.contiguous()
     bits = raw.view(_ITEM_VIEW[raw.dtype]).numpy()
     return bits.astype(bits.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _tokens_from_bytes(data: memoryview, dtype: torch.dtype, channels: int) -> torch.Tensor:
+    """Inverse of _token_bytes: [2, n, channels] of ``dtype`` (a copy, native byte order)."""
+    item = torch.empty(0, dtype=_ITEM_VIEW[dtype]).numpy().dtype.newbyteorder("<")
+    bits = np.frombuffer(data, dtype=item).astype(item.newbyteorder("="))
+    return torch.from_numpy(bits).view(dtype).reshape(2, -1, channels)
+
+
+def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tensor, body: torch.Tensor,
+                   sinks: int) -> tuple[bytes, int]:
+    """(section bytes, mode) of one layer: rANS lanes, or the tokens verbatim when the
+    lanes would not be smaller (data unlike the calibration) or the values do not
+    quantize at all, so a section is never larger than the layer in its own dtype."""
+    raw_body = _token_bytes(kv_layer[:, sinks:])
+    try:
+        lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1])
+    except layer_codec.ValuesOutOfRange:
+        lanes = None
+    sink_bytes = _token_bytes(kv_layer[:, :sinks])
+    if lanes is None or len(lanes) >= len(raw_body):
+        return sink_bytes + raw_body, container.MODE_RAW
+    return sink_bytes + lanes, container.MODE_CODED
 
 
 def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None = None, *,
@@ -37,7 +58,10 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
     """Encode kv [layers, 2, tokens, heads, head_dim] (fp16/bf16/fp32) at ``level``.
 
     Without a profile the blob carries its own (identity transform, fitted on
-    ``kv``): self-contained but larger. ``sink_tokens`` overrides how many leading
+    ``kv``): self-contained but larger. A layer whose coded section would not be
+    smaller than its tokens verbatim is stored verbatim (FORMAT.md, raw sections), so
+    the blob is never larger than ``kv`` in its dtype plus the header. NaN or
+    infinite values are a ValueError. ``sink_tokens`` overrides how many leading
     tokens are kept verbatim (the profile's default, 4, suits a context's first
     chunk; later chunks of a context have no attention sinks and may pass 0).
     """
@@ -61,14 +85,11 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
         embedded = zstandard.ZstdCompressor(level=9).compress(profile.to_bytes())
         slot = 0
     body = kv[:, :, sinks:].to(torch.float32).reshape(layers, 2, tokens - sinks, heads * head_dim)
-    sections = [
-        _sink_bytes(kv[l], sinks) + layer_codec.encode_layer(profile, slot, l, body[l, 0], body[l, 1])
-        for l in range(layers)
-    ]
+    sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks) for l in range(layers)))
     header = container.pack_header(
         dtype=kv.dtype, level=level, layers=layers, heads=heads, head_dim=head_dim,
         sink_tokens=sinks, tokens=tokens, profile_id=profile.id, embedded_profile=embedded,
-        sections=sections)
+        sections=list(sections), modes=list(modes))
     return header + b"".join(sections)
 
 
@@ -83,26 +104,18 @@ header_length = container.header_length
 def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profile, int]:
     """The profile that decodes this blob and the level slot inside it.
 
-    A blob with an embedded profile decodes with that one (any profile passed is
-    not needed and ignored); otherwise the caller's profile must be the one whose
+    A blob with an embedded profile decodes with that one: a ``profile`` passed with
+    the blob's id (e.g. this function's earlier answer) is taken as it, saving the
+    parse; any other is ignored. Otherwise the caller's profile must be the one whose
     id the blob names.
     """
     if header.embedded_profile is not None:
-        cached = _embedded_cache.get(header.profile_id)
-        if cached is None:
-            try:
-                declared = zstandard.frame_content_size(header.embedded_profile)
-                if declared > _MAX_EMBEDDED_PROFILE:  # checked first: the claim alone would allocate it
-                    raise CorruptBitstream(f"embedded profile claims {declared} bytes")
-                raw = zstandard.ZstdDecompressor().decompress(
-                    header.embedded_profile, max_output_size=_MAX_EMBEDDED_PROFILE)
-            except (zstandard.ZstdError, MemoryError) as exc:
-                raise CorruptBitstream(f"embedded profile does not decompress: {exc}") from exc
-            cached = Profile.from_bytes(raw)
-            if cached.id != header.profile_id or len(cached.targets) != 1:
-                raise CorruptBitstream("embedded profile does not match the blob header")
-            _embedded_cache[header.profile_id] = cached
-        resolved, slot = cached, 0
+        if profile is not None and profile.id == header.profile_id:
+            resolved = profile
+        else:
+            resolved = _parse_embedded(header.profile_id, header.embedded_profile,
+                                       container.embedded_profile_limit(header.layers, header.channels))
+        slot = 0
     else:
         if profile is None:
             raise ProfileMismatch(f"blob was encoded with profile {header.profile_id}; pass that profile to decode it")
@@ -114,6 +127,26 @@ def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profil
     if (resolved.layers, resolved.heads, resolved.head_dim) != (header.layers, header.heads, header.head_dim):
         raise CorruptBitstream("blob shape disagrees with its profile")
     return resolved, slot
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_embedded(profile_id: str, data: bytes, limit: int) -> Profile:
+    """Decompress and parse an embedded profile (at most ``limit`` bytes).
+
+    Cached, so a receiver decoding a blob section by section parses it once; a small
+    cache, as each entry is bounded by the limit.
+    """
+    try:
+        declared = zstandard.frame_content_size(data)
+        if declared > limit:  # checked first: the claim alone would allocate it
+            raise CorruptBitstream(f"embedded profile claims {declared} bytes, its blob's shape allows {limit}")
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=limit)
+    except (zstandard.ZstdError, MemoryError) as exc:
+        raise CorruptBitstream(f"embedded profile does not decompress within {limit} bytes: {exc}") from exc
+    parsed = Profile.from_bytes(raw)
+    if parsed.id != profile_id or len(parsed.targets) != 1 or parsed.transform != "identity":
+        raise CorruptBitstream("embedded profile does not match the blob header (FORMAT.md: identity, one level)")
+    return parsed
 
 
 def section_decoder(device: str | torch.device):
@@ -130,28 +163,47 @@ def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [tokens, heads, head_dim] of one layer from its section bytes alone.
 
-    The section is verified against the header's length and checksum first.
-    ``out`` ([2, tokens, heads, head_dim] of the blob's dtype, contiguous) receives
-    the result in place, saving a copy when assembling a whole cache.
+    The section is verified against the header's length and checksum, and its lane
+    table against the token count, before anything is allocated. ``out`` ([2, tokens,
+    heads, head_dim] of the blob's dtype, contiguous) receives the result in place,
+    saving a copy when assembling a whole cache.
     """
     if not 0 <= layer < header.layers:
         raise ValueError(f"layer {layer} out of range [0, {header.layers})")
     resolved, slot = resolve_profile(header, profile)
-    sink_bytes, lanes = container.split_section(section, header, layer)
-    sinks, tokens = header.sink_tokens, header.tokens
-    channels = header.heads * header.head_dim
-    shape = (2, tokens, header.heads, header.head_dim)
+    checked = _check_section(header, resolved, slot, layer, section)
+    shape = (2, header.tokens, header.heads, header.head_dim)
     if out is None:
         out = torch.empty(shape, dtype=header.dtype)
     elif out.shape != shape or out.dtype != header.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {header.dtype} tensor of shape {shape}")
-    flat = out.view(2, tokens, channels)
-    layer_codec.decode_layer(resolved, slot, layer, lanes, flat[:, sinks:])
-    if sinks:
-        item_dtype = torch.empty(0, dtype=_ITEM_VIEW[header.dtype]).numpy().dtype.newbyteorder("<")
-        bits = np.frombuffer(sink_bytes, dtype=item_dtype).astype(item_dtype.newbyteorder("="))
-        flat[:, :sinks] = torch.from_numpy(bits).view(header.dtype).reshape(2, sinks, channels)
+    _decode_checked(header, resolved, layer, checked, out)
     return out[0], out[1]
+
+
+_Checked = tuple[memoryview, "memoryview | layer_codec.LanePayload"]
+
+
+def _check_section(header: BlobHeader, profile: Profile, slot: int, layer: int,
+                   section: bytes | memoryview) -> _Checked:
+    """(sink bytes, raw token bytes or parsed lanes) of a section, every length verified."""
+    sink_bytes, rest = container.split_section(section, header, layer)
+    if header.is_raw(layer):
+        return sink_bytes, rest
+    return sink_bytes, layer_codec.parse_lanes(profile, slot, layer, header.coded_tokens, rest)
+
+
+def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _Checked,
+                    out: torch.Tensor) -> None:
+    sink_bytes, rest = checked
+    sinks = header.sink_tokens
+    flat = out.view(2, header.tokens, header.channels)
+    if isinstance(rest, layer_codec.LanePayload):
+        layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:])
+    else:
+        flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
+    if sinks:
+        flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
 
 
 def _device_layers(blob: bytes | memoryview, header: BlobHeader, profile: Profile | None,
@@ -165,30 +217,37 @@ def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
     """Yield (layer, k, v) in layer order; each k, v is [tokens, heads, head_dim] on ``device``."""
     decode_one = section_decoder(device)
     header = container.parse_header(blob)
-    resolve_profile(header, profile)  # fail before yielding anything
+    resolved, _ = resolve_profile(header, profile)  # fail before yielding anything; parse once
     if decode_one is not decode_section:
-        yield from _device_layers(blob, header, profile, torch.device(device))
+        yield from _device_layers(blob, header, resolved, torch.device(device))
         return
     for layer in range(header.layers):
-        k, v = decode_section(header, profile, layer, container.section(blob, header, layer))
+        k, v = decode_section(header, resolved, layer, container.section(blob, header, layer))
         yield layer, k, v
 
 
 def decode(blob: bytes | memoryview, profile: Profile | None = None,
            device: str | torch.device = "cpu") -> torch.Tensor:
-    """Decode a whole blob to [layers, 2, tokens, heads, head_dim] in its original dtype."""
+    """Decode a whole blob to [layers, 2, tokens, heads, head_dim] in its original dtype.
+
+    Every section is verified (length, checksum, lane table against the token count)
+    before the output is allocated, so a hostile header cannot size it alone.
+    """
     decode_one = section_decoder(device)
     header = container.parse_header(blob)
     if len(blob) != header.total_size:
         raise CorruptBitstream(f"blob is {len(blob)} bytes, its header says {header.total_size}")
-    resolve_profile(header, profile)
-    out = torch.empty(header.shape, dtype=header.dtype, device=device)
+    resolved, slot = resolve_profile(header, profile)
     if decode_one is not decode_section:
-        for layer, k, v in _device_layers(blob, header, profile, torch.device(device)):
+        out = torch.empty(header.shape, dtype=header.dtype, device=device)
+        for layer, k, v in _device_layers(blob, header, resolved, torch.device(device)):
             out[layer, 0], out[layer, 1] = k, v
         return out
-    for layer in range(header.layers):
-        decode_section(header, profile, layer, container.section(blob, header, layer), out=out[layer])
+    checked = [_check_section(header, resolved, slot, layer, container.section(blob, header, layer))
+               for layer in range(header.layers)]
+    out = torch.empty(header.shape, dtype=header.dtype)
+    for layer, parts in enumerate(checked):
+        _decode_checked(header, resolved, layer, parts, out[layer])
     return out
 
 
@@ -211,6 +270,7 @@ def inspect(blob: bytes | memoryview) -> dict:
             "header": header.size - len(header.embedded_profile or b""),
             "embedded_profile": len(header.embedded_profile or b""),
             "layers": layers,
+            "raw_layers": [layer for layer in range(header.layers) if header.is_raw(layer)],
         },
         "complete": len(blob) >= header.total_size,
     }

@@ -16,12 +16,18 @@ import torch
 from .errors import CorruptBitstream
 
 MAGIC = b"KVWB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")
-SECTION_ENTRY = struct.Struct("<II")
+SECTION_ENTRY = struct.Struct("<IIB")  # length, crc32, mode
 CRC = struct.Struct("<I")
 FLAG_EMBEDDED_PROFILE = 0x01
 _KNOWN_FLAGS = FLAG_EMBEDDED_PROFILE
+#: Section modes: rANS lanes, or the layer's tokens verbatim (when coding would not be smaller).
+MODE_CODED = 0
+MODE_RAW = 1
+_MODES = (MODE_CODED, MODE_RAW)
+_LANE_COUNT = 4  # u32 n_lanes: the least a coded section holds after its sinks
+
 # Limits (FORMAT.md, "Limits"): every size a reader takes from untrusted bytes is
 # checked against one of these before anything is allocated from it.
 #: Largest token count a blob may claim.
@@ -36,6 +42,8 @@ MAX_LAYER_VALUES = 1 << 28
 MAX_LEVELS = 256
 #: Table classes are u8 indices, so a profile has at most 256 frequency tables.
 MAX_TABLES = 256
+#: An embedded profile never decompresses to more than this (nor than its shape allows).
+MAX_EMBEDDED_PROFILE = 16 << 20
 
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -56,6 +64,7 @@ class BlobHeader:
     profile_id: str
     embedded_profile: bytes | None
     sections: tuple[tuple[int, int], ...]  # (length, crc32) per layer
+    modes: tuple[int, ...]  # MODE_CODED or MODE_RAW per layer
     size: int  # header bytes, i.e. offset of layer 0's section
 
     @property
@@ -63,8 +72,25 @@ class BlobHeader:
         return (self.layers, 2, self.tokens, self.heads, self.head_dim)
 
     @property
+    def channels(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
     def coded_tokens(self) -> int:
         return self.tokens - self.sink_tokens
+
+    @property
+    def sink_size(self) -> int:
+        """Bytes of one section's verbatim sink tokens (K then V)."""
+        return token_bytes(self.sink_tokens, self.channels, self.dtype)
+
+    @property
+    def raw_size(self) -> int:
+        """Bytes of a raw section: every token of the layer's K and V verbatim."""
+        return token_bytes(self.tokens, self.channels, self.dtype)
+
+    def is_raw(self, layer: int) -> bool:
+        return self.modes[layer] == MODE_RAW
 
     def section_offset(self, layer: int) -> int:
         return self.size + sum(length for length, _ in self.sections[:layer])
@@ -74,18 +100,34 @@ class BlobHeader:
         return self.size + sum(length for length, _ in self.sections)
 
 
+def token_bytes(tokens: int, channels: int, dtype: torch.dtype) -> int:
+    """Bytes of ``tokens`` tokens of K and of V stored verbatim in ``dtype``."""
+    return 2 * tokens * channels * (torch.finfo(dtype).bits // 8)
+
+
+def embedded_profile_limit(layers: int, channels: int) -> int:
+    """Most bytes the embedded profile of a blob of this shape may decompress to.
+
+    An embedded profile is identity with one level (FORMAT.md): its arrays take
+    16 bytes per layer and channel (mean, shift, table), 24 per layer (steps, kept,
+    delta_group) and at most 64 KiB of tables; 8 KiB covers the safetensors and JSON
+    headers.
+    """
+    return min(MAX_EMBEDDED_PROFILE, 16 * layers * channels + 24 * layers + (64 << 10) + (8 << 10))
+
+
 def crc32(data: bytes | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
 def pack_header(*, dtype: torch.dtype, level: int, layers: int, heads: int, head_dim: int,
                 sink_tokens: int, tokens: int, profile_id: str, embedded_profile: bytes | None,
-                sections: list[bytes]) -> bytes:
+                sections: list[bytes], modes: list[int]) -> bytes:
     flags = FLAG_EMBEDDED_PROFILE if embedded_profile is not None else 0
     embedded = embedded_profile or b""
     parts = [FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], level, flags, layers, heads,
                         head_dim, sink_tokens, tokens, bytes.fromhex(profile_id), len(embedded))]
-    parts += [SECTION_ENTRY.pack(len(s), crc32(s)) for s in sections]
+    parts += [SECTION_ENTRY.pack(len(s), crc32(s), mode) for s, mode in zip(sections, modes, strict=True)]
     parts.append(embedded)
     body = b"".join(parts)
     return body + CRC.pack(crc32(body))
@@ -109,7 +151,11 @@ def _unpack_fixed(data: bytes | memoryview) -> tuple:
 
 
 def parse_header(data: bytes | memoryview) -> BlobHeader:
-    """Parse and verify the header at the start of ``data`` (the sections may be absent)."""
+    """Parse and verify the header at the start of ``data`` (the sections may be absent).
+
+    Every size is checked against the format's limits and against what the section
+    table says is present before anything is sized from it (FORMAT.md, "Limits").
+    """
     data = memoryview(data)
     size = header_length(data)
     if size is None or len(data) < size:
@@ -123,16 +169,34 @@ def parse_header(data: bytes | memoryview) -> BlobHeader:
         raise CorruptBitstream("blob header has an unknown dtype or flag")
     if min(layers, heads, head_dim, tokens) < 1 or sinks > tokens or tokens > MAX_TOKENS:
         raise CorruptBitstream("blob header has an impossible shape")
+    channels = heads * head_dim
+    if channels > MAX_CHANNELS or tokens * channels > MAX_LAYER_VALUES:
+        raise CorruptBitstream(f"blob shape {tokens} tokens x {channels} channels exceeds the format's "
+                               f"limits ({MAX_CHANNELS} channels, {MAX_LAYER_VALUES} values per K or V)")
     if bool(flags & FLAG_EMBEDDED_PROFILE) != (embedded_len > 0):
         raise CorruptBitstream("blob header disagrees with itself about the embedded profile")
     table_end = FIXED.size + SECTION_ENTRY.size * layers
-    sections = tuple(SECTION_ENTRY.unpack_from(data, FIXED.size + SECTION_ENTRY.size * i)
-                     for i in range(layers))
+    entries = [SECTION_ENTRY.unpack_from(data, FIXED.size + SECTION_ENTRY.size * i) for i in range(layers)]
     embedded = bytes(data[table_end: table_end + embedded_len]) if embedded_len else None
-    return BlobHeader(version=version, dtype=CODE_DTYPES[dtype_code], level=level, layers=layers,
-                      heads=heads, head_dim=head_dim, sink_tokens=sinks, tokens=tokens,
-                      profile_id=profile_id.hex(), embedded_profile=embedded, sections=sections,
-                      size=size)
+    header = BlobHeader(version=version, dtype=CODE_DTYPES[dtype_code], level=level, layers=layers,
+                        heads=heads, head_dim=head_dim, sink_tokens=sinks, tokens=tokens,
+                        profile_id=profile_id.hex(), embedded_profile=embedded,
+                        sections=tuple((length, crc) for length, crc, _ in entries),
+                        modes=tuple(mode for _, _, mode in entries), size=size)
+    for layer, (length, _, mode) in enumerate(entries):
+        _check_section_length(header, layer, length, mode)
+    return header
+
+
+def _check_section_length(header: BlobHeader, layer: int, length: int, mode: int) -> None:
+    """A raw section is exactly the layer's tokens; a coded one holds its sinks and lane count."""
+    if mode not in _MODES:
+        raise CorruptBitstream(f"layer {layer}'s section has unknown mode {mode}")
+    if mode == MODE_RAW and length != header.raw_size:
+        raise CorruptBitstream(f"layer {layer}'s raw section is {length} bytes, its shape needs "
+                               f"{header.raw_size}")
+    if mode == MODE_CODED and length < header.sink_size + _LANE_COUNT:
+        raise CorruptBitstream(f"layer {layer}'s section is {length} bytes, shorter than its sink tokens")
 
 
 def section(data: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:
@@ -146,13 +210,10 @@ def section(data: bytes | memoryview, header: BlobHeader, layer: int) -> memoryv
 
 
 def split_section(section: bytes | memoryview, header: BlobHeader, layer: int) -> tuple[memoryview, memoryview]:
-    """(sink token bytes, lane payload) of a verified layer section (see FORMAT.md)."""
+    """(sink token bytes, rest) of a verified layer section (see FORMAT.md): the rest is
+    the lane payload of a coded section, the non-sink tokens of a raw one."""
     view = verify_section(section, header, layer)
-    item = torch.finfo(header.dtype).bits // 8
-    sink_len = 2 * header.sink_tokens * header.heads * header.head_dim * item
-    if len(view) < sink_len:
-        raise CorruptBitstream(f"layer {layer}'s section is shorter than its sink tokens")
-    return view[:sink_len], view[sink_len:]
+    return view[:header.sink_size], view[header.sink_size:]
 
 
 def verify_section(view: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:

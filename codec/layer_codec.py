@@ -24,11 +24,17 @@ LANE_SYMBOLS = 4096
 _U32 = struct.Struct("<I")
 
 
+class ValuesOutOfRange(ValueError):
+    """A layer's values are too far from the profile's mean to quantize at this level
+    (the encoder then sends the layer raw)."""
+
+
 @dataclass(frozen=True)
 class CoderTables:
     freq: np.ndarray
     cdf: np.ndarray
     lut: np.ndarray
+    value_bits: np.ndarray  # f64 [classes, PROB_BITS + 1]: rans.min_value_bits
 
 
 _coder_tables: "weakref.WeakKeyDictionary[Profile, CoderTables]" = weakref.WeakKeyDictionary()
@@ -39,7 +45,8 @@ def coder_tables(profile: Profile) -> CoderTables:
     tables = _coder_tables.get(profile)
     if tables is None:
         tables = CoderTables(freq=profile.tables, cdf=entropy.cumulative(profile.tables),
-                             lut=entropy.slot_lookup(profile.tables))
+                             lut=entropy.slot_lookup(profile.tables),
+                             value_bits=rans.min_value_bits(profile.tables))
         _coder_tables[profile] = tables
     return tables
 
@@ -110,8 +117,8 @@ def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: 
     symbols = np.empty(plan.rows, dtype=np.int64)
     if rans.quantize_rows(coef, plan.step, plan.group, plan.table, plan.shift, coder_tables(profile).freq,
                           q, symbols) != rans.OK:
-        raise ValueError(f"layer {layer}: KV values too large to quantize at this level "
-                         f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
+        raise ValuesOutOfRange(f"layer {layer}: KV values too large to quantize at this level "
+                               f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
     return plan, q, symbols
 
 
@@ -144,6 +151,23 @@ def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray, symbols: np.nda
                      states.astype("<u4").tobytes(), words[keep].astype("<u2").tobytes()))
 
 
+def min_lane_words(profile: Profile, plan: LayerPlan, coded_tokens: int) -> np.ndarray:
+    """Fewest words each lane of a valid stream can hold (FORMAT.md, "Limits").
+
+    What ties a header's token count to the bytes present: every decoded value
+    shrinks the rANS state by a least amount fixed by its table and shift, and each
+    word read restores at most ~16 bits, so a lane of many values needs many words.
+    """
+    if plan.lanes == 0:
+        return np.zeros(0, dtype=np.int64)
+    groups = plan.group.astype(np.int64)
+    anchors = np.where(groups > 0, -(-coded_tokens // np.maximum(groups, 1)), coded_tokens)
+    counts = np.stack([anchors, coded_tokens - anchors], axis=1)               # [R, kind]
+    bits = coder_tables(profile).value_bits[plan.table, plan.shift]             # [R, kind]
+    lane_bits = np.add.reduceat((counts * bits).sum(axis=1), plan.lane_rows[:-1])  # lanes are never empty
+    return rans.min_lane_words(lane_bits)
+
+
 @dataclass(frozen=True)
 class LanePayload:
     """A parsed lane payload: what either decoder (CPU or GPU) consumes."""
@@ -171,6 +195,12 @@ def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int,
     lane_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     if table_end + 2 * int(lane_start[-1]) != len(payload):
         raise CorruptBitstream(f"layer {layer}: lane lengths disagree with the section size")
+    least = min_lane_words(profile, plan, coded_tokens)
+    short = np.flatnonzero(counts < least)
+    if short.size:  # checked before the caller sizes anything from the token count
+        lane = int(short[0])
+        raise CorruptBitstream(f"layer {layer}: lane {lane} has {int(counts[lane])} words, too few for "
+                               f"{coded_tokens} tokens (at least {int(least[lane])})")
     words = np.frombuffer(payload, dtype="<u2", offset=table_end)
     # read-only whether the section came as bytes or as a bytearray: one array type for
     # the decode kernel (see the note in plan_layer)
@@ -179,10 +209,8 @@ def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int,
     return LanePayload(plan, lane_start, states, words)
 
 
-def decode_coefficients(profile: Profile, slot: int, layer: int, coded_tokens: int,
-                        payload: memoryview) -> tuple[LayerPlan, np.ndarray]:
-    """Entropy-decode and dequantize a lane payload to coefficients [rows, coded_tokens]."""
-    lanes = parse_lanes(profile, slot, layer, coded_tokens, payload)
+def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_tokens: int) -> np.ndarray:
+    """Entropy-decode and dequantize parsed lanes to coefficients [rows, coded_tokens]."""
     plan = lanes.plan
     coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
     tables = coder_tables(profile)
@@ -190,13 +218,13 @@ def decode_coefficients(profile: Profile, slot: int, layer: int, coded_tokens: i
                                plan.group, plan.table, plan.shift, tables.freq, tables.cdf, tables.lut, coef)
     if status != rans.OK:
         raise CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {status})")
-    return plan, coef
+    return coef
 
 
-def decode_layer(profile: Profile, slot: int, layer: int, payload: memoryview, out: torch.Tensor) -> None:
-    """Decode one layer's lane payload into ``out`` [2, coded_tokens, C] (K then V)."""
-    plan, coef = decode_coefficients(profile, slot, layer, out.shape[1], payload)
-    coef_t = torch.from_numpy(coef)
+def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor) -> None:
+    """Decode one layer's parsed lanes into ``out`` [2, coded_tokens, C] (K then V)."""
+    plan = lanes.plan
+    coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, out.shape[1]))
     rows = (coef_t[: plan.kept[0]], coef_t[plan.kept[0]:])
     for kv in range(2):
         transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),

@@ -36,6 +36,43 @@ ESCAPE_CHUNKS = 3
 #: |q| must stay below this so zigzag(q) fits the 36 escape bits with room to spare
 MAX_ABS_Q = 1 << 30
 
+#: Most a state's log2 can grow per word read: (x << 16 | w) < (x + 1) * 2**16, and a
+#: state about to be refilled is >= 16 (a symbol step leaves it >= f * 16).
+_WORD_GROWTH_BITS = WORD_BITS + np.log2(17.0 / 16.0)
+
+
+def min_step_bits(freq: np.ndarray) -> np.ndarray:
+    """Least log2 a decode step with frequency ``freq`` shrinks any state in [2**16, 2**32).
+
+    x' = f*(x >> 12) + slot - c = x - (4096 - f)*(x >> 12) - c < x*f/4096 + 4096 - f,
+    so x'/x < (15*f + 4096) / 2**16 for x >= 2**16 (FORMAT.md, "Limits").
+    """
+    return WORD_BITS - np.log2(15.0 * np.asarray(freq, dtype=np.float64) + PROB_SCALE)
+
+
+def min_value_bits(tables: np.ndarray) -> np.ndarray:
+    """[classes, PROB_BITS + 1]: the least state bits one coded value can take, by table
+    class and shift: its symbol (the likeliest one but the escape) plus its ``shift``
+    uniform low bits, or the escape plus its three 12-bit chunks, whichever is less."""
+    freq = tables.astype(np.int64)
+    likeliest = freq[:, :ESCAPE].max(axis=1)
+    shifts = np.arange(PROB_BITS + 1)
+    low_bits = np.where(shifts > 0, min_step_bits(1 << (PROB_BITS - shifts)), 0.0)
+    symbol = np.where(likeliest > 0, min_step_bits(likeliest), np.inf)
+    escaped = min_step_bits(freq[:, ESCAPE]) + ESCAPE_CHUNKS * min_step_bits(1)
+    return np.minimum(symbol[:, None] + low_bits[None, :], escaped[:, None])
+
+
+def min_lane_words(bits: np.ndarray) -> np.ndarray:
+    """Fewest words a lane whose decode steps shrink the state by ``bits`` can hold.
+
+    A lane starts below 2**32 and ends at exactly 2**16, so 16 + bits < 32 + words *
+    _WORD_GROWTH_BITS; the float margin keeps a valid lane from ever failing the check.
+    """
+    needed = (np.asarray(bits, dtype=np.float64) * (1 - 1e-9) - WORD_BITS) / _WORD_GROWTH_BITS
+    return np.maximum(np.floor(needed), 0).astype(np.int64)
+
+
 # status codes returned by the kernels
 OK = 0
 OVERFLOW = 1       # a value too large for the quantizer (encode)

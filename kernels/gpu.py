@@ -108,13 +108,16 @@ class GpuDecoder:
         """Verify and parse a section on the host, then queue its upload on the copy stream."""
         resolved, slot = codec.resolve_profile(header, profile)
         sink_bytes, payload = container.split_section(section, header, layer)
-        lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, payload)
-        plan = lanes.plan
-        inputs = {name: self._upload(array) for name, array in (
-            ("words", lanes.words.view(np.int16)), ("lane_start", lanes.lane_start),
-            ("states", lanes.states.view(np.int32)), ("lane_rows", plan.lane_rows), ("step", plan.step),
-            ("group", plan.group), ("table", plan.table), ("shift", plan.shift))}
         sinks = self._upload(np.frombuffer(sink_bytes, dtype=np.uint8)) if len(sink_bytes) else None
+        if header.is_raw(layer):  # the tokens verbatim: no kernel, only the copy
+            plan, inputs = None, {"raw": self._upload(np.frombuffer(payload, dtype=np.uint8))}
+        else:
+            lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, payload)
+            plan = lanes.plan
+            inputs = {name: self._upload(array) for name, array in (
+                ("words", lanes.words.view(np.int16)), ("lane_start", lanes.lane_start),
+                ("states", lanes.states.view(np.int32)), ("lane_rows", plan.lane_rows), ("step", plan.step),
+                ("group", plan.group), ("table", plan.table), ("shift", plan.shift))}
         copied = torch.cuda.Event()
         copied.record(self._torch_copy)
         return _Staged(header, resolved, layer, plan, inputs, sinks, copied)
@@ -122,10 +125,16 @@ class GpuDecoder:
     def launch(self, staged: "_Staged") -> "_Launched":
         """Queue the kernel and the inverse-transform GEMM on the decode stream."""
         header, plan, layer = staged.header, staged.plan, staged.layer
-        tables = self._device_tables(staged.profile)
         self._torch_decode.wait_event(staged.copied)
         coded, tokens, sinks = header.coded_tokens, header.tokens, header.sink_tokens
         channels = header.heads * header.head_dim
+        out = torch.empty((2, tokens, channels), dtype=header.dtype, device=self.device)
+        if plan is None:
+            status = torch.zeros(1, dtype=torch.int32, device=self.device)
+            with torch.cuda.stream(self._torch_decode):
+                out[:, sinks:] = staged.inputs["raw"].view(header.dtype).reshape(2, coded, channels)
+                return self._finish_launch(staged, out, status)
+        tables = self._device_tables(staged.profile)
         coef = torch.empty((coded, plan.rows), dtype=torch.float32, device=self.device)
         status = torch.zeros(max(plan.lanes, 1), dtype=torch.int32, device=self.device)
         if plan.lanes:
@@ -137,7 +146,6 @@ class GpuDecoder:
                          np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
                          block=(THREADS_PER_BLOCK, 1, 1),
                          grid=(math.ceil(plan.lanes / THREADS_PER_BLOCK), 1), stream=self.decode_stream)
-        out = torch.empty((2, tokens, channels), dtype=header.dtype, device=self.device)
         with torch.cuda.stream(self._torch_decode):
             rows = (coef[:, : plan.kept[0]], coef[:, plan.kept[0]:])
             for kv in range(2):
@@ -147,11 +155,16 @@ class GpuDecoder:
                 else:
                     result = torch.addmm(mean.expand(coded, channels), rows[kv], tables.basis[layer, kv, : plan.kept[kv]])
                 out[kv, sinks:] = transform.clamp_to(result, header.dtype)
-            if staged.sinks is not None:
-                out[:, :sinks] = staged.sinks.view(header.dtype).reshape(2, sinks, channels)
-            done = torch.cuda.Event()
-            done.record(self._torch_decode)
-        return _Launched(header, layer, out, status, done, staged)
+            return self._finish_launch(staged, out, status)
+
+    def _finish_launch(self, staged: "_Staged", out: torch.Tensor, status: torch.Tensor) -> "_Launched":
+        """Queue the sink tokens' copy and the completion event (on the decode stream)."""
+        header = staged.header
+        if staged.sinks is not None:
+            out[:, :header.sink_tokens] = staged.sinks.view(header.dtype).reshape(2, header.sink_tokens, -1)
+        done = torch.cuda.Event()
+        done.record(self._torch_decode)
+        return _Launched(header, staged.layer, out, status, done, staged)
 
     def finish(self, launched: "_Launched") -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for one section's decode; CorruptBitstream if any lane failed its checks."""
@@ -184,7 +197,7 @@ class _Staged:
     header: codec.BlobHeader
     profile: Profile
     layer: int
-    plan: layer_codec.LayerPlan
+    plan: layer_codec.LayerPlan | None  # None for a raw section
     inputs: dict[str, torch.Tensor]
     sinks: torch.Tensor | None
     copied: torch.cuda.Event

@@ -244,12 +244,15 @@ def test_parse_header_of_garbage():
             codec.inspect(data)
 
 
-def test_values_too_large_to_quantize(codec_profile, small_kv):
-    """|x - mean| beyond 2^30 steps cannot be coded: a ValueError, not a wrong blob."""
+def test_values_too_large_to_quantize_go_raw(codec_profile, small_kv):
+    """|x - mean| beyond 2^30 steps cannot be coded: that layer is stored verbatim
+    (a raw section, FORMAT.md), exactly, and the other layers are coded as usual."""
     kv = small_kv.clone()
     kv[0, 0, 10] = 3e38
-    with pytest.raises(ValueError, match="too large"):
-        codec.encode(kv, 0, codec_profile)
+    blob = codec.encode(kv, 0, codec_profile)
+    assert codec.inspect(blob)["sections"]["raw_layers"] == [0]
+    out = codec.decode(blob, codec_profile)
+    assert torch.equal(out[0], kv[0])
 
 
 # ------------------------------------------------------------------ regressions (bugs found and fixed)

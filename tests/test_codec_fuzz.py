@@ -24,7 +24,7 @@ import torch
 import codec
 
 FIXED = 32          # FORMAT.md: fixed header size
-ENTRY = 8           # (u32 length, u32 crc32) per layer
+ENTRY = 9           # (u32 length, u32 crc32, u8 mode) per layer
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -173,13 +173,13 @@ def test_blob_layout_matches_format_md(golden):
     blob, profile = golden["blob"], golden["profile"]
     (magic, version, dtype, level, flags, layers, heads, head_dim, sinks, tokens, pid,
      embedded_len) = struct.unpack_from("<4sBBBBHHHHI8sI", blob, 0)
-    assert magic == b"KVWB" and version == 1
+    assert magic == b"KVWB" and version == 2
     assert dtype == 1  # float16
     assert level == LEVEL and flags == 0 and embedded_len == 0
     assert (layers, tokens, heads, head_dim) == (SHAPE[0], SHAPE[2], SHAPE[3], SHAPE[4])
     assert sinks == 4
     assert pid.hex() == profile.id
-    header_len = 32 + 8 * layers + embedded_len + 4
+    header_len = 32 + 9 * layers + embedded_len + 4
     assert codec.header_length(blob[:32]) == header_len
     (crc,) = struct.unpack_from("<I", blob, header_len - 4)
     assert crc == zlib.crc32(blob[:header_len - 4])
@@ -190,9 +190,10 @@ def test_blob_layout_matches_format_md(golden):
     pos = header_len
     lanes_seen = []
     for l in range(layers):
-        length, section_crc = struct.unpack_from("<II", blob, 32 + 8 * l)
+        length, section_crc, mode = struct.unpack_from("<IIB", blob, 32 + 9 * l)
         section = blob[pos:pos + length]
         assert zlib.crc32(section) == section_crc
+        assert mode == 0  # rANS lanes
         # sinks: K[0:S] then V[0:S], raw little-endian fp16
         sink_len = 2 * sinks * channels * 2
         expected_sinks = x[l, :, :sinks].contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
@@ -218,7 +219,7 @@ def test_embedded_blob_layout_matches_format_md(golden):
     flags, layers = struct.unpack_from("<BH", blob, 7)
     (embedded_len,) = struct.unpack_from("<I", blob, 28)
     assert flags == 1 and embedded_len > 0
-    start = 32 + 8 * layers
+    start = 32 + 9 * layers
     raw = zstandard.ZstdDecompressor().decompress(blob[start:start + embedded_len])
     profile = codec.Profile.from_bytes(raw)
     # "An embedded profile is an identity profile with exactly one level."

@@ -433,9 +433,10 @@ def test_inspect(codec_profile, codec_test_kv):
     assert info["sink_tokens"] == 4
     assert info["total_bytes"] == len(blob)
     assert info["complete"] is True
-    assert info["format_version"] == 1
+    assert info["format_version"] == 2
     sections = info["sections"]
     assert len(sections["layers"]) == kv.shape[0]
+    assert sections["raw_layers"] == []
     assert sections["header"] + sections["embedded_profile"] + sum(sections["layers"]) == len(blob)
     assert info["bits_per_element"] == pytest.approx(8 * len(blob) / kv.numel())
     # a prefix holding just the header can be inspected, and says it is incomplete

@@ -63,10 +63,9 @@ def _host_decode(fn, profile, slot, layer, coded_tokens, payload):
 
 def _layer_payloads(blob: bytes):
     header = codec.parse_header(blob)
-    channels = header.heads * header.head_dim
-    sink_len = 2 * header.sink_tokens * channels * (torch.finfo(header.dtype).bits // 8)
     for layer in range(header.layers):
-        yield header, layer, container.section(blob, header, layer)[sink_len:]
+        assert not header.is_raw(layer)
+        yield header, layer, container.section(blob, header, layer)[header.sink_size:]
 
 
 def _kv(seed: int, tokens: int = 120) -> torch.Tensor:
@@ -83,7 +82,8 @@ def test_host_compiled_kernel_matches_cpu_decoder_bit_for_bit(host_kernel, delta
     for level in range(len(profile.levels)):
         blob = codec.encode(kv, level, profile)
         for header, layer, payload in _layer_payloads(blob):
-            _, expected = layer_codec.decode_coefficients(profile, level, layer, header.coded_tokens, payload)
+            lanes = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload)
+            expected = layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens)
             got, status = _host_decode(host_kernel, profile, level, layer, header.coded_tokens, payload)
             assert (status == rans.OK).all()
             np.testing.assert_array_equal(got.T, expected)
@@ -96,8 +96,9 @@ def test_host_compiled_kernel_flags_corrupt_lanes(host_kernel) -> None:
     damaged = bytearray(payload)
     damaged[-7] ^= 0x5A  # inside the last lane's words
     _, status = _host_decode(host_kernel, profile, 1, layer, header.coded_tokens, memoryview(bytes(damaged)))
+    lanes = layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, memoryview(bytes(damaged)))
     with pytest.raises(codec.CorruptBitstream):
-        layer_codec.decode_coefficients(profile, 1, layer, header.coded_tokens, memoryview(bytes(damaged)))
+        layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens)
     assert (status != rans.OK).any()
 
 

@@ -184,7 +184,7 @@ def check_protocol(data: bytes) -> None:
 
 
 # ------------------------------------------------------------------------ bitstream
-_FIXED, _ENTRY = 32, 8
+_FIXED, _ENTRY = 32, 9  # FORMAT.md: fixed header, section table entry
 
 
 @functools.lru_cache(maxsize=1)
@@ -460,6 +460,10 @@ def _handler(args: argparse.Namespace) -> int:
 
 
 def register(subparsers, bench_subparsers=None) -> None:
+    if bench_subparsers is not None:
+        from streamer.tools import adversarial
+
+        adversarial.register(bench_subparsers)
     fuzz = subparsers.add_parser("fuzz", help="fuzz the frame parser, protocol and bitstream decoder",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fuzz.add_argument("--minutes", type=float, default=1.0, help="how long to run (default 1)")

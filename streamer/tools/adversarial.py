@@ -1,0 +1,257 @@
+"""``kvwire bench adversarial``: blob sizes on data unlike any calibration, and what
+hostile blobs and profiles cost to reject.
+
+Sizes: KV drawn from distributions far from real KV (a drifting random walk, Cauchy
+heavy tails, huge values, a constant tensor) is encoded at every level, with a
+profile calibrated on ordinary synthetic KV and with an embedded one; each blob is
+reported against the input's fp16 size and its own header (FORMAT.md promises
+``blob <= fp16 bytes + header`` for 16-bit inputs, thanks to raw sections).
+
+Hostile inputs: hand-made from codec/FORMAT.md (a header claiming 2^21 tokens over
+a few bytes of lanes, zstd bombs as embedded profiles, a profile whose kept rows
+exceed its channels, impossible shapes). Each runs in a fresh subprocess, after the
+codec's kernels are warm, and reports the error, the seconds and the growth of peak
+RSS while it was rejected.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+KINDS = ("random_walk", "cauchy", "huge", "constant")
+
+
+# ------------------------------------------------------------------------ adversarial KV
+def adversarial_kv(kind: str, layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int = 32,
+                   seed: int = 0) -> torch.Tensor:
+    """fp16 KV [layers, 2, tokens, heads, head_dim] of one hostile distribution."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (layers, 2, tokens, heads, head_dim)
+    if kind == "random_walk":   # drifts: every token moves away from the calibrated mean
+        kv = torch.randn(shape, generator=gen).cumsum(dim=2)
+    elif kind == "cauchy":      # heavy tails: most values small, a few enormous
+        kv = torch.tan(torch.pi * (torch.rand(shape, generator=gen) - 0.5)).clamp(-6e4, 6e4)
+    elif kind == "huge":        # the right shape of data at 1000x the scale
+        kv = 1000.0 * torch.randn(shape, generator=gen)
+    elif kind == "constant":
+        kv = torch.full(shape, 3.25)
+    else:
+        raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+    return kv.to(torch.float16)
+
+
+def size_rows(layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int = 32) -> list[dict]:
+    """One row per (kind, profile, level): blob bytes against fp16 bytes and the header."""
+    import codec
+    from codec.synthetic import synthetic_kv
+
+    profile = codec.calibrate([synthetic_kv(layers, heads, head_dim, 512, seed=1)])
+    rows = []
+    for kind in KINDS:
+        kv = adversarial_kv(kind, layers, tokens, heads, head_dim)
+        fp16 = kv.numel() * 2
+        for name, prof in (("calibrated", profile), ("embedded", None)):
+            for level in range(len(codec.DEFAULT_TARGETS)):
+                blob = codec.encode(kv, level, prof)
+                info = codec.inspect(blob)
+                header = info["sections"]["header"] + info["sections"]["embedded_profile"]
+                rows.append({"kind": kind, "profile": name, "level": level, "blob_bytes": len(blob),
+                             "fp16_bytes": fp16, "header_bytes": header,
+                             "ratio_fp16": round(len(blob) / fp16, 4),
+                             "over_bound": len(blob) > fp16 * 1.01 + header,
+                             "raw_layers": len(info["sections"].get("raw_layers", []))})
+    return rows
+
+
+# ------------------------------------------------------------------------ hostile inputs
+FIXED = struct.Struct("<4sBBBBHHHHI8sI")   # FORMAT.md, "Fixed header"
+ENTRY = struct.Struct("<IIB")              # FORMAT.md: (length, crc32, mode) per section
+FORMAT_VERSION = 2
+
+
+def hand_blob(*, tokens: int, heads: int, head_dim: int, sections: list[bytes], profile_id: str,
+              modes: list[int] | None = None, dtype: int = 1, level: int = 0, sinks: int = 0,
+              embedded: bytes = b"", version: int = FORMAT_VERSION) -> bytes:
+    """A blob assembled by hand from FORMAT.md (valid CRCs, whatever the fields say)."""
+    modes = modes or [0] * len(sections)
+    body = FIXED.pack(b"KVWB", version, dtype, level, 1 if embedded else 0, len(sections), heads, head_dim,
+                      sinks, tokens, bytes.fromhex(profile_id), len(embedded))
+    body += b"".join(ENTRY.pack(len(s), zlib.crc32(s), m) for s, m in zip(sections, modes))
+    body += embedded
+    return body + struct.pack("<I", zlib.crc32(body)) + b"".join(sections)
+
+
+def lane_payload(lanes: int, words: int) -> bytes:
+    """A lane section (no sinks) of ``lanes`` lanes sharing ``words`` zero words."""
+    counts = [0] * (lanes - 1) + [words]
+    return (struct.pack("<I", lanes) + struct.pack(f"<{lanes}I", *counts)
+            + struct.pack(f"<{lanes}I", *([1 << 16] * lanes)) + bytes(2 * words))
+
+
+def _small_profile():
+    import codec
+
+    gen = torch.Generator().manual_seed(0)
+    return codec.calibrate([torch.randn(1, 2, 64, 1, 2, generator=gen)], sink_tokens=0)
+
+
+def _many_tokens():
+    """FORMAT.md: 2^21 tokens give G = 1, one lane per kept row; 8 words in all."""
+    profile = _small_profile()
+    lanes = int(profile.kept[0, 0].sum())
+    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[lane_payload(lanes, 8)],
+                     profile_id=profile.id, dtype=3)
+    return blob, profile
+
+
+def _embedded_bomb(declare_size: bool):
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(write_content_size=declare_size).compress(bytes(64 << 20))
+    blob = hand_blob(tokens=8, heads=1, head_dim=2, sections=[lane_payload(2, 0)], profile_id="00" * 8,
+                     embedded=frame)
+    return blob, None
+
+
+def _wide_channels():
+    blob = hand_blob(tokens=1, heads=0xFFFF, head_dim=0xFFFF, sections=[lane_payload(1, 0)],
+                     profile_id="00" * 8)
+    return blob, None
+
+
+def _profile_kept_past_channels() -> bytes:
+    import codec
+
+    p = _small_profile()
+    channels = p.channels
+    basis = np.zeros((p.layers, 2, channels + 8, channels), np.float32)
+    basis[:, :, : p.basis.shape[2]] = p.basis
+    arrays = {name: getattr(p, name) for name in ("mean", "steps", "delta_group", "shift", "table", "tables")}
+    arrays.update(basis=basis, kept=np.full_like(p.kept, channels + 8))
+    from safetensors.numpy import save
+
+    arrays["metadata"] = np.frombuffer(p._metadata_json().encode(), dtype=np.uint8)
+    return save(arrays)
+
+
+def _decode(blob_and_profile) -> None:
+    import codec
+
+    blob, profile = blob_and_profile
+    codec.decode(blob, profile)
+
+
+def _parse_profile(data: bytes) -> None:
+    import codec
+
+    codec.Profile.from_bytes(data)
+
+
+#: name -> (build the input, reject it); each is one hostile input of issue #15
+HOSTILE: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {
+    "blob_claiming_2^21_tokens": (_many_tokens, _decode),
+    "embedded_profile_zstd_bomb": (lambda: _embedded_bomb(True), _decode),
+    "embedded_profile_unsized_zstd_bomb": (lambda: _embedded_bomb(False), _decode),
+    "blob_with_65535x65535_channels": (_wide_channels, _decode),
+    "profile_kept_past_channels": (_profile_kept_past_channels, _parse_profile),
+}
+
+
+def _peak_rss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux clear_refs 5); False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return _peak_rss_kib()
+
+
+def run_one(name: str) -> dict:
+    """Build and reject one hostile input here (meant for a fresh process)."""
+    import codec
+
+    codec.warm_up()
+    build, reject = HOSTILE[name]
+    data = build()
+    resettable = _reset_peak_rss()
+    before = _vm_hwm_kib() if resettable else _peak_rss_kib()
+    start = time.perf_counter()
+    try:
+        reject(data)
+        error = None
+    except Exception as exc:  # reported, not judged here: the tests judge the type
+        error = f"{type(exc).__name__}: {exc}"
+    seconds = time.perf_counter() - start
+    after = _vm_hwm_kib() if resettable else _peak_rss_kib()
+    return {"input": name, "error": error, "seconds": round(seconds, 4),
+            "peak_rss_growth_mb": round((after - before) / 1024, 1)}
+
+
+def hostile_rows() -> list[dict]:
+    """Every hostile input, each in its own subprocess."""
+    rows = []
+    for name in HOSTILE:
+        done = subprocess.run([sys.executable, "-m", "streamer.tools.adversarial", "--one", name],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            rows.append({"input": name, "error": f"process exited {done.returncode}: {done.stderr[-400:]}",
+                         "seconds": None, "peak_rss_growth_mb": None})
+        else:
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+# ------------------------------------------------------------------------ CLI
+def _handler(args: argparse.Namespace) -> int:
+    report = {}
+    if args.what in ("sizes", "all"):
+        report["sizes"] = size_rows(tokens=args.tokens)
+    if args.what in ("hostile", "all"):
+        report["hostile"] = hostile_rows()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for row in report.get("sizes", []):
+        print(f"{row['kind']:12s} {row['profile']:10s} L{row['level']}  {row['blob_bytes']:8d} B  "
+              f"{row['ratio_fp16']:.3f}x fp16  header {row['header_bytes']:6d} B  raw layers {row['raw_layers']}"
+              + ("  OVER BOUND" if row["over_bound"] else ""))
+    for row in report.get("hostile", []):
+        print(f"{row['input']:38s} {row['seconds']} s  peak RSS +{row['peak_rss_growth_mb']} MB  {row['error']}")
+    return 0
+
+
+def register(bench_subparsers) -> None:
+    bench = bench_subparsers.add_parser("adversarial", help="blob sizes on hostile data; cost of hostile blobs",
+                                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("what", nargs="?", choices=("sizes", "hostile", "all"), default="all")
+    bench.add_argument("--tokens", type=int, default=256, help="tokens per adversarial tensor (default 256)")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.set_defaults(handler=_handler)
+
+
+if __name__ == "__main__":  # the per-input subprocess of hostile_rows
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--one", required=True, choices=sorted(HOSTILE))
+    print(json.dumps(run_one(parser.parse_args().one)))

@@ -1,0 +1,213 @@
+"""Hostile blobs and profiles built by hand from codec/FORMAT.md (issue #15).
+
+Each is rejected with a typed error before the decoder sizes anything from the
+field it lies about: a profile whose kept rows exceed its channels (the kernels
+would index past their tables), a header claiming 2^21 tokens over a few words of
+lanes (the decoder allocated hundreds of MB before noticing), zstd bombs as
+embedded profiles, impossible shapes and section modes, an old format version.
+What rejecting them costs (seconds, peak RSS) is measured in a subprocess by
+``kvwire bench adversarial hostile``, not asserted here.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import codec
+from codec import container, layer_codec
+from streamer.tools.adversarial import HOSTILE, hand_blob, lane_payload
+
+
+@pytest.fixture(scope="module")
+def small_profile() -> codec.Profile:
+    gen = torch.Generator().manual_seed(0)
+    return codec.calibrate([torch.randn(1, 2, 64, 1, 2, generator=gen)], sink_tokens=0)
+
+
+def _profile_bytes(profile: codec.Profile, **arrays: np.ndarray) -> bytes:
+    from safetensors.numpy import save
+
+    fields = {name: getattr(profile, name) for name in
+              ("mean", "basis", "steps", "kept", "delta_group", "shift", "table", "tables")
+              if getattr(profile, name) is not None}
+    fields.update(arrays)
+    fields["metadata"] = np.frombuffer(profile._metadata_json().encode(), dtype=np.uint8)
+    return save(fields)
+
+
+# ------------------------------------------------------------------ finding 1: kept past channels
+def test_standalone_profile_with_kept_past_channels_is_corrupt() -> None:
+    build, reject = HOSTILE["profile_kept_past_channels"]
+    with pytest.raises(codec.CorruptBitstream, match="R <= "):
+        reject(build())
+
+
+def test_embedded_profile_with_kept_past_channels_is_corrupt(small_profile) -> None:
+    """The same profile inside a blob: refused while resolving, before any kernel runs."""
+    channels = small_profile.channels
+    basis = np.zeros((1, 2, channels + 8, channels), np.float32)
+    basis[:, :, : small_profile.basis.shape[2]] = small_profile.basis
+    raw = _profile_bytes(small_profile, basis=basis, kept=np.full_like(small_profile.kept, channels + 8))
+    blob = hand_blob(tokens=40, heads=1, head_dim=2, sections=[lane_payload(2, 4)], profile_id="00" * 8,
+                     embedded=zstandard.ZstdCompressor().compress(raw))
+    with pytest.raises(codec.CorruptBitstream, match="R <= "):
+        codec.decode(blob)
+
+
+def test_embedded_profile_must_be_identity(small_profile) -> None:
+    """FORMAT.md: an embedded profile is identity with one level; a PCA one is refused."""
+    one_level = codec.calibrate([torch.randn(1, 2, 64, 1, 2)], targets=(1e-3,), sink_tokens=0)
+    blob = hand_blob(tokens=40, heads=1, head_dim=2, sections=[lane_payload(2, 4)], profile_id=one_level.id,
+                     embedded=zstandard.ZstdCompressor().compress(one_level.to_bytes()))
+    with pytest.raises(codec.CorruptBitstream, match="identity"):
+        codec.decode(blob)
+
+
+# ------------------------------------------------------------------ finding 2: size claims
+def test_blob_claiming_many_tokens_over_few_words_is_corrupt(small_profile) -> None:
+    """2^21 tokens, 8 words: the lane minimum (FORMAT.md, Limits) refuses it, by name,
+    for the whole-blob, layer-by-layer and section decoders alike."""
+    blob, profile = HOSTILE["blob_claiming_2^21_tokens"][0]()
+    assert len(blob) < 200
+    with pytest.raises(codec.CorruptBitstream, match="too few for 2097152 tokens"):
+        codec.decode(blob, profile)
+    with pytest.raises(codec.CorruptBitstream, match="too few"):
+        list(codec.decode_layers(blob, profile))
+    header = codec.parse_header(blob)
+    with pytest.raises(codec.CorruptBitstream, match="too few"):
+        codec.decode_section(header, profile, 0, blob[header.size:])
+
+
+def test_whole_blob_decode_checks_every_section_before_allocating(small_profile, monkeypatch) -> None:
+    """A valid layer 0 and a lying layer 1: decode() refuses before sizing its output."""
+    kv = torch.randn(2, 2, 40, 1, 2)
+    profile = codec.calibrate([kv], sink_tokens=0)
+    good = codec.encode(kv, 1, profile)
+    header = codec.parse_header(good)
+    first = bytes(container.section(good, header, 0))
+    lanes = layer_codec.plan_layer(profile, 1, 1, 40).lanes
+    blob = hand_blob(tokens=40, heads=1, head_dim=2, sections=[first, lane_payload(lanes, 0)],
+                     profile_id=profile.id, dtype=3, level=1)
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    with pytest.raises(codec.CorruptBitstream, match="layer 1: lane 0 has 0 words"):
+        codec.decode(blob, profile)
+    assert allocated == []  # neither the output nor layer 0's coefficients
+
+
+@pytest.mark.parametrize("name", ["embedded_profile_zstd_bomb", "embedded_profile_unsized_zstd_bomb"])
+def test_embedded_profile_bombs_are_corrupt(name: str) -> None:
+    build, reject = HOSTILE[name]
+    with pytest.raises(codec.CorruptBitstream, match="embedded profile"):
+        reject(build())
+
+
+@pytest.mark.parametrize("heads,head_dim,tokens,word", [
+    (0xFFFF, 0xFFFF, 1, "channels"),          # C > 2^16
+    (256, 257, 1, "channels"),                 # C = 65792
+    (256, 256, 1 << 13, "values per K or V"),  # T * C = 2^29
+])
+def test_shapes_past_the_limits_are_corrupt(heads: int, head_dim: int, tokens: int, word: str) -> None:
+    blob = hand_blob(tokens=tokens, heads=heads, head_dim=head_dim, sections=[lane_payload(1, 0)],
+                     profile_id="00" * 8)
+    with pytest.raises(codec.CorruptBitstream, match=word):
+        codec.parse_header(blob)
+
+
+def test_section_modes_and_lengths_are_checked(small_profile) -> None:
+    kwargs = dict(tokens=8, heads=1, head_dim=2, profile_id=small_profile.id)
+    with pytest.raises(codec.CorruptBitstream, match="unknown mode 2"):
+        codec.parse_header(hand_blob(sections=[lane_payload(2, 0)], modes=[2], **kwargs))
+    raw = bytes(2 * 8 * 2 * 2)  # K and V, 8 tokens, 2 channels, fp16
+    codec.parse_header(hand_blob(sections=[raw], modes=[1], **kwargs))
+    with pytest.raises(codec.CorruptBitstream, match="raw section is 30 bytes, its shape needs 64"):
+        codec.parse_header(hand_blob(sections=[raw[:30]], modes=[1], **kwargs))
+    with pytest.raises(codec.CorruptBitstream, match="shorter than its sink tokens"):
+        codec.parse_header(hand_blob(sections=[b"\0" * 10], sinks=4, **kwargs))
+
+
+def test_raw_section_by_hand_decodes_to_its_bytes(small_profile) -> None:
+    """FORMAT.md: a raw section is K[0:S] V[0:S] then K[S:T] V[S:T], little-endian."""
+    kv = torch.arange(40, dtype=torch.float16).reshape(1, 2, 10, 1, 2)
+    sinks = kv[0, :, :3].contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
+    rest = kv[0, :, 3:].contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
+    blob = hand_blob(tokens=10, heads=1, head_dim=2, sinks=3, sections=[sinks + rest], modes=[1],
+                     profile_id=small_profile.id)
+    assert torch.equal(codec.decode(blob, small_profile), kv)
+
+
+def test_old_format_version_is_refused_by_name(small_profile) -> None:
+    blob = hand_blob(tokens=8, heads=1, head_dim=2, sections=[lane_payload(2, 0)], profile_id=small_profile.id,
+                     version=1)
+    with pytest.raises(codec.CorruptBitstream, match="unsupported blob format version 1 .*reads 2"):
+        codec.decode(blob, small_profile)
+
+
+# ------------------------------------------------------------------ the lane minimum is sound
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.integers(1, 300), channels=st.sampled_from([(1, 1), (2, 3), (4, 8)]),
+       level=st.integers(0, 4), delta=st.sampled_from(["never", "always"]),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2 ** 16))
+def test_lane_minimum_never_refuses_a_valid_stream(tokens, channels, level, delta, scale, seed) -> None:
+    """Every lane the encoder writes holds at least the minimum FORMAT.md states."""
+    heads, head_dim = channels
+    gen = torch.Generator().manual_seed(seed)
+    profile = codec.calibrate([torch.randn(2, 2, 80, heads, head_dim, generator=gen)], delta=delta, sink_tokens=0)
+    kv = scale * torch.randn(2, 2, tokens, heads, head_dim, generator=gen)
+    blob = codec.encode(kv, level, profile)
+    header = codec.parse_header(blob)
+    for layer in range(header.layers):
+        if header.is_raw(layer):
+            continue
+        lanes = layer_codec.parse_lanes(profile, level, layer, tokens, container.section(blob, header, layer))
+        counts = np.diff(lanes.lane_start)
+        assert (counts >= layer_codec.min_lane_words(profile, lanes.plan, tokens)).all()
+    codec.decode(blob, profile)
+
+
+def test_lane_minimum_is_close_on_calibrated_data(codec_make_kv) -> None:
+    """Not a vacuous bound: on data like the calibration it is a real part of the size."""
+    profile = codec.calibrate([codec_make_kv(1, tokens=2000)], sink_tokens=0)
+    blob = codec.encode(codec_make_kv(2, tokens=2000), 1, profile)
+    header = codec.parse_header(blob)
+    lanes = layer_codec.parse_lanes(profile, 1, 0, header.coded_tokens, container.section(blob, header, 0))
+    least = layer_codec.min_lane_words(profile, lanes.plan, header.coded_tokens).sum()
+    assert least > 0.4 * np.diff(lanes.lane_start).sum()  # ~0.65 (FORMAT.md)
+
+
+# ------------------------------------------------------------------ finding 11: parse once
+def test_embedded_profile_is_parsed_once_per_decode(monkeypatch) -> None:
+    kv = torch.randn(8, 2, 30, 2, 4, generator=torch.Generator().manual_seed(3))
+    blob = codec.encode(kv, 2)
+    parses = []
+    real = codec.Profile.from_bytes.__func__
+    monkeypatch.setattr(codec.Profile, "from_bytes",
+                        classmethod(lambda cls, data: parses.append(1) or real(cls, data)))
+    for run in (lambda: codec.decode(blob), lambda: list(codec.decode_layers(blob))):
+        codec.api._parse_embedded.cache_clear()
+        parses.clear()
+        run()
+        assert len(parses) == 1
+    header = codec.parse_header(blob)
+    for layer in range(header.layers):  # section by section, as a receiver streams it
+        codec.decode_section(header, None, layer, container.section(blob, header, layer))
+    assert len(parses) == 1
+
+
+def test_hand_blob_agrees_with_the_encoder(small_profile) -> None:
+    """The tests' FORMAT.md builder writes the encoder's bytes (so it tests the format)."""
+    kv = torch.randn(1, 2, 12, 1, 2, generator=torch.Generator().manual_seed(5))
+    blob = codec.encode(kv, 0, small_profile)
+    header = codec.parse_header(blob)
+    sections = [bytes(container.section(blob, header, l)) for l in range(header.layers)]
+    again = hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
+                      profile_id=small_profile.id, dtype=3, sinks=0)
+    assert again == blob
+    assert struct.unpack_from("<B", blob, 4)[0] == container.FORMAT_VERSION == 2
