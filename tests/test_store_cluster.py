@@ -268,6 +268,7 @@ async def test_master_killed_during_puts_and_reads(cluster: Cluster) -> None:
 
 
 @pytest.mark.redis
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 async def test_slot_migrating_mid_put_is_followed_not_corrupting(cluster: Cluster) -> None:
     """The context's slot moves to another master between staging and commit: the
