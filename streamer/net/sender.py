@@ -163,10 +163,13 @@ def blob_parts(blob: bytes, limit: int) -> Iterator[memoryview]:
     section may span parts when it exceeds the frame limit.
     """
     view = memoryview(blob)
-    header = codec.parse_header(view)
+    try:
+        header = codec.parse_header(view)
+    except codec.CorruptBitstream as exc:
+        raise StoredDataInvalid(f"stored chunk is corrupt: {exc}") from exc
     bounds = [0, header.size] + [header.section_offset(l + 1) for l in range(header.layers)]
     if bounds[-1] != len(blob):
-        raise StoredDataInvalid(f"stored blob is {len(blob)} bytes, its header says {bounds[-1]}")
+        raise StoredDataInvalid(f"stored chunk is corrupt: it is {len(blob)} bytes, its header says {bounds[-1]}")
     for start, end in zip(bounds, bounds[1:]):
         for piece in range(start, end, limit):
             yield view[piece:min(end, piece + limit)]
@@ -394,10 +397,10 @@ class _ConnectionHandler:
             self._error("unavailable")
             self.log.error("store error answering %r: %s", request, exc)
             await self._write(self.conn.send(p.Error("unavailable", "store unavailable")))
-        except (StoredDataInvalid, codec.CorruptBitstream) as exc:
+        except StoredDataInvalid as exc:
             self._error("internal")
             self.log.error("invalid data in the store answering %r: %s", request, exc)
-            await self._write(self.conn.send(p.Error("internal", f"invalid stored data: {exc}")))
+            await self._write(self.conn.send(p.Error("internal", str(exc))))
         return kind
 
     async def _send_chunk(self, request: p.Request) -> None:
