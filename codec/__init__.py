@@ -5,7 +5,8 @@ Pipeline per (layer, K/V): mean removal and a calibrated PCA across heads
 distortion (``levels``), and interleaved-lane rANS coding with tables fixed at
 calibration (``entropy``, ``rans``). The bitstream is specified in FORMAT.md.
 Decoders for other devices plug in through ``backends`` (``import kernels`` for CUDA).
-``warm_up()`` compiles or loads the numba kernels ahead of a timed path (not on import).
+``warm_up()`` compiles or loads the numba kernels ahead of a timed path (not on import);
+``parallel`` makes them safe to call from several threads on any numba threading layer.
 """
 from .api import (decode, decode_layers, decode_section, encode, header_length, inspect,
                   parse_header, resolve_profile, section_decoder)

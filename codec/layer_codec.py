@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import entropy, rans, transform
+from . import entropy, parallel, rans, transform
 from .errors import CorruptBitstream
 from .profile import Profile
 
@@ -115,8 +115,8 @@ def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: 
     ]).numpy()
     q = np.empty(coef.shape, dtype=np.int32)
     symbols = np.empty(plan.rows, dtype=np.int64)
-    if rans.quantize_rows(coef, plan.step, plan.group, plan.table, plan.shift, coder_tables(profile).freq,
-                          q, symbols) != rans.OK:
+    if parallel.launch(rans.quantize_rows, coef, plan.step, plan.group, plan.table, plan.shift,
+                       coder_tables(profile).freq, q, symbols) != rans.OK:
         raise ValuesOutOfRange(f"layer {layer}: KV values too large to quantize at this level "
                                f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
     return plan, q, symbols
@@ -124,7 +124,8 @@ def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: 
 
 def ideal_layer_bits(profile: Profile, plan: LayerPlan, q: np.ndarray) -> float:
     """Bits a perfect entropy coder would need for ``q`` under the profile's tables."""
-    return float(rans.ideal_bits(q, plan.group, plan.table, plan.shift, coder_tables(profile).freq).sum())
+    return float(parallel.launch(rans.ideal_bits, q, plan.group, plan.table, plan.shift,
+                                 coder_tables(profile).freq).sum())
 
 
 def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
@@ -141,8 +142,8 @@ def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray, symbols: np.nda
     words = np.empty(int(region_end[-1]) if plan.lanes else 0, dtype=np.uint16)
     first = np.empty(plan.lanes, dtype=np.int64)
     states = np.empty(plan.lanes, dtype=np.uint32)
-    rans.encode_lanes(q, plan.group, plan.table, plan.shift, tables.freq, tables.cdf,
-                      plan.lane_rows, region_end, words, first, states)
+    parallel.launch(rans.encode_lanes, q, plan.group, plan.table, plan.shift, tables.freq, tables.cdf,
+                    plan.lane_rows, region_end, words, first, states)
     counts = (region_end - first).astype(np.uint32)
     keep = np.zeros(words.shape[0], dtype=bool)
     for lane in range(plan.lanes):
@@ -214,8 +215,9 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
     plan = lanes.plan
     coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
     tables = coder_tables(profile)
-    status = rans.decode_lanes(lanes.words, lanes.lane_start, lanes.states, plan.lane_rows, plan.step,
-                               plan.group, plan.table, plan.shift, tables.freq, tables.cdf, tables.lut, coef)
+    status = parallel.launch(rans.decode_lanes, lanes.words, lanes.lane_start, lanes.states, plan.lane_rows,
+                             plan.step, plan.group, plan.table, plan.shift, tables.freq, tables.cdf,
+                             tables.lut, coef)
     if status != rans.OK:
         raise CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {status})")
     return coef
