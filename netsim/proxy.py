@@ -35,6 +35,13 @@ POLL_S = 0.02
 # Bytes a delay line may hold before reading pauses. Shaped links never get near it
 # (the bucket bounds the queue to rate x delay); it bounds unshaped-but-delayed links.
 QUEUE_HIGH_WATER = 32 * 1024 * KiB
+# The bottleneck's queue, like a tbf ``limit``: what the proxy reads ahead from the
+# upstream beyond the piece it is shaping (asyncio pauses the socket at twice
+# UPSTREAM_BUFFER) plus its kernel receive buffer, fixed at UPSTREAM_RCVBUF (autotuning
+# would grow it to megabytes while the link is fast, a queue no router keeps). Bytes
+# beyond it wait in the sender's socket, where TCP backpressure (and a CANCEL) reach them.
+UPSTREAM_BUFFER = 64 * KiB
+UPSTREAM_RCVBUF = 128 * KiB
 
 Direction = Literal["up", "down", "both"]
 
@@ -149,7 +156,8 @@ class ShapingProxy:
         self._conns[task] = None
         try:
             try:
-                ureader, uwriter = await asyncio.open_connection(*self.upstream, limit=READ_SIZE)
+                ureader, uwriter = await asyncio.open_connection(
+                    sock=await _bounded_connect(*self.upstream), limit=UPSTREAM_BUFFER)
             except (OSError, asyncio.CancelledError):
                 _reset(cwriter)
                 return
@@ -231,7 +239,7 @@ class _Connection:
         sent = 0
         try:
             while faults.bytes_before_cut(sent) != 0:
-                chunk = await reader.read(READ_SIZE)
+                chunk = await reader.read(min(READ_SIZE, bucket.piece(time.monotonic())))
                 if not chunk:
                     await out.finish(eof=True)
                     return
@@ -337,6 +345,26 @@ class _Output:
             self.queued -= n
             if self.queued <= QUEUE_HIGH_WATER // 2:
                 self.room.set()
+
+
+async def _bounded_connect(host: str, port: int) -> socket.socket:
+    """A connected non-blocking socket to the upstream with a fixed receive buffer."""
+    loop = asyncio.get_running_loop()
+    last: OSError | None = None
+    for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RCVBUF)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise last or OSError(f"cannot resolve {host}:{port}")
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:

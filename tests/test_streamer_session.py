@@ -423,3 +423,12 @@ async def test_arrival_times_do_not_wait_for_a_busy_decoder(context, sender, mon
     late = [c.index for c in report.chunks if started + c.finished_at >= delivered[c.index]]
     assert late == []
     assert report.total_seconds >= 0.05 * LAYERS * len(chunks)   # one worker: the sleeps add up
+
+
+async def test_an_invalid_context_id_is_a_typed_error_naming_the_cause(sender) -> None:
+    """The sender refuses '../etc' as bad_request: a ServerError with that code, at once,
+    not a ConnectionLost after retrying every sender."""
+    with pytest.raises(streamer.ServerError) as caught:
+        async with streamer.StreamSession("127.0.0.1", sender.port, "../etc", max_reconnects=3):
+            pass
+    assert caught.value.code == "bad_request" and "context id" in str(caught.value)

@@ -55,6 +55,10 @@ class SessionConfig:
     device: str = "cpu"
     #: the caller's cost of recomputing one token from text (plans weigh text against KV)
     recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
+    #: abandon a chunk in flight when finishing it would sink the deadline (CANCEL, or a
+    #: fresh connection, then a lower level or text: ``streamer.adapt.cancel``); None: on
+    #: for mpc, off for greedy (CacheGen's rule), fixed:N and text, which promise a rule
+    cancel: Optional[bool] = None
     #: throughput (bytes/s) assumed before the first measurement (None: the last fetch's
     #: estimate for the same sender, if any)
     prior_bps: Optional[float] = None
@@ -93,6 +97,8 @@ class SessionConfig:
                          allow_zero=True)
         if self.prior_bps is not None:
             require_positive(owner, "prior_bps", self.prior_bps)
+        if self.cancel is not None and not isinstance(self.cancel, bool):
+            raise TypeError(f"{owner}.cancel must be a bool or None, got {self.cancel!r}")
         for name in ("connect_timeout", "stall_timeout", "backoff", "max_backoff"):
             require_positive(owner, name, getattr(self, name))
         require_int(owner, "max_reconnects", self.max_reconnects, 0)
@@ -108,3 +114,8 @@ class SessionConfig:
     def ssl_context(self) -> Optional[_ssl.SSLContext]:
         """The TLS context connections use (True: the system CAs), or None for plain TCP."""
         return _ssl.create_default_context() if self.ssl is True else (self.ssl or None)
+
+    @property
+    def cancels(self) -> bool:
+        """Whether the cancel rule runs: ``cancel``, or by default for mpc only."""
+        return self.policy == "mpc" if self.cancel is None else self.cancel

@@ -200,6 +200,8 @@ class OrderedDelivery:
             try:
                 k, v, seconds = await job
             except codec.CorruptBitstream as exc:
+                if state.kind is not kind:
+                    return False   # retargeted while it decoded: the bad section is moot
                 # the refetch resends every section: drop the rest of the bad answer too, so
                 # a second bad section in it cannot win over its replacement
                 for pending in [l for l in state.layers if l >= layer]:
@@ -209,6 +211,8 @@ class OrderedDelivery:
                 if state.kind is not kind:
                     return False  # the session gave up on the layers and resolved the chunk anew
                 continue  # the session refetches; wait for the replacement section
+            if state.kind is not kind:
+                return False   # retargeted to text while this layer decoded: not delivered
             state.decode_seconds += seconds
             if self.first_layer_at is None:
                 self.first_layer_at = time.monotonic()

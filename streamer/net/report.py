@@ -36,6 +36,9 @@ class ChunkReport:
     #: stayed corrupt, or it was cancelled to meet the deadline): the consumer got on_text
     #: for the chunk as well and recomputes all of it
     superseded_layers: int = 0
+    #: levels this chunk was requested at and then cancelled (the cancel rule predicted
+    #: a deadline miss, or it was queued behind such a chunk), in order
+    cancelled_levels: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class FetchReport:
     #: seconds from fetch() to the first on_layer call (None if every chunk went to text)
     first_layer_seconds: float | None = None
     reconnects: int = 0
+    #: times the cancel rule abandoned a chunk in flight
+    cancels: int = 0
 
     @property
     def deadline_met(self) -> bool:

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import socket
 import ssl as _ssl
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -45,7 +46,13 @@ log = logging.getLogger("kvwire.server")
 
 SERVER_NAME = "kvwire-sender/1"
 _READ_SIZE = 256 * 1024
-_WRITE_HIGH_WATER = 4 * 1024 * 1024
+#: What one connection keeps queued, in this process and in the kernel: a CANCEL stops
+#: only bytes not queued yet, so these bound what a cancelled chunk still sends (the
+#: cancel rule, ``adapt.cancel.COMMITTED_BYTES``, assumes their sum). Chunk parts are
+#: cut to _PART_BYTES so a CANCEL is seen between them.
+_WRITE_HIGH_WATER = 128 * 1024
+_NOTSENT_LOWAT = 64 * 1024
+_PART_BYTES = 128 * 1024
 
 
 class InsecureConfiguration(ValueError):
@@ -426,7 +433,7 @@ class _ConnectionHandler:
             raise ValueError(f"level {level} out of range: context has {len(manifest.level_distortion)} levels")
         blob = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
         _check_size(blob, manifest.chunks[chunk].sizes[level], f"chunk {chunk} at level {level}")
-        parts = list(blob_parts(blob, self.conn.send_limit - PART_HEADER.size))
+        parts = list(blob_parts(blob, min(self.conn.send_limit - PART_HEADER.size, _PART_BYTES)))
         await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=len(blob),
                                                       parts=len(parts))))
         for index, part in enumerate(parts):
@@ -500,6 +507,10 @@ class Sender:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        sock = writer.get_extra_info("socket")
+        if sock is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):   # Linux, macOS
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _NOTSENT_LOWAT)
         metrics = self.metrics
         if len(self._handlers) >= self.config.max_sessions:
             if metrics is not None:

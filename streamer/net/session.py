@@ -19,6 +19,13 @@ re-requested at the same level and their delivered layers are skipped; the other
 are decided afresh. A corrupt section is refetched (twice at most). When the
 deadline has passed, everything not yet requested goes to text.
 
+Cancel and downgrade: on every arrival and every ``RECONSIDER_S`` while a chunk is
+in flight, ``adapt.cancel.reconsider`` asks whether finishing it still leaves the
+later chunks time for their cheapest answers; if not, the session sends CANCEL for it
+(and for any chunk requested behind it, which would otherwise arrive first) and
+re-requests it at a lower level or as text (superseding layers already delivered), the
+chunks behind it decided afresh.
+
 Security and limits: ``auth_token`` authenticates to the sender (and the sender to us)
 in the handshake; a refused token raises :class:`AuthenticationFailed` at once (no
 retries). ``ssl`` (an ``ssl.SSLContext``, or True for the system CAs) wraps every
@@ -40,8 +47,8 @@ from typing import Any, Callable, Sequence
 
 import codec
 
-from streamer.adapt import estimator
-from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide
+from streamer.adapt import cancel, estimator
+from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES
 from streamer.adapt.policies import TEXT, Choice, Observation, get_policy
 from streamer.net.client import (AuthenticationFailed, ClientConnection, ConnectionLost,
@@ -56,6 +63,9 @@ from streamer.wire.manifest import Manifest
 
 #: Refetches of one chunk after corrupt sections before giving up on it.
 MAX_CORRUPT_RETRIES = 2
+#: While a chunk is in flight, how often the cancel rule looks at it when no frame
+#: completes (a large section at a low rate can take seconds to arrive).
+RECONSIDER_S = 0.02
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
@@ -91,6 +101,8 @@ class _Chunk:
     corrupt_retries: int = 0
     refetch: bool = False      # a refetch is due when the current answer ends
     discard: bool = False      # ignore the rest of the current answer (its header was corrupt)
+    cancelling: bool = False   # CANCEL sent; re-requested when its answer ends
+    switch_to: Choice | None = None   # what to re-request a cancelled chunk at (None: decide afresh)
     report: ChunkReport | None = None
 
 
@@ -123,6 +135,9 @@ class StreamSession:
         self.profile: codec.Profile | None = None
         #: bytes/s of the manifest (and profile) answers, measured when the context opens
         self.handshake_bps: float | None = None
+        #: seconds the last connect + handshake + open took: what dropping a connection
+        #: costs (the cancel rule weighs it against draining what the old one queued)
+        self.connect_seconds = 0.0
         #: the level (or "text") each chunk was last requested at, as soon as it is requested:
         #: lets a consumer label layers before the chunk's report exists
         self.levels: dict[int, Choice] = {}
@@ -179,9 +194,11 @@ class StreamSession:
         client.resume_reading()
         try:
             await self._open_context()
+            # not measured on a reused connection: TCP, HELLO, AUTH and OPEN round trips
+            self.connect_seconds = 4 * client.rtt
             return True
         except ServerError as exc:
-            if exc.code == "not_found":
+            if exc.code in ("not_found", "bad_request"):
                 raise
         except ConnectionLost:
             pass
@@ -207,6 +224,7 @@ class StreamSession:
     async def _connect_any(self) -> None:
         """Connect to the servers in turn (with backoff) and open the context."""
         delay = self.config.backoff
+        started = time.monotonic()
         last: Exception | None = None
         for attempt in range(self.config.max_reconnects + 1):
             host, port = self._servers[self._server_index]
@@ -217,6 +235,7 @@ class StreamSession:
                     server_hostname=self.config.server_hostname)
                 self._client.set_on_data(self._on_data)
                 await self._open_context()
+                self.connect_seconds = time.monotonic() - started
                 return
             except AuthenticationFailed:
                 if self._client is not None:
@@ -224,8 +243,8 @@ class StreamSession:
                     self._client = None
                 raise  # a wrong token stays wrong: retrying (or another sender) cannot help
             except ServerError as exc:
-                if exc.code == "not_found":
-                    raise  # the context does not exist: retrying elsewhere cannot help
+                if exc.code in ("not_found", "bad_request"):
+                    raise  # no such context, or an invalid id: retrying elsewhere cannot help
                 last = exc
             except ConnectionLost as exc:
                 last = exc
@@ -235,6 +254,8 @@ class StreamSession:
             self._server_index = (self._server_index + 1) % len(self._servers)
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.config.max_backoff)
+        if isinstance(last, ServerError):
+            raise last   # the senders answered, with an error: keep its code and message
         raise ConnectionLost(f"could not reach a sender for {self.context_id!r}: {last}")
 
     async def _open_context(self) -> None:
@@ -308,20 +329,27 @@ class _Fetch:
         #: one round trip plus the sender's store read, the lead time the next request needs
         self.response_latency = 0.0
         self.reconnects = 0
+        self.cancels = 0
+        self.abort_requested = False
+        #: when bytes last arrived or the fetch last acted: the stall timer runs from here
+        self.last_activity = self.start
         #: reading paused because the delivery backlog is over max_buffered_bytes
         self.paused = False
         self.pauses = 0
         self.peak_backlog = 0
         self.delivery.on_progress = self._maybe_resume
-        session._on_data = self._maybe_pause
+        session._on_data = self._on_bytes
         if session._client is not None:
-            session._client.set_on_data(self._maybe_pause)
+            session._client.set_on_data(self._on_bytes)
 
     # ------------------------------------------------------------------ main loop
     async def run(self) -> FetchReport:
         consumer = asyncio.create_task(self.delivery.run())
         try:
             while not consumer.done():
+                self._reconsider_head()
+                if self.abort_requested:
+                    await self._reconnect("cancel: dropping the queued rest of a chunk", abort=True)
                 self._request_ahead()
                 arrival = await self._next_arrival(consumer)
                 if arrival is None:
@@ -359,6 +387,7 @@ class _Fetch:
         if self.delivery.first_layer_at is not None:
             self.report.first_layer_seconds = self.delivery.first_layer_at - self.start
         self.report.reconnects = self.reconnects
+        self.report.cancels = self.cancels
         self.report.chunks = [c.report for c in self.chunks if c.report is not None]
         for chunk in self.chunks:
             if chunk.report is not None:
@@ -372,7 +401,11 @@ class _Fetch:
         waker = asyncio.ensure_future(self.wake.wait())
         waits = {consumer, waker} | ({getter} if getter else set())
         # while we hold reading paused, silence is ours, not a stalled link
-        timeout = self.s.config.stall_timeout if self.inflight and not self.paused else None
+        watching = bool(self.inflight) and not self.paused
+        timeout = None
+        if watching:
+            stall_left = self.s.config.stall_timeout - (time.monotonic() - self.last_activity)
+            timeout = max(min(stall_left, RECONSIDER_S if self._head_in_progress() else stall_left), 0.0)
         done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waker.cancel()
         self.wake.clear()
@@ -383,12 +416,25 @@ class _Fetch:
             except asyncio.CancelledError:
                 pass
             else:  # the item was taken just as we cancelled: keep it
-                return getter.result()
+                return self._active(getter.result())
         if getter is not None and getter in done:
-            return getter.result()
-        if not done:  # stalled: nothing arrived for stall_timeout with requests outstanding
+            return self._active(getter.result())
+        if waker in done:
+            self.last_activity = time.monotonic()
+        elif not done and watching and \
+                time.monotonic() - self.last_activity >= self.s.config.stall_timeout:
+            # stalled: nothing arrived for stall_timeout with requests outstanding
             await self._reconnect(f"no data for {self.s.config.stall_timeout:g} s")
         return None
+
+    def _active(self, arrival):
+        self.last_activity = time.monotonic()
+        return arrival
+
+    def _on_bytes(self) -> None:
+        """After each socket read: the link is alive; maybe pause reading."""
+        self.last_activity = time.monotonic()
+        self._maybe_pause()
 
     # ------------------------------------------------------------------ backpressure
     def _buffered(self) -> int:
@@ -429,15 +475,29 @@ class _Fetch:
         rtt = self.s._client.rtt if self.s._client is not None else 0.0
         return max(chunk.requested_at + rtt, self.last_end or 0.0)
 
+    def _head_in_progress(self) -> _Chunk | None:
+        """The chunk whose answer is arriving now, if it is a level (not text)."""
+        if not self.inflight:
+            return None
+        head = self.chunks[self.inflight[0]]
+        return head if head.begin_at is not None and head.choice != TEXT else None
+
+    def _progress(self, head: _Chunk) -> int:
+        """Bytes of ``head`` received so far, the frame still arriving included: a large
+        section at a low rate is seen as it trickles in, not only once complete."""
+        client = self.s._client
+        partial = client.conn.receiving_frame if client is not None and not client.closed else 0
+        return min(head.received + partial, head.expected)
+
     def _estimate(self, now: float) -> tuple[list[Observation], float | None]:
         """History plus the chunk in flight as a partial sample, and the robust estimate."""
         history = list(self.history)
-        if self.inflight:
-            head = self.chunks[self.inflight[0]]
-            if head.begin_at is not None and head.received >= MIN_SAMPLE_BYTES:
-                start = self._busy_start(head)
-                if now > start:
-                    history.append(Observation(head.received, now - start))
+        head = self._head_in_progress()
+        if head is not None:
+            received = self._progress(head)
+            start = self._busy_start(head)
+            if received >= MIN_SAMPLE_BYTES and now > start:
+                history.append(Observation(received, now - start))
         return history, estimator.robust_estimate(history, prior=self.prior,
                                                   prior_errors=self.prior_errors)
 
@@ -456,9 +516,52 @@ class _Fetch:
     def _outstanding_bytes(self) -> int:
         return sum(max(self.chunks[i].expected - self.chunks[i].received, 0) for i in self.inflight)
 
+    def _reconsider_head(self) -> None:
+        """The cancel rule (``adapt.cancel``) on the chunk in flight: CANCEL it, and every
+        level chunk requested behind it, when finishing it would sink the deadline."""
+        head = self._head_in_progress()
+        client = self.s._client
+        if not self.s.config.cancels or head is None or head.cancelling or client is None or client.closed:
+            return
+        now = time.monotonic()
+        _, estimate = self._estimate(now)
+        if estimate is None:
+            return
+        plan = plan_input(self.manifest, head.index, time_left=self.deadline - now - self._pending_recompute(),
+                          history=[], prior_bps=None, prior_errors=(),
+                          recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
+        switch = cancel.reconsider(plan, cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
+                                                         remaining_bytes=head.expected - self._progress(head),
+                                                         delivered_layers=self.delivery.delivered_layers(head.index)),
+                                   rate=estimate, rtt=client.rtt, reconnect_seconds=self.s.connect_seconds)
+        if switch is None:
+            return
+        self.cancels += 1
+        head.switch_to = switch.choice
+        # what the abandoned transfer measured is the freshest sample of the link: the
+        # chunks behind it are re-decided with it
+        progress, start = self._progress(head), self._busy_start(head)
+        if progress >= MIN_SAMPLE_BYTES and now > start:
+            self.history.append(Observation(progress, now - start))
+        if switch.abort:
+            self.abort_requested = True   # the main loop reconnects; what is queued is dropped
+            self.wake.set()
+            return
+        for index in list(self.inflight):
+            chunk = self.chunks[index]
+            if chunk.choice == TEXT or chunk.cancelling:
+                continue
+            try:
+                client.send(p.Cancel(chunk=index))
+            except (ConnectionLost, p.ProtocolError):
+                return   # the connection-lost event that follows triggers the reconnect
+            chunk.cancelling = True
+
     def _request_ahead(self) -> None:
         """Request the next chunk once the bytes still due would take about one request's answer time."""
         client = self.s._client
+        if any(self.chunks[i].cancelling for i in self.inflight):
+            return   # re-requests of cancelled chunks go first, so they keep their order
         while client is not None and not client.closed and self.next_chunk < len(self.chunks):
             now = time.monotonic()
             history, estimate = self._estimate(now)
@@ -491,9 +594,13 @@ class _Fetch:
         chunk.next_layer = 0
         chunk.refetch = False
         chunk.discard = False
+        chunk.cancelling = False
+        chunk.switch_to = None
         info = self.manifest.chunks[chunk.index]
         chunk.expected = info.text_bytes if choice == TEXT else info.sizes[choice]
         self.delivery.resolve(chunk.index, choice)
+        if not self.inflight:
+            self.last_activity = chunk.requested_at   # the stall timer runs from the request
         self.inflight.append(chunk.index)
         try:
             self.s._client.send(p.Request(chunk=chunk.index, level=choice))  # type: ignore[union-attr]
@@ -584,12 +691,13 @@ class _Fetch:
     def _on_end(self, chunk: _Chunk, at: float, cancelled: bool) -> None:
         if chunk.index in self.inflight:
             self.inflight.remove(chunk.index)
+        report = chunk.report
+        assert report is not None
         if cancelled:
+            self._on_cancelled(chunk, at)
             return
         busy = max(at - self._busy_start(chunk), 0.0)
         self.last_end = at
-        report = chunk.report
-        assert report is not None
         report.bytes += chunk.received
         report.seconds = at - chunk.requested_at
         report.finished_at = at - self.start
@@ -606,6 +714,29 @@ class _Fetch:
         elif chunk.choice != TEXT and (chunk.header is None or chunk.next_layer < chunk.header.layers):
             self._on_corrupt(chunk.index, chunk.next_layer,
                              codec.CorruptBitstream(f"chunk {chunk.index} ended before all its layers"))
+
+    def _on_cancelled(self, chunk: _Chunk, at: float) -> None:
+        """A CANCEL took effect: re-request the chunk at the level or text the cancel rule chose (text if layers went out meanwhile), or
+        decide afresh for a chunk cancelled only because it was queued behind."""
+        report = chunk.report
+        assert report is not None and chunk.choice is not None
+        report.bytes += chunk.received
+        if chunk.begin_at is not None:
+            self.last_end = at
+        abandoned = chunk.choice
+        if chunk.switch_to is not None:
+            choice: Choice = chunk.switch_to
+            if choice != TEXT and self.delivery.delivered_layers(chunk.index):
+                choice = TEXT   # a layer went out meanwhile: the chunk stays at one level
+            reason = f"cancelled at level {abandoned}: predicted to miss the deadline"
+        else:
+            now = time.monotonic()
+            history, _ = self._estimate(now)
+            choice, reason = self._decide(chunk.index, self.deadline - now - self._pending_recompute(), history)
+            reason = reason or f"cancelled at level {abandoned}: re-decided behind a cancelled chunk"
+        report.level, report.reason = choice, reason
+        report.cancelled_levels.append(abandoned)
+        self._send_request(chunk, choice)
 
     def _on_error(self, event: p.Error) -> None:
         """A non-fatal ERROR answers the oldest outstanding request."""
@@ -652,30 +783,49 @@ class _Fetch:
     def _schedule_reconnect(why: str) -> None:
         raise _NeedReconnect(why)
 
-    async def _reconnect(self, why: str) -> None:
-        """Reconnect (servers in turn, bounded backoff) and re-request what was in flight."""
-        self.reconnects += 1
-        if self.reconnects > self.s.config.max_reconnects:
-            raise ConnectionLost(f"giving up after {self.reconnects - 1} reconnects: {why}")
+    async def _reconnect(self, why: str, *, abort: bool = False) -> None:
+        """Reconnect (servers in turn, bounded backoff) and re-request what was in flight.
+
+        ``abort``: the cancel rule drops this connection on purpose (what it has queued
+        would take longer to arrive than a new connection takes to open): same sender,
+        not counted against ``max_reconnects``, and the chunk it abandoned is
+        re-requested at the rule's choice.
+        """
+        self.abort_requested = False
+        if not abort:
+            self.reconnects += 1
+            if self.reconnects > self.s.config.max_reconnects:
+                raise ConnectionLost(f"giving up after {self.reconnects - 1} reconnects: {why}")
         if self.s._client is not None:
             self.s._client.abort()
-        self.s._server_index = (self.s._server_index + 1) % len(self.s._servers)
+        if not abort:
+            self.s._server_index = (self.s._server_index + 1) % len(self.s._servers)
         self.paused = False   # a fresh connection reads
         await self.s._connect_any()
+        self.last_activity = time.monotonic()
         pending = sorted(self.inflight)
         self.inflight.clear()
         self.last_end = None
         for index in pending:
             chunk = self.chunks[index]
-            if self.delivery.delivered_layers(index) == 0 and chunk.choice != TEXT:
+            report = chunk.report
+            assert report is not None
+            if chunk.switch_to is not None:
+                abandoned, choice = chunk.choice, chunk.switch_to
+                if choice != TEXT and self.delivery.delivered_layers(index):
+                    choice = TEXT   # a layer went out meanwhile: the chunk stays at one level
+                report.level, report.reason = choice, f"cancelled at level {abandoned}: predicted to miss the deadline"
+                report.cancelled_levels.append(abandoned)  # type: ignore[arg-type]
+                chunk.choice = choice
+            elif self.delivery.delivered_layers(index) == 0 and chunk.choice != TEXT:
                 # nothing went out yet: this chunk may be decided afresh
                 now = time.monotonic()
                 history, _ = self._estimate(now)
                 choice, reason = self._decide(index, self.deadline - now - self._pending_recompute(), history)
-                chunk.report.level = choice  # type: ignore[union-attr]
-                chunk.report.reason = reason  # type: ignore[union-attr]
+                report.level, report.reason = choice, reason
                 chunk.choice = choice
-            chunk.report.retries += 1  # type: ignore[union-attr]
+            if not abort:
+                report.retries += 1
             self._send_request(chunk, chunk.choice)  # type: ignore[arg-type]
 
 
