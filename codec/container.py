@@ -66,6 +66,15 @@ class BlobHeader:
     sections: tuple[tuple[int, int], ...]  # (length, crc32) per layer
     modes: tuple[int, ...]  # MODE_CODED or MODE_RAW per layer
     size: int  # header bytes, i.e. offset of layer 0's section
+    #: offset of each section and of the blob's end, summed once (a hostile blob may have 65535 layers)
+    offsets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.offsets:
+            ends = [self.size]
+            for length, _ in self.sections:
+                ends.append(ends[-1] + length)
+            object.__setattr__(self, "offsets", tuple(ends))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -93,11 +102,11 @@ class BlobHeader:
         return self.modes[layer] == MODE_RAW
 
     def section_offset(self, layer: int) -> int:
-        return self.size + sum(length for length, _ in self.sections[:layer])
+        return self.offsets[layer]
 
     @property
     def total_size(self) -> int:
-        return self.size + sum(length for length, _ in self.sections)
+        return self.offsets[-1]
 
 
 def token_bytes(tokens: int, channels: int, dtype: torch.dtype) -> int:

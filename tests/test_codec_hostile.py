@@ -133,6 +133,19 @@ def test_section_modes_and_lengths_are_checked(small_profile) -> None:
         codec.parse_header(hand_blob(sections=[b"\0" * 10], sinks=4, **kwargs))
 
 
+@pytest.mark.timeout(60)
+def test_many_layers_cost_linear_time(small_profile) -> None:
+    """Found by the header fuzzer: section offsets were summed from layer 0 for every
+    layer, so walking a 65535-layer blob took ~2e9 steps. They are summed once now."""
+    layers = 0xFFFF
+    blob = hand_blob(tokens=1, heads=1, head_dim=1, sections=[bytes(4)] * layers, modes=[1] * layers,
+                     profile_id="00" * 8)
+    header = codec.parse_header(blob)
+    assert header.total_size == len(blob)
+    for layer in range(layers):
+        assert len(container.section(blob, header, layer)) == 4
+
+
 def test_raw_section_by_hand_decodes_to_its_bytes(small_profile) -> None:
     """FORMAT.md: a raw section is K[0:S] V[0:S] then K[S:T] V[S:T], little-endian."""
     kv = torch.arange(40, dtype=torch.float16).reshape(1, 2, 10, 1, 2)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import random
+import struct
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +18,7 @@ from streamer.tools.cli import main
 pytestmark = pytest.mark.timeout(180)
 
 # hypothesis cases per target (structured; ~2-3 ms each including generation)
-HYPOTHESIS_CASES = {"frames": 4000, "protocol": 4000, "bitstream": 1500}
+HYPOTHESIS_CASES = {"frames": 4000, "protocol": 4000, "bitstream": 1500, "header": 1000, "profile": 500}
 # seeded random inputs per target (~0.03-0.15 ms each)
 RANDOM_CASES = 20000
 
@@ -28,14 +31,16 @@ def test_hypothesis_fuzz_finds_nothing(target: str) -> None:
     assert not result.failures, [(f.error, f.reproducer()) for f in result.failures]
 
 
-@pytest.mark.parametrize("target", ["frames", "protocol", "bitstream"])
+#: the codec targets decode (some cases) a blob, so they get fewer random cases
+RANDOM_SHARE = {"frames": 1, "protocol": 1, "bitstream": 4, "header": 20, "profile": 20}
+
+
+@pytest.mark.parametrize("target", fuzz.TARGETS)
 def test_random_bytes_fuzz_finds_nothing(target: str) -> None:
     rng = random.Random(f"ci-{target}")
     check = fuzz.CHECKS[target]
-    for _ in range(RANDOM_CASES):
-        data = rng.randbytes(rng.randrange(1, 64 if target == "bitstream" else 160))
-        if target == "bitstream" and _ >= RANDOM_CASES // 4:
-            break
+    for _ in range(RANDOM_CASES // RANDOM_SHARE[target]):
+        data = rng.randbytes(rng.randrange(1, 64 if target in ("bitstream", "header", "profile") else 160))
         error = None
         try:
             check(data)
@@ -59,7 +64,7 @@ def test_forged_blobs_reach_the_decoder() -> None:
     """bitstream inputs with the forge bit keep valid CRCs, so damage gets past the checksums."""
     import codec
 
-    blob, profile = fuzz.mutate_blob(bytes([0x04, 0, 0, 200, 0, 0x10]))
+    blob, profile = fuzz.fuzz_codec.mutate_blob(bytes([0x04, 0, 0, 200, 0, 0x10]))
     assert codec.parse_header(blob) is not None       # header CRC recomputed: it parses
 
 
@@ -69,7 +74,7 @@ def test_cli_runs_reports_cases_and_replays(capsys) -> None:
     assert summary["total_cases"] >= 200 and summary["failures"] == []
     assert main(["fuzz", "--target", "all", "--replay", "0001020304"]) == 0
     out = capsys.readouterr().out
-    assert out.count("ok") == 3
+    assert out.count("ok") == len(fuzz.TARGETS) == 5
 
 
 def test_cli_reports_a_failure_with_a_reproducer(monkeypatch, capsys) -> None:
@@ -91,3 +96,38 @@ def test_embedded_profile_claiming_a_huge_size_is_corrupt_not_memory_error() -> 
     data = bytes.fromhex("f4ab5f5df5bb86ad425c4c7dcf3ccbfb03e6207c8b48c56faeb2b5a35eaf44c38273c065"
                          "af37a18f4d7aae7f12a47af937f51e9f")
     fuzz.CHECKS["bitstream"](data)  # raises FuzzBug on anything but a typed codec error
+
+
+def test_without_hypothesis_the_cli_says_what_to_install(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "hypothesis", None)   # import hypothesis -> ImportError
+    assert main(["fuzz", "--minutes", "0.01", "--target", "frames"]) == 2
+    assert "pip install 'kvwire[fuzz]'" in capsys.readouterr().err
+
+
+def test_header_inputs_lie_where_they_say() -> None:
+    """A header edit reaches the field FORMAT.md puts it at (tokens: offset 16)."""
+    import codec
+
+    blob, _ = fuzz.fuzz_codec.header_blob(bytes([0]) + struct.pack("<BBI", 7, 0, 1 << 21))
+    assert struct.unpack_from("<I", blob, 16)[0] == 1 << 21
+    with pytest.raises(codec.CorruptBitstream):
+        codec.decode(blob, fuzz.fuzz_codec._seed_blobs()[0][1])
+
+
+def test_profile_inputs_reach_validation() -> None:
+    """A profile edit that breaks kept <= rows (#15 finding 1) is refused, not decoded."""
+    import codec
+
+    kept = fuzz.fuzz_codec._ARRAYS.index("kept")
+    raw = fuzz.fuzz_codec.profile_bytes(bytes([0]) + struct.pack("<BHI", kept, 0, 1000))
+    with pytest.raises(codec.CorruptBitstream, match="kept"):
+        codec.Profile.from_bytes(raw)
+
+
+CORPUS = Path(__file__).parent / "data" / "fuzz_corpus"
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("*/*")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_corpus_replays_clean(path: Path) -> None:
+    """Inputs kept from coverage-guided runs (atheris) and past findings, per target."""
+    assert fuzz.replay(path.parent.name, path.read_bytes()) is None

@@ -1,4 +1,4 @@
-"""``kvwire fuzz``: long fuzzing runs of the three parsers that face untrusted bytes.
+"""``kvwire fuzz``: long fuzzing runs of the parsers that face untrusted bytes.
 
 Targets (each a function of one ``bytes`` input, so hypothesis and atheris drive the
 same code and any failure is reproduced by its bytes alone):
@@ -12,36 +12,33 @@ same code and any failure is reproduced by its bytes alone):
     handshake, with requests outstanding, in the middle of a chunk), fed in pieces:
     only ``RemoteProtocolError``, never one produced by the "internal error" safety
     net, and the connection must then be in ERROR.
-``bitstream``
-    ``codec.decode`` / ``codec.decode_layers`` on a valid blob damaged by byte edits,
-    truncation or extension, optionally *forged* (section and header CRCs recomputed,
-    so the rANS decoder and container checks face the damage alone): only
-    ``CodecError``; a decode that succeeds returns the shape and dtype the header says.
+``bitstream``, ``header``, ``profile``
+    The codec's blob decoder, blob header and section parser, and profile parser
+    (``streamer.tools.fuzz_codec`` says what each checks).
 
 The CI tests (tests/test_fuzz_cli.py) run these through hypothesis for tens of
-thousands of cases; ``kvwire fuzz --minutes N`` loops hypothesis (or atheris with
-``--engine atheris`` when it is installed) until the time is up and reports the cases
-run and every failure with a reproducer (``--replay HEX``).
+thousands of cases and replay a corpus; ``kvwire fuzz --minutes N`` loops hypothesis
+(``pip install 'kvwire[fuzz]'``) until the time is up, or with ``--engine atheris``
+(``pip install atheris``) runs libFuzzer, coverage-guided, on one target with the
+codec and wire modules instrumented, and reports the cases run and every failure
+with a reproducer (``--replay HEX``).
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import struct
 import sys
 import time
 import traceback
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-TARGETS = ("frames", "protocol", "bitstream")
+from streamer.tools import fuzz_codec
+from streamer.tools.fuzz_codec import FuzzBug
 
-
-class FuzzBug(AssertionError):
-    """A target misbehaved on an input (wrong exception type, bad state, wrong shape)."""
+TARGETS = ("frames", "protocol", "bitstream", "header", "profile")
 
 
 # ------------------------------------------------------------------------ frames
@@ -183,95 +180,9 @@ def check_protocol(data: bytes) -> None:
         raise FuzzBug(f"[{name}] receive_data raised {type(exc).__name__}: {exc}") from exc
 
 
-# ------------------------------------------------------------------------ bitstream
-_FIXED, _ENTRY = 32, 9  # FORMAT.md: fixed header, section table entry
-
-
-@functools.lru_cache(maxsize=1)
-def _seed_blobs():
-    """(blob, profile) pairs: a profiled delta-coded blob and an fp16 embedded one."""
-    import torch
-
-    import codec
-
-    gen = torch.Generator().manual_seed(0)
-    profile = codec.calibrate([torch.randn(2, 2, 64, 1, 3, generator=gen)], delta="always")
-    kv = torch.randn(2, 2, 24, 1, 3, generator=torch.Generator().manual_seed(1))
-    return ((codec.encode(kv, 2, profile), profile), (codec.encode(kv.half(), 2), None),
-            (codec.encode(kv, 0, profile), profile))
-
-
-def _reseal(blob: bytes) -> bytes:
-    """Recompute every section CRC and the header CRC (FORMAT.md), keeping the lengths."""
-    if len(blob) < _FIXED + 4:
-        return blob
-    layers = struct.unpack_from("<H", blob, 8)[0]
-    embedded = struct.unpack_from("<I", blob, 28)[0]
-    size = _FIXED + _ENTRY * layers + embedded + 4
-    if size > len(blob):
-        return blob
-    header = bytearray(blob[:size])
-    pos = size
-    for i in range(layers):
-        length = struct.unpack_from("<I", header, _FIXED + _ENTRY * i)[0]
-        section = blob[pos:pos + length]
-        struct.pack_into("<I", header, _FIXED + _ENTRY * i + 4, zlib.crc32(section) & 0xFFFFFFFF)
-        pos += length
-    struct.pack_into("<I", header, size - 4, zlib.crc32(bytes(header[:size - 4])) & 0xFFFFFFFF)
-    return bytes(header) + blob[size:]
-
-
-def mutate_blob(data: bytes) -> tuple[bytes, object]:
-    """The damaged blob (and its profile) that ``data`` describes.
-
-    data[0]: seed blob (low 2 bits), forge CRCs (bit 2), truncate (bit 3), extend (bit 4);
-    data[1:3]: u16 truncation point; then (u16 position, u8 xor) edits.
-    """
-    seeds = _seed_blobs()
-    blob, profile = seeds[data[0] % len(seeds)] if data else seeds[0]
-    out = bytearray(blob)
-    flags = data[0] if data else 0
-    edits = data[3:]
-    for j in range(0, len(edits) - 2, 3):
-        pos = struct.unpack_from("<H", edits, j)[0] % len(out)
-        out[pos] ^= edits[j + 2] or 1
-    if flags & 0x08 and len(data) >= 3:
-        out = out[:struct.unpack_from("<H", data, 1)[0] % (len(out) + 1)]
-    if flags & 0x10:
-        out += bytes(edits[:32])
-    result = bytes(out)
-    if flags & 0x04:
-        result = _reseal(result)
-    return result, profile
-
-
-def check_bitstream(data: bytes) -> None:
-    import codec
-
-    blob, profile = mutate_blob(data)
-    try:
-        header = codec.parse_header(blob)
-        out = codec.decode(blob, profile)
-    except codec.CodecError:
-        pass
-    except Exception as exc:
-        raise FuzzBug(f"codec.decode raised {type(exc).__name__}: {exc}") from exc
-    else:
-        want = (header.layers, 2, header.tokens, header.heads, header.head_dim)
-        if tuple(out.shape) != want or out.dtype != header.dtype:
-            raise FuzzBug(f"decode returned {tuple(out.shape)} {out.dtype}, header says {want} "
-                          f"{header.dtype}")
-    try:
-        for _ in codec.decode_layers(blob, profile):
-            pass
-    except codec.CodecError:
-        pass
-    except Exception as exc:
-        raise FuzzBug(f"codec.decode_layers raised {type(exc).__name__}: {exc}") from exc
-
-
 CHECKS: dict[str, Callable[[bytes], None]] = {
-    "frames": check_frames, "protocol": check_protocol, "bitstream": check_bitstream,
+    "frames": check_frames, "protocol": check_protocol, "bitstream": fuzz_codec.check_bitstream,
+    "header": fuzz_codec.check_header, "profile": fuzz_codec.check_profile,
 }
 
 
@@ -312,6 +223,10 @@ def strategy(target: str):
             lambda t: t[0] + (t[1] if target == "protocol" else b"") + t[2])
     if target == "bitstream":
         return st.binary(min_size=3, max_size=40)
+    if target in ("header", "profile"):
+        edit = 6 if target == "header" else 7
+        return st.tuples(st.binary(min_size=1, max_size=1), st.lists(st.binary(min_size=edit, max_size=edit),
+                                                                      max_size=4)).map(lambda t: t[0] + b"".join(t[1]))
     raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
 
 
@@ -385,16 +300,46 @@ def fuzz_for(seconds: float, targets: tuple[str, ...] = TARGETS, *, batch: int =
                     log(f"FAILURE in {target}: {failure.error}\n  reproduce: {failure.reproducer()}")
 
 
-def fuzz_atheris(seconds: float, target: str) -> int:  # pragma: no cover - needs atheris
-    """Run atheris (libFuzzer) on one target; returns the exit code (nonzero on a crash).
+#: modules whose Python code atheris instruments for coverage (the parsers and what they call)
+INSTRUMENTED = ("codec", "streamer.wire", "streamer.tools.fuzz_codec", "safetensors")
+
+
+def _instrument(atheris) -> int:
+    """Instrument every loaded function of INSTRUMENTED modules in place; the count.
+
+    numba kernels are compiled already (warm_up) and their Python source is not what
+    runs, so ``codec.rans`` is left alone unless NUMBA_DISABLE_JIT=1 makes it plain
+    Python (then the decoder's own loops are covered too).
+    """
+    import gc
+    import types
+
+    import numba
+
+    skip = () if numba.config.DISABLE_JIT else ("codec.rans",)
+    count = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, types.FunctionType) and (obj.__module__ or "").startswith(INSTRUMENTED) \
+                and not (obj.__module__ or "").startswith(skip):
+            atheris.instrument_func(obj)
+            count += 1
+    return count
+
+
+def fuzz_atheris(seconds: float, target: str, corpus: str | None = None) -> int:  # pragma: no cover - needs atheris
+    """Run atheris (libFuzzer, coverage-guided) on one target; the exit code (nonzero on a crash).
 
     libFuzzer owns the process (it exits when done), so this is meant for the CLI only.
     """
     import atheris
 
+    import codec
+
     check = CHECKS[target]
-    if target == "bitstream":
-        _seed_blobs()   # build the seeds before coverage starts
+    codec.warm_up()
+    for seed in (b"\x00", b"\x01", b"\x02"):  # build the seeds (and compile) before coverage starts
+        check(seed)
+    print(f"atheris: instrumented {_instrument(atheris)} functions", file=sys.stderr)
 
     def one(data: bytes) -> None:
         try:
@@ -403,7 +348,8 @@ def fuzz_atheris(seconds: float, target: str) -> int:  # pragma: no cover - need
             print(f"reproduce: kvwire fuzz --target {target} --replay {data.hex()}", file=sys.stderr)
             raise
 
-    atheris.Setup([sys.argv[0], f"-max_total_time={max(1, int(seconds))}", "-print_final_stats=1"], one)
+    argv = [sys.argv[0], f"-max_total_time={max(1, int(seconds))}", "-print_final_stats=1", "-timeout=10"]
+    atheris.Setup(argv + ([corpus] if corpus else []), one)
     atheris.Fuzz()
     return 0
 
@@ -438,9 +384,14 @@ def _handler(args: argparse.Namespace) -> int:
         try:
             import atheris  # noqa: F401
         except ImportError:
-            print("kvwire fuzz: atheris is not installed (pip install atheris)", file=sys.stderr)
+            print("kvwire fuzz: --engine atheris needs atheris (pip install atheris)", file=sys.stderr)
             return 2
-        return fuzz_atheris(seconds, targets[0])
+        return fuzz_atheris(seconds, targets[0], args.corpus)
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        print("kvwire fuzz: the hypothesis engine needs hypothesis (pip install 'kvwire[fuzz]')", file=sys.stderr)
+        return 2
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
     result = fuzz_for(seconds, targets, batch=args.batch, seed=args.seed, log=log)
     summary = {"engine": "hypothesis", "seconds": round(result.seconds, 1), "cases": result.cases,
@@ -473,6 +424,7 @@ def register(subparsers, bench_subparsers=None) -> None:
     fuzz.add_argument("--batch", type=int, default=2000, help="hypothesis examples per batch")
     fuzz.add_argument("--seed", type=int, default=0, help="seed of the batch seeds (default 0)")
     fuzz.add_argument("--replay", metavar="HEX", help="run one input (from a failure report) and exit")
+    fuzz.add_argument("--corpus", metavar="DIR", help="atheris: corpus directory to read and grow")
     fuzz.add_argument("--json", action="store_true", help="print the summary as JSON")
     fuzz.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     fuzz.set_defaults(handler=_handler)
