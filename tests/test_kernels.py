@@ -145,6 +145,23 @@ def test_gpu_decode_matches_cpu() -> None:
             torch.testing.assert_close(cuda.float(), cpu.float(), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.gpu
+def test_gpu_decodes_raw_sections_exactly() -> None:
+    """A layer far from the calibration is stored raw (FORMAT.md): copied, bit for bit."""
+    ok, reason = gpu.availability()
+    if not ok:
+        pytest.skip(f"GPU decode unavailable: {reason}")
+    profile = codec.calibrate([_kv(1)])
+    kv = _kv(6)
+    kv[1] = kv[1].cumsum(dim=1) * 100   # layer 1 drifts: its lanes would outgrow it
+    kv = kv.half()
+    blob = codec.encode(kv, 0, profile)
+    assert codec.inspect(blob)["sections"]["raw_layers"] == [1]
+    cuda = codec.decode(blob, profile, device="cuda").cpu()
+    assert torch.equal(cuda[1], kv[1])
+    torch.testing.assert_close(cuda.float(), codec.decode(blob, profile).float(), rtol=2e-3, atol=2e-3)
+
+
 # ------------------------------------------------------------------ host-side pipeline logic
 def test_pipeline_submits_ahead_and_keeps_order() -> None:
     from kernels.pipeline import pipelined
