@@ -269,7 +269,7 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
         try:
             trace = Trace([0.0, 0.2, 0.4], [60.0, 12.0, 40.0])
             async with netsim.ShapingProxy(upstream=("127.0.0.1", server.port), delay_ms=2) as proxy:
-                async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=1.0, policy="mpc",
+                async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=1.0, policy="mpc", cancel=False,
                                                   recompute_seconds_per_token=2e-4) as session:
                     proxy.set_trace(trace, direction="down")
                     report = await session.fetch()

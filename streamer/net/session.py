@@ -254,8 +254,6 @@ class StreamSession:
             self._server_index = (self._server_index + 1) % len(self._servers)
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.config.max_backoff)
-        if isinstance(last, ServerError):
-            raise last   # the senders answered, with an error: keep its code and message
         raise ConnectionLost(f"could not reach a sender for {self.context_id!r}: {last}")
 
     async def _open_context(self) -> None:
