@@ -143,11 +143,24 @@ def pack_header(*, dtype: torch.dtype, level: int, layers: int, heads: int, head
 
 
 def header_length(prefix: bytes | memoryview) -> int | None:
-    """Total header size once the first FIXED.size bytes are known, else None."""
+    """Total header size once the first FIXED.size bytes are known, else None.
+
+    A streaming reader buffers this many bytes, so an embedded profile longer than a
+    blob of this shape can need is refused here, from the first 32 bytes.
+    """
     if len(prefix) < FIXED.size:
         return None
     fields = _unpack_fixed(prefix)
-    return FIXED.size + SECTION_ENTRY.size * fields[5] + fields[11] + CRC.size
+    layers, heads, head_dim, embedded_len = fields[5], fields[6], fields[7], fields[11]
+    most = zstd_bound(embedded_profile_limit(layers, heads * head_dim))
+    if embedded_len > most:
+        raise CorruptBitstream(f"blob header claims a {embedded_len}-byte embedded profile; its shape allows {most}")
+    return FIXED.size + SECTION_ENTRY.size * layers + embedded_len + CRC.size
+
+
+def zstd_bound(size: int) -> int:
+    """Largest zstd frame of ``size`` content bytes (zstd's ZSTD_COMPRESSBOUND, rounded up)."""
+    return size + (size >> 8) + (128 << 10 >> 11) + 64
 
 
 def _unpack_fixed(data: bytes | memoryview) -> tuple:

@@ -109,6 +109,18 @@ def test_embedded_profile_bombs_are_corrupt(name: str) -> None:
         reject(build())
 
 
+def test_embedded_profile_longer_than_its_shape_allows_is_refused_from_32_bytes() -> None:
+    """A streaming reader learns the header's length from 32 bytes: a P no blob of this
+    shape can need is refused there, before it buffers 4 GiB of "header"."""
+    blob = hand_blob(tokens=8, heads=1, head_dim=2, sections=[lane_payload(2, 0)], profile_id="00" * 8,
+                     embedded=b"x")
+    prefix = bytearray(blob[:32])
+    struct.pack_into("<I", prefix, 28, 0xFFFFFFFF)
+    with pytest.raises(codec.CorruptBitstream, match="4294967295-byte embedded profile"):
+        codec.header_length(bytes(prefix))
+    assert codec.header_length(blob[:32]) == 32 + 9 + 1 + 4
+
+
 @pytest.mark.parametrize("heads,head_dim,tokens,word", [
     (0xFFFF, 0xFFFF, 1, "channels"),          # C > 2^16
     (256, 257, 1, "channels"),                 # C = 65792
