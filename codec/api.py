@@ -1,9 +1,11 @@
 """Public codec entry points: encode, decode, decode_layers, inspect, decode_section.
 
-Blob = header (shape, dtype, level, profile id, per-layer lengths and checksums,
-optional embedded profile) + one section per layer. Each section holds the
-layer's attention-sink tokens verbatim, then its K and V lanes, so a receiver can
-decode layer l as soon as that section has arrived (``decode_section``).
+Blob = header (shape, dtype, level, profile id, per-layer lengths, checksums and
+modes, optional embedded profile) + one section per layer. Each section holds the
+layer's attention-sink tokens verbatim, then its K and V lanes (or, in a raw
+section, its other tokens verbatim), so a receiver can decode layer l as soon as
+that section has arrived (``decode_section``). Every size read from a blob is
+checked against codec/FORMAT.md's "Limits" before anything is allocated from it.
 """
 from __future__ import annotations
 
@@ -42,14 +44,14 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
     """(section bytes, mode) of one layer: rANS lanes, or the tokens verbatim when the
     lanes would not be smaller (data unlike the calibration) or the values do not
     quantize at all, so a section is never larger than the layer in its own dtype."""
-    raw_body = _token_bytes(kv_layer[:, sinks:])
+    raw_size = container.token_bytes(kv_layer.shape[1] - sinks, body.shape[-1], kv_layer.dtype)
     try:
         lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1])
     except layer_codec.ValuesOutOfRange:
         lanes = None
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
-    if lanes is None or len(lanes) >= len(raw_body):
-        return sink_bytes + raw_body, container.MODE_RAW
+    if lanes is None or len(lanes) >= raw_size:
+        return sink_bytes + _token_bytes(kv_layer[:, sinks:]), container.MODE_RAW
     return sink_bytes + lanes, container.MODE_CODED
 
 
