@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamer.tools import fuzz
+from streamer.tools import adversarial, fuzz
 from streamer.tools.cli import main
 
 pytestmark = pytest.mark.timeout(180)
@@ -131,3 +131,19 @@ CORPUS = Path(__file__).parent / "data" / "fuzz_corpus"
 def test_corpus_replays_clean(path: Path) -> None:
     """Inputs kept from coverage-guided runs (atheris) and past findings, per target."""
     assert fuzz.replay(path.parent.name, path.read_bytes()) is None
+
+
+# ------------------------------------------------------------------ kvwire bench adversarial
+@pytest.mark.parametrize("name", sorted(adversarial.HOSTILE))
+def test_each_hostile_input_is_a_typed_rejection(name: str) -> None:
+    row = adversarial.run_one(name)
+    assert row["error"] is not None and row["error"].startswith("CorruptBitstream"), row
+
+
+def test_adversarial_sizes_stay_within_the_bound(capsys) -> None:
+    rows = adversarial.size_rows(layers=1, tokens=40, heads=2, head_dim=4)
+    assert len(rows) == len(adversarial.KINDS) * 2 * 5
+    assert not any(r["over_bound"] for r in rows)
+    assert any(r["raw_layers"] for r in rows)     # some of the hostile data did go raw
+    assert main(["bench", "adversarial", "sizes", "--tokens", "24", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["sizes"]) == len(rows)
