@@ -25,12 +25,14 @@ import zlib
 
 import numpy as np
 
+from streamer.tools.adversarial import ENTRY, FIXED
+
 
 class FuzzBug(AssertionError):
     """A target misbehaved on an input (wrong exception type, bad state, wrong shape)."""
 
 
-_FIXED, _ENTRY = 32, 9  # FORMAT.md: fixed header, section table entry
+_FIXED, _ENTRY = FIXED.size, ENTRY.size
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,8 +145,6 @@ def header_blob(data: bytes) -> tuple[bytes, object]:
     Section lengths and every CRC are then recomputed (FORMAT.md), so only the
     fields' meaning is wrong.
     """
-    from streamer.tools.adversarial import ENTRY, FIXED
-
     seeds = _seed_blobs()
     blob, profile = seeds[data[0] % len(seeds)] if data else seeds[0]
     sections, modes = _seed_sections(blob)
