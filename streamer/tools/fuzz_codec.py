@@ -13,8 +13,9 @@ raise :class:`FuzzBug` when the codec misbehaves on it.
 ``profile``
     A valid profile with some arrays' elements, shapes or metadata fields replaced by
     the input's values, saved as safetensors and parsed: only ``CorruptBitstream``;
-    a profile that parses must encode and decode a small tensor of its shape without
-    any error (what a profile lets through reaches the numba kernels).
+    a profile that parses must encode and decode a small tensor of its shape at one
+    of its levels without any error (what a profile lets through reaches the numba
+    kernels).
 """
 from __future__ import annotations
 
@@ -276,12 +277,10 @@ def check_profile(data: bytes) -> None:
         return
     kv = torch.randn(profile.layers, 2, 12, profile.heads, profile.head_dim,
                      generator=torch.Generator().manual_seed(len(data))).half()
+    level = len(data) % len(profile.targets)   # one level per input keeps a case to milliseconds
     try:
-        for level in range(len(profile.targets)):
-            out = codec.decode(codec.encode(kv, level, profile), profile)
-            if out.shape != kv.shape or out.dtype != kv.dtype:
-                raise FuzzBug(f"profile round trip returned {tuple(out.shape)} {out.dtype}")
-    except FuzzBug:
-        raise
+        out = codec.decode(codec.encode(kv, level, profile), profile)
     except Exception as exc:
         raise FuzzBug(f"a profile that parsed fails its own round trip: {type(exc).__name__}: {exc}") from exc
+    if out.shape != kv.shape or out.dtype != kv.dtype:
+        raise FuzzBug(f"profile round trip returned {tuple(out.shape)} {out.dtype}")
