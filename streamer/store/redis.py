@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -216,11 +216,14 @@ class RedisStore(Store):
         check_location(context_id, version)
         return self._context_key(context_id, version, "*")
 
+    def _keys(self, context_id: str, version: str, blobs: Iterable[tuple[int, int]],
+              texts: Iterable[int]) -> list[str]:
+        """The keys of one version's blobs ((chunk, level) pairs) and texts (chunks)."""
+        return ([self.chunk_key(context_id, version, c, level) for c, level in blobs]
+                + [self.text_key(context_id, version, c) for c in texts])
+
     def _version_keys(self, manifest: Manifest) -> list[str]:
-        blobs, texts = manifest_items(manifest)
-        cid, version = manifest.context_id, manifest.version
-        return ([self.chunk_key(cid, version, c, level) for c, level in blobs]
-                + [self.text_key(cid, version, c) for c in texts])
+        return self._keys(manifest.context_id, manifest.version, *manifest_items(manifest))
 
     def _committed_keys(self, context_id: str, raw: bytes | None) -> list[str]:
         """Keys of the version a stored manifest names; none if it is unreadable
@@ -344,8 +347,7 @@ class RedisContextWriter(ContextWriter):
         await self._store._call(lambda: self._client.set(key, data, ex=STAGING_TTL_S))
 
     def _staged_keys(self) -> list[str]:
-        return ([self._store.chunk_key(self.context_id, self.version, c, level) for c, level in self._blobs]
-                + [self._store.text_key(self.context_id, self.version, c) for c in self._texts])
+        return self._store._keys(self.context_id, self.version, self._blobs, self._texts)
 
     async def _commit(self, manifest: Manifest) -> None:
         store = self._store
