@@ -196,10 +196,12 @@ def redis_cluster_store_url(redis_cluster_url):
 
     from redis.cluster import ClusterNode, RedisCluster
 
+    from streamer.store.redis_cluster import parse_cluster_url
+
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     yield f"{redis_cluster_url.rstrip('/')}/{prefix}"
-    hosts = redis_cluster_url.split("://", 1)[1].split("/", 1)[0].split(",")
-    client = RedisCluster(startup_nodes=[ClusterNode(*h.rsplit(":", 1)) for h in hosts],
+    nodes = parse_cluster_url(redis_cluster_url)[0]
+    client = RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
                           socket_connect_timeout=5, socket_timeout=10)
     try:
         for key in client.scan_iter(match=f"{prefix}:*", count=1000):

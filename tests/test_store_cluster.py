@@ -19,10 +19,10 @@ import redis
 import torch
 from redis.crc import key_slot
 
-from streamer.store import ChunkNotFound, ContextNotFound, StoreError, open_store
+from streamer.store import ChunkNotFound, StoreError, open_store
 from streamer.store.redis import RedisStore
 from streamer.store.redis_cluster import parse_cluster_url
-from test_streamer_store import Version, assert_readable, put_version
+from test_streamer_store import Version, assert_changes_shared, assert_readable, closed_port, put_version
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "redis-cluster.sh"
@@ -50,12 +50,9 @@ async def test_bad_cluster_urls_are_value_errors(url: str, message: str) -> None
 
 
 async def test_unreachable_cluster_fails_fast_naming_the_url() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     started = time.monotonic()
     with pytest.raises(StoreError, match=r"cannot reach redis store redis\+cluster://:\*\*\*@127") as info:
-        await open_store(f"redis+cluster://:hunter2@127.0.0.1:{port}/p")
+        await open_store(f"redis+cluster://:hunter2@127.0.0.1:{closed_port()}/p")
     assert "hunter2" not in str(info.value)
     assert time.monotonic() - started < 30
 
@@ -77,10 +74,8 @@ def test_every_key_of_a_context_shares_one_slot() -> None:
 async def test_senders_on_different_nodes_share_contexts_and_profiles(redis_cluster_store_url: str,
                                                                       codec_profile) -> None:
     """Two stores whose clients start from different nodes see one store."""
-    head, _, prefix = redis_cluster_store_url.partition("://")[2].partition("/")
-    hosts = head.split(",")
-    a_url = f"redis+cluster://{hosts[0]}/{prefix}"
-    b_url = f"redis+cluster://{hosts[-1]}/{prefix}"
+    nodes, _, _, prefix, _ = parse_cluster_url(redis_cluster_store_url)
+    a_url, b_url = (f"redis+cluster://{host}:{port}/{prefix}" for host, port in (nodes[0], nodes[-1]))
     async with await open_store(a_url) as a, await open_store(b_url) as b:
         await a.put_profile(codec_profile)
         assert await b.get_profile_bytes(codec_profile.id) == codec_profile.to_bytes()
@@ -88,11 +83,7 @@ async def test_senders_on_different_nodes_share_contexts_and_profiles(redis_clus
         assert await b.list_contexts() == sorted(versions)
         for version in versions.values():
             await assert_readable(b, version)
-        newer = await put_version(b, "ctx-0", seed=99)
-        await assert_readable(a, newer)
-        await b.delete_context("ctx-1")
-        with pytest.raises(ContextNotFound):
-            await a.get_manifest("ctx-1")
+        await assert_changes_shared(b, a, "ctx-0", seed=99)
 
 
 # ------------------------------------------------------- a private cluster for faults

@@ -206,6 +206,16 @@ async def assert_readable(store: Store, version: Version) -> None:
         assert await store.get_text(manifest.context_id, manifest.version, i) == text
 
 
+async def assert_changes_shared(writer: Store, reader: Store, context_id: str, seed: int) -> None:
+    """A re-put of ``context_id`` through ``writer`` is what ``reader`` reads, and a delete
+    through ``writer`` is gone for ``reader`` too."""
+    newer = await put_version(writer, context_id, seed=seed)
+    await assert_readable(reader, newer)
+    await writer.delete_context(context_id)
+    with pytest.raises(ContextNotFound):
+        await reader.get_manifest(context_id)
+
+
 async def stored_items(store: Store, context_id: str, version: str) -> list[str]:
     """Whatever the backend still holds for one version (files or keys)."""
     if isinstance(store, FileStore):
@@ -391,11 +401,7 @@ async def test_two_redis_stores_share_contexts(redis_store_url: str) -> None:
         version = await put_version(a, "shared", seed=1)
         assert await b.list_contexts() == ["shared"]
         await assert_readable(b, version)
-        newer = await put_version(b, "shared", seed=2)
-        await assert_readable(a, newer)
-        await b.delete_context("shared")
-        with pytest.raises(ContextNotFound):
-            await a.get_manifest("shared")
+        await assert_changes_shared(b, a, "shared", seed=2)
 
 
 @pytest.mark.redis
@@ -483,7 +489,7 @@ async def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         await open_store(str(tmp_path / "plain-file"))
 
 
-def _closed_port() -> int:
+def closed_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -492,7 +498,7 @@ def _closed_port() -> int:
 
 
 async def test_unreachable_redis_fails_fast_naming_the_url() -> None:
-    url = f"redis://:hunter2@127.0.0.1:{_closed_port()}/3"
+    url = f"redis://:hunter2@127.0.0.1:{closed_port()}/3"
     started = time.monotonic()
     with pytest.raises(StoreError, match=r"cannot reach redis store redis://:\*\*\*@127\.0\.0\.1") as info:
         await open_store(url)
