@@ -162,9 +162,14 @@ def _heads(model) -> tuple[int, int]:
     return heads, model.config.hidden_size // heads
 
 
+def _text_config(model):
+    """The config of the model's language part (itself for text-only models)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def kv_shape(model) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of the model's KV."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -174,8 +179,7 @@ def kv_shape(model) -> tuple[int, int, int]:
 def vocab_size(model) -> int:
     """The model's vocabulary size: pass it to ``put_context(vocab_size=...)`` so receivers
     range-check the text fallback's token ids against it."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(config.vocab_size)
+    return int(_text_config(model).vocab_size)
 
 
 def _cache_arg(model) -> str:
@@ -471,9 +475,8 @@ class CacheAssembler:
         if (manifest.layers, manifest.heads, manifest.head_dim) != (layers, heads, head_dim):
             raise ValueError(f"manifest KV is {manifest.layers}x{manifest.heads}x{manifest.head_dim}, "
                              f"the model's {layers}x{heads}x{head_dim}")
-        if manifest.vocab_size is not None and manifest.vocab_size != vocab_size(model):
-            raise ValueError(f"manifest's vocabulary has {manifest.vocab_size} tokens, "
-                             f"the model's {vocab_size(model)}")
+        if manifest.vocab_size is not None and manifest.vocab_size != (vocab := vocab_size(model)):
+            raise ValueError(f"manifest's vocabulary has {manifest.vocab_size} tokens, the model's {vocab}")
         self.model = model
         self.manifest = manifest
         self.window = window
