@@ -21,6 +21,7 @@ import codec
 import netsim
 import streamer
 from streamer_helpers import synthetic_kv
+from test_streamer_store import closed_port
 from streamer.net.config import SessionConfig
 from streamer.receiver import ReceiverConfig, start_receiver
 from streamer.store.file import FileStore
@@ -356,11 +357,7 @@ async def test_a_fixed_level_beyond_the_ladder_is_400_fetched_or_cached(contexts
 
 
 async def test_unreachable_sender_is_503_with_the_reason(contexts, receive, http) -> None:
-    import socket
-
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
+    dead = closed_port()   # a port nobody listens on
     receiver = await receive([("127.0.0.1", dead)])
     status, body = await _post(http, receiver, context_id="a", slo=1.0)
     assert status == 503 and "could not reach a sender" in body["error"], body
@@ -374,11 +371,7 @@ async def test_unreachable_sender_is_503_with_the_reason(contexts, receive, http
 
 
 async def test_a_dead_first_sender_falls_back_to_the_next(contexts, sender, receive, http) -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
+    dead = closed_port()   # a port nobody listens on
     receiver = await receive([("127.0.0.1", dead), ("127.0.0.1", sender.port)])
     status, body = await _post(http, receiver, context_id="a", slo=5.0, policy="fixed:3")
     assert status == 200 and body["quality"]["worst_level"] == 3, body
@@ -410,11 +403,7 @@ async def test_healthz_and_metrics(contexts, sender, receive, http) -> None:
 async def test_healthz_names_a_sender_that_refuses_the_handshake(contexts, sender, receive, http) -> None:
     """A sender that is up but refuses us (here: we hold a token, it does not authenticate)
     is not a healthy one."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
+    dead = closed_port()   # a port nobody listens on
     receiver = await receive([("127.0.0.1", sender.port)], session_options={"auth_token": "t" * 16})
     async with http.get(f"{receiver.url}/healthz") as r:
         health = await r.json()

@@ -19,23 +19,19 @@ async def test_the_profile_is_fetched_over_the_wire_or_the_bench_fails(tmp_path)
     """bench stream warms the session's profile cache over the wire and says how big the
     profile was and how long it took; a sender that cannot give it is an error, never a
     silent read of the store."""
-    import socket
-
     import codec
     import streamer
     from streamer.net import session as session_module
     from streamer_helpers import synthetic_kv
+    from test_streamer_store import closed_port
 
     profile = codec.calibrate([synthetic_kv(1, 512, 2, 2, 16)])
     async with await streamer.open_store(str(tmp_path)) as store:
         await streamer.put_context(store, bench.BIG, synthetic_kv(0, 128, 2, 2, 16), list(range(128)),
                                    profile=profile, chunk_tokens=64)
     session_module._profiles.clear()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
     with pytest.raises(RuntimeError, match="could not fetch the profile from the sender"):
-        await bench._warm_profile(dead)
+        await bench._warm_profile(closed_port())
     assert profile.id not in session_module._profiles
     async with await streamer.open_store(str(tmp_path)) as store:
         sender = await streamer.serve(store)
