@@ -145,7 +145,7 @@ class Cluster:
         self.wait_ok()
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node says cluster_state:ok and each master has a replica again."""
+        """Until every live node says cluster_state:ok."""
         deadline = time.monotonic() + timeout
         while True:
             states = []
