@@ -7,6 +7,8 @@ layer's section starts, so a receiver can decode layer l as soon as its bytes la
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import struct
 import zlib
 from dataclasses import dataclass
@@ -66,15 +68,12 @@ class BlobHeader:
     sections: tuple[tuple[int, int], ...]  # (length, crc32) per layer
     modes: tuple[int, ...]  # MODE_CODED or MODE_RAW per layer
     size: int  # header bytes, i.e. offset of layer 0's section
-    #: offset of each section and of the blob's end, summed once (a hostile blob may have 65535 layers)
-    offsets: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
-        if not self.offsets:
-            ends = [self.size]
-            for length, _ in self.sections:
-                ends.append(ends[-1] + length)
-            object.__setattr__(self, "offsets", tuple(ends))
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Offset of each section and of the blob's end, summed once (a hostile blob may
+        have 65535 layers)."""
+        return tuple(itertools.accumulate((length for length, _ in self.sections), initial=self.size))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
