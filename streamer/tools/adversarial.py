@@ -84,11 +84,15 @@ def hand_blob(*, tokens: int, heads: int, head_dim: int, sections: list[bytes], 
               modes: list[int] | None = None, dtype: int = 1, level: int = 0, sinks: int = 0,
               embedded: bytes = b"", version: int = FORMAT_VERSION) -> bytes:
     """A blob assembled by hand from FORMAT.md (valid CRCs, whatever the fields say)."""
-    modes = modes or [0] * len(sections)
-    body = FIXED.pack(b"KVWB", version, dtype, level, 1 if embedded else 0, len(sections), heads, head_dim,
-                      sinks, tokens, bytes.fromhex(profile_id), len(embedded))
-    body += b"".join(ENTRY.pack(len(s), zlib.crc32(s), m) for s, m in zip(sections, modes))
-    body += embedded
+    fixed = FIXED.pack(b"KVWB", version, dtype, level, 1 if embedded else 0, len(sections), heads, head_dim,
+                       sinks, tokens, bytes.fromhex(profile_id), len(embedded))
+    return seal(fixed, sections, modes or [0] * len(sections), embedded)
+
+
+def seal(fixed: bytes, sections: list[bytes], modes: list[int], embedded: bytes = b"") -> bytes:
+    """The 32 fixed-header bytes as given, then the section table (lengths and CRCs of
+    ``sections``), ``embedded``, the header CRC and the sections (FORMAT.md)."""
+    body = fixed + b"".join(ENTRY.pack(len(s), zlib.crc32(s), m) for s, m in zip(sections, modes)) + embedded
     return body + struct.pack("<I", zlib.crc32(body)) + b"".join(sections)
 
 

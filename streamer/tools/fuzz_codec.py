@@ -26,7 +26,7 @@ import zlib
 
 import numpy as np
 
-from streamer.tools.adversarial import ENTRY, FIXED
+from streamer.tools.adversarial import ENTRY, FIXED, seal
 
 
 class FuzzBug(AssertionError):
@@ -178,8 +178,7 @@ def header_blob(data: bytes) -> tuple[bytes, object]:
     if layers <= 64:  # as many sections as the header says (more: a truncated section table)
         sections = (sections * (layers // len(sections) + 1))[:layers]
         modes = (modes * (layers // len(modes) + 1))[:layers]
-    body = bytes(fixed) + b"".join(ENTRY.pack(len(s), zlib.crc32(s), m) for s, m in zip(sections, modes)) + embedded
-    return body + struct.pack("<I", zlib.crc32(body)) + b"".join(sections), profile
+    return seal(bytes(fixed), sections, modes, embedded), profile
 
 
 def check_header(data: bytes) -> None:
