@@ -156,8 +156,10 @@ class ShapingProxy:
         self._conns[task] = None
         try:
             try:
-                ureader, uwriter = await asyncio.open_connection(
-                    sock=await _bounded_connect(*self.upstream), limit=UPSTREAM_BUFFER)
+                ureader, uwriter = await asyncio.open_connection(*self.upstream, limit=UPSTREAM_BUFFER)
+                # fixed before the sender says anything: the kernel stops autotuning it
+                uwriter.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF,
+                                                            UPSTREAM_RCVBUF)
             except (OSError, asyncio.CancelledError):
                 _reset(cwriter)
                 return
@@ -345,26 +347,6 @@ class _Output:
             self.queued -= n
             if self.queued <= QUEUE_HIGH_WATER // 2:
                 self.room.set()
-
-
-async def _bounded_connect(host: str, port: int) -> socket.socket:
-    """A connected non-blocking socket to the upstream with a fixed receive buffer."""
-    loop = asyncio.get_running_loop()
-    last: OSError | None = None
-    for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RCVBUF)
-            sock.setblocking(False)
-            await loop.sock_connect(sock, address)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-        except BaseException:
-            sock.close()
-            raise
-    raise last or OSError(f"cannot resolve {host}:{port}")
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:

@@ -73,7 +73,7 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     restart = (reconnect_seconds if abort else drain) + rtt
     options: list[Choice] = [TEXT]
     if head.delivered_layers == 0:
-        options += [level for level in range(head.level + 1, plan.levels)]
+        options += range(head.level + 1, plan.levels)
     cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
     fitting = [option for option in options if cost[option] + later <= plan.time_left]
     if fitting:

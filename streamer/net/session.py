@@ -328,7 +328,6 @@ class _Fetch:
         self.response_latency = 0.0
         self.reconnects = 0
         self.cancels = 0
-        self.abort_requested = False
         #: when bytes last arrived or the fetch last acted: the stall timer runs from here
         self.last_activity = self.start
         #: reading paused because the delivery backlog is over max_buffered_bytes
@@ -345,9 +344,7 @@ class _Fetch:
         consumer = asyncio.create_task(self.delivery.run())
         try:
             while not consumer.done():
-                self._reconsider_head()
-                if self.abort_requested:
-                    await self._reconnect("cancel: dropping the queued rest of a chunk", abort=True)
+                await self._reconsider_head()
                 self._request_ahead()
                 arrival = await self._next_arrival(consumer)
                 if arrival is None:
@@ -403,7 +400,9 @@ class _Fetch:
         timeout = None
         if watching:
             stall_left = self.s.config.stall_timeout - (time.monotonic() - self.last_activity)
-            timeout = max(min(stall_left, RECONSIDER_S if self._head_in_progress() else stall_left), 0.0)
+            if self._head_in_progress() is not None:   # the cancel rule looks every RECONSIDER_S
+                stall_left = min(stall_left, RECONSIDER_S)
+            timeout = max(stall_left, 0.0)
         done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waker.cancel()
         self.wake.clear()
@@ -414,9 +413,9 @@ class _Fetch:
             except asyncio.CancelledError:
                 pass
             else:  # the item was taken just as we cancelled: keep it
-                return self._active(getter.result())
+                return getter.result()
         if getter is not None and getter in done:
-            return self._active(getter.result())
+            return getter.result()
         if waker in done:
             self.last_activity = time.monotonic()
         elif not done and watching and \
@@ -424,10 +423,6 @@ class _Fetch:
             # stalled: nothing arrived for stall_timeout with requests outstanding
             await self._reconnect(f"no data for {self.s.config.stall_timeout:g} s")
         return None
-
-    def _active(self, arrival):
-        self.last_activity = time.monotonic()
-        return arrival
 
     def _on_bytes(self) -> None:
         """After each socket read: the link is alive; maybe pause reading."""
@@ -487,15 +482,18 @@ class _Fetch:
         partial = client.conn.receiving_frame if client is not None and not client.closed else 0
         return min(head.received + partial, head.expected)
 
+    def _partial_sample(self, now: float) -> Observation | None:
+        """The chunk in flight so far, as a throughput sample (None while too small)."""
+        head = self._head_in_progress()
+        if head is None:
+            return None
+        received, start = self._progress(head), self._busy_start(head)
+        return Observation(received, now - start) if received >= MIN_SAMPLE_BYTES and now > start else None
+
     def _estimate(self, now: float) -> tuple[list[Observation], float | None]:
         """History plus the chunk in flight as a partial sample, and the robust estimate."""
-        history = list(self.history)
-        head = self._head_in_progress()
-        if head is not None:
-            received = self._progress(head)
-            start = self._busy_start(head)
-            if received >= MIN_SAMPLE_BYTES and now > start:
-                history.append(Observation(received, now - start))
+        partial = self._partial_sample(now)
+        history = self.history + [partial] if partial is not None else list(self.history)
         return history, estimator.robust_estimate(history, prior=self.prior,
                                                   prior_errors=self.prior_errors)
 
@@ -514,36 +512,35 @@ class _Fetch:
     def _outstanding_bytes(self) -> int:
         return sum(max(self.chunks[i].expected - self.chunks[i].received, 0) for i in self.inflight)
 
-    def _reconsider_head(self) -> None:
-        """The cancel rule (``adapt.cancel``) on the chunk in flight: CANCEL it, and every
-        level chunk requested behind it, when finishing it would sink the deadline."""
+    async def _reconsider_head(self) -> None:
+        """The cancel rule (``adapt.cancel``) on the chunk in flight: when finishing it would
+        sink the deadline, CANCEL it and every level chunk requested behind it, or drop the
+        connection when what it has queued would take longer to arrive than a new one."""
         head = self._head_in_progress()
         client = self.s._client
         if not self.s.config.cancels or head is None or head.cancelling or client is None or client.closed:
             return
         now = time.monotonic()
-        _, estimate = self._estimate(now)
+        history, estimate = self._estimate(now)
         if estimate is None:
             return
         plan = plan_input(self.manifest, head.index, time_left=self.deadline - now - self._pending_recompute(),
                           history=[], prior_bps=None, prior_errors=(),
                           recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
-        switch = cancel.reconsider(plan, cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
-                                                         remaining_bytes=head.expected - self._progress(head),
-                                                         delivered_layers=self.delivery.delivered_layers(head.index)),
-                                   rate=estimate, rtt=client.rtt, reconnect_seconds=self.s.connect_seconds)
+        in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
+                                    remaining_bytes=head.expected - self._progress(head),
+                                    delivered_layers=self.delivery.delivered_layers(head.index))
+        switch = cancel.reconsider(plan, in_flight, rate=estimate, rtt=client.rtt,
+                                   reconnect_seconds=self.s.connect_seconds)
         if switch is None:
             return
         self.cancels += 1
         head.switch_to = switch.choice
         # what the abandoned transfer measured is the freshest sample of the link: the
         # chunks behind it are re-decided with it
-        progress, start = self._progress(head), self._busy_start(head)
-        if progress >= MIN_SAMPLE_BYTES and now > start:
-            self.history.append(Observation(progress, now - start))
+        self.history = history
         if switch.abort:
-            self.abort_requested = True   # the main loop reconnects; what is queued is dropped
-            self.wake.set()
+            await self._reconnect("cancel: dropping the queued rest of a chunk", abort=True)
             return
         for index in list(self.inflight):
             chunk = self.chunks[index]
@@ -655,9 +652,7 @@ class _Fetch:
                 header = codec.parse_header(chunk.buffer)
                 self._check_header(chunk, header)
             except codec.CorruptBitstream as exc:
-                chunk.discard = True
-                chunk.buffer = bytearray()
-                self._on_corrupt(chunk.index, 0, exc)
+                self._on_corrupt(chunk.index, 0, exc)   # discards the rest of this answer
                 return
             chunk.header = header
             chunk.consumed = header.size
@@ -714,27 +709,39 @@ class _Fetch:
                              codec.CorruptBitstream(f"chunk {chunk.index} ended before all its layers"))
 
     def _on_cancelled(self, chunk: _Chunk, at: float) -> None:
-        """A CANCEL took effect: re-request the chunk at the level or text the cancel rule chose (text if layers went out meanwhile), or
-        decide afresh for a chunk cancelled only because it was queued behind."""
+        """A CANCEL took effect: re-request the chunk as the cancel rule chose, or decide
+        afresh for a chunk cancelled only because it was queued behind."""
         report = chunk.report
-        assert report is not None and chunk.choice is not None
+        assert report is not None
         report.bytes += chunk.received
         if chunk.begin_at is not None:
             self.last_end = at
-        abandoned = chunk.choice
         if chunk.switch_to is not None:
-            choice: Choice = chunk.switch_to
-            if choice != TEXT and self.delivery.delivered_layers(chunk.index):
-                choice = TEXT   # a layer went out meanwhile: the chunk stays at one level
-            reason = f"cancelled at level {abandoned}: predicted to miss the deadline"
+            choice = self._apply_switch(chunk)
         else:
-            now = time.monotonic()
-            history, _ = self._estimate(now)
-            choice, reason = self._decide(chunk.index, self.deadline - now - self._pending_recompute(), history)
-            reason = reason or f"cancelled at level {abandoned}: re-decided behind a cancelled chunk"
-        report.level, report.reason = choice, reason
-        report.cancelled_levels.append(abandoned)
+            abandoned = chunk.choice
+            choice, reason = self._decide_now(chunk.index)
+            report.level = choice
+            report.reason = reason or f"cancelled at level {abandoned}: re-decided behind a cancelled chunk"
+            report.cancelled_levels.append(abandoned)  # type: ignore[arg-type]
         self._send_request(chunk, choice)
+
+    def _apply_switch(self, chunk: _Chunk) -> Choice:
+        """The cancel rule's choice for an abandoned chunk, recorded in its report: text
+        instead of another level if a layer went out meanwhile (a chunk has one level)."""
+        report, abandoned, choice = chunk.report, chunk.choice, chunk.switch_to
+        assert report is not None and choice is not None
+        if choice != TEXT and self.delivery.delivered_layers(chunk.index):
+            choice = TEXT
+        report.level, report.reason = choice, f"cancelled at level {abandoned}: predicted to miss the deadline"
+        report.cancelled_levels.append(abandoned)  # type: ignore[arg-type]
+        return choice
+
+    def _decide_now(self, index: int) -> tuple[Choice, str | None]:
+        """The policy's choice for chunk ``index`` with what is known right now."""
+        now = time.monotonic()
+        history, _ = self._estimate(now)
+        return self._decide(index, self.deadline - now - self._pending_recompute(), history)
 
     def _on_error(self, event: p.Error) -> None:
         """A non-fatal ERROR answers the oldest outstanding request."""
@@ -789,7 +796,6 @@ class _Fetch:
         not counted against ``max_reconnects``, and the chunk it abandoned is
         re-requested at the rule's choice.
         """
-        self.abort_requested = False
         if not abort:
             self.reconnects += 1
             if self.reconnects > self.s.config.max_reconnects:
@@ -809,19 +815,11 @@ class _Fetch:
             report = chunk.report
             assert report is not None
             if chunk.switch_to is not None:
-                abandoned, choice = chunk.choice, chunk.switch_to
-                if choice != TEXT and self.delivery.delivered_layers(index):
-                    choice = TEXT   # a layer went out meanwhile: the chunk stays at one level
-                report.level, report.reason = choice, f"cancelled at level {abandoned}: predicted to miss the deadline"
-                report.cancelled_levels.append(abandoned)  # type: ignore[arg-type]
-                chunk.choice = choice
+                chunk.choice = self._apply_switch(chunk)
             elif self.delivery.delivered_layers(index) == 0 and chunk.choice != TEXT:
                 # nothing went out yet: this chunk may be decided afresh
-                now = time.monotonic()
-                history, _ = self._estimate(now)
-                choice, reason = self._decide(index, self.deadline - now - self._pending_recompute(), history)
-                report.level, report.reason = choice, reason
-                chunk.choice = choice
+                chunk.choice, report.reason = self._decide_now(index)
+                report.level = chunk.choice
             if not abort:
                 report.retries += 1
             self._send_request(chunk, chunk.choice)  # type: ignore[arg-type]
