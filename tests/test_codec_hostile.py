@@ -30,17 +30,6 @@ def small_profile() -> codec.Profile:
     return codec.calibrate([torch.randn(1, 2, 64, 1, 2, generator=gen)], sink_tokens=0)
 
 
-def _profile_bytes(profile: codec.Profile, **arrays: np.ndarray) -> bytes:
-    from safetensors.numpy import save
-
-    fields = {name: getattr(profile, name) for name in
-              ("mean", "basis", "steps", "kept", "delta_group", "shift", "table", "tables")
-              if getattr(profile, name) is not None}
-    fields.update(arrays)
-    fields["metadata"] = np.frombuffer(profile._metadata_json().encode(), dtype=np.uint8)
-    return save(fields)
-
-
 # ------------------------------------------------------------------ finding 1: kept past channels
 def test_standalone_profile_with_kept_past_channels_is_corrupt() -> None:
     build, reject = HOSTILE["profile_kept_past_channels"]
@@ -48,12 +37,9 @@ def test_standalone_profile_with_kept_past_channels_is_corrupt() -> None:
         reject(build())
 
 
-def test_embedded_profile_with_kept_past_channels_is_corrupt(small_profile) -> None:
+def test_embedded_profile_with_kept_past_channels_is_corrupt() -> None:
     """The same profile inside a blob: refused while resolving, before any kernel runs."""
-    channels = small_profile.channels
-    basis = np.zeros((1, 2, channels + 8, channels), np.float32)
-    basis[:, :, : small_profile.basis.shape[2]] = small_profile.basis
-    raw = _profile_bytes(small_profile, basis=basis, kept=np.full_like(small_profile.kept, channels + 8))
+    raw = HOSTILE["profile_kept_past_channels"][0]()
     blob = hand_blob(tokens=40, heads=1, head_dim=2, sections=[lane_payload(2, 4)], profile_id="00" * 8,
                      embedded=zstandard.ZstdCompressor().compress(raw))
     with pytest.raises(codec.CorruptBitstream, match="R <= "):

@@ -135,17 +135,17 @@ def _wide_channels():
 
 
 def _profile_kept_past_channels() -> bytes:
-    import codec
+    """A profile file whose basis has 8 rows past its channels, all kept (kept <= rows
+    holds, rows <= channels does not)."""
+    from safetensors.numpy import save
 
     p = _small_profile()
     channels = p.channels
     basis = np.zeros((p.layers, 2, channels + 8, channels), np.float32)
     basis[:, :, : p.basis.shape[2]] = p.basis
     arrays = {name: getattr(p, name) for name in ("mean", "steps", "delta_group", "shift", "table", "tables")}
-    arrays.update(basis=basis, kept=np.full_like(p.kept, channels + 8))
-    from safetensors.numpy import save
-
-    arrays["metadata"] = np.frombuffer(p._metadata_json().encode(), dtype=np.uint8)
+    arrays.update(basis=basis, kept=np.full_like(p.kept, channels + 8),
+                  metadata=np.frombuffer(p._metadata_json().encode(), dtype=np.uint8))
     return save(arrays)
 
 
