@@ -74,6 +74,16 @@ _PROFILE_CACHE_SIZE = 8
 _server_priors: dict[tuple[str, int], estimator.LinkMemory] = {}
 
 
+async def connect(config: SessionConfig, host: str, port: int, *, timeout: float | None = None,
+                  ssl: Any = None) -> ClientConnection:
+    """A handshaken connection to one sender as ``config`` says (auth, TLS, frame limit);
+    ``ssl``: a context already built from ``config`` (default: build one)."""
+    return await ClientConnection.connect(
+        host, port, timeout=config.connect_timeout if timeout is None else timeout,
+        max_frame=config.max_frame, auth_token=config.auth_token,
+        ssl=config.ssl_context() if ssl is None else ssl, server_hostname=config.server_hostname)
+
+
 class FetchFailed(StreamError):
     """The fetch could not complete; ``report`` says what was delivered."""
 
@@ -229,10 +239,7 @@ class StreamSession:
         for attempt in range(self.config.max_reconnects + 1):
             host, port = self._servers[self._server_index]
             try:
-                self._client = await ClientConnection.connect(
-                    host, port, timeout=self.config.connect_timeout, max_frame=self.config.max_frame,
-                    auth_token=self.config.auth_token, ssl=self._ssl,
-                    server_hostname=self.config.server_hostname)
+                self._client = await connect(self.config, host, port, ssl=self._ssl)
                 self._client.set_on_data(self._on_data)
                 await self._open_context()
                 self.connect_seconds = time.monotonic() - started

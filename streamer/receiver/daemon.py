@@ -101,15 +101,14 @@ class Receiver:
         return list(await asyncio.gather(*(self._probe(host, port) for host, port in self.config.servers)))
 
     async def _probe(self, host: str, port: int) -> dict[str, Any]:
-        from streamer.net.client import ClientConnection, StreamError
+        from streamer.net.client import StreamError
+        from streamer.net.session import connect
 
         cfg = self.config.session
         address = f"{host}:{port}"
         start = time.monotonic()
         try:
-            client = await ClientConnection.connect(
-                host, port, timeout=min(cfg.connect_timeout, PROBE_TIMEOUT), max_frame=cfg.max_frame,
-                auth_token=cfg.auth_token, ssl=cfg.ssl_context(), server_hostname=cfg.server_hostname)
+            client = await connect(cfg, host, port, timeout=min(cfg.connect_timeout, PROBE_TIMEOUT))
         except (StreamError, OSError) as exc:
             return {"address": address, "reachable": False, "error": str(exc)}
         await client.close()
