@@ -14,7 +14,8 @@ from streamer.receiver.cache import ContextCache, Entry, Quality, serialize
 
 def _entry(cid: str, levels=(1, 1), recomputed=()) -> Entry:
     return Entry(context_id=cid, version="v1", quality=Quality(levels=list(levels), recomputed=list(recomputed)),
-                 text=[], report={"slo": 1.0}, shape=[1, 2, 256, 1, 8], dtype="float32")
+                 text=[], report={"slo": 1.0}, shape=[1, 2, 256, 1, 8], dtype="float32",
+                 created=1_764_536_000.25)  # fixed: the float's repr length changes the serialized size
 
 
 def _tensors(fill: float = 1.0) -> dict:
