@@ -145,8 +145,9 @@ class StreamSession:
         self.profile: codec.Profile | None = None
         #: bytes/s of the manifest (and profile) answers, measured when the context opens
         self.handshake_bps: float | None = None
-        #: seconds the last connect + handshake + open took: what dropping a connection
-        #: costs (the cancel rule weighs it against draining what the old one queued)
+        #: seconds the last connect + handshake + open took, less the profile download (a
+        #: reconnect finds the profile cached): what dropping a connection costs (the cancel
+        #: rule weighs it against draining what the old one queued)
         self.connect_seconds = 0.0
         #: the level (or "text") each chunk was last requested at, as soon as it is requested:
         #: lets a consumer label layers before the chunk's report exists
@@ -241,8 +242,8 @@ class StreamSession:
             try:
                 self._client = await connect(self.config, host, port, ssl=self._ssl)
                 self._client.set_on_data(self._on_data)
-                await self._open_context()
-                self.connect_seconds = time.monotonic() - started
+                profile_seconds = await self._open_context()
+                self.connect_seconds = time.monotonic() - started - profile_seconds
                 return
             except AuthenticationFailed:
                 if self._client is not None:
@@ -263,7 +264,9 @@ class StreamSession:
             delay = min(2 * delay, self.config.max_backoff)
         raise ConnectionLost(f"could not reach a sender for {self.context_id!r}: {last}")
 
-    async def _open_context(self) -> None:
+    async def _open_context(self) -> float:
+        """Open the context (manifest, then the profile unless cached); returns the seconds
+        the profile download took (0 when cached)."""
         client = self._client
         assert client is not None
         timeout = self.config.connect_timeout
@@ -276,8 +279,11 @@ class StreamSession:
                                  f"{self.manifest.version} to {manifest.version} during the fetch")
         self.manifest = manifest
         profile = _profiles.get(manifest.profile_id)
+        profile_seconds = 0.0
         if profile is None:
+            profile_asked = time.monotonic()
             data = await client.get_profile(manifest.profile_id, timeout)
+            profile_seconds = time.monotonic() - profile_asked
             received += len(data)
             profile = codec.Profile.from_bytes(data)
             if profile.id != manifest.profile_id:
@@ -290,6 +296,7 @@ class StreamSession:
         # round trips included, so a lower bound on the link: the first chunk's prior when
         # neither the caller nor an earlier fetch from this sender gives a better one
         self.handshake_bps = received / max(time.monotonic() - asked, 1e-6)
+        return profile_seconds
 
     # ------------------------------------------------------------------ fetching
     async def fetch(self) -> FetchReport:
