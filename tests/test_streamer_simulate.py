@@ -167,6 +167,24 @@ def test_decisions_see_only_measured_history_and_a_partial_sample() -> None:
     assert all(r.chunks[i].requested < r.chunks[i - 1].end for i in range(1, 5))
 
 
+def test_cancel_abandons_a_chunk_the_link_can_no_longer_carry() -> None:
+    """The link falls from 400 to 4 Mbit/s while a 4 MB chunk is arriving: without the
+    cancel rule the chunk drains for seconds; with it (mpc's default, as in the session)
+    the chunk is abandoned for text and the fetch meets its deadline."""
+    m = make_manifest([[4_000_000, 2_000_000]] * 4, [512] * 4)
+    trace = Trace([0.0, 0.05], [400.0, 4.0])
+    sim = Simulator(m, rtt=0.004, recompute_seconds_per_token=1e-4)
+    kept = sim.run("mpc", trace, slo=1.0, prior_bps=50e6, cancel=False)
+    assert not kept.met and kept.cancels == 0
+    r = sim.run("mpc", trace, slo=1.0, prior_bps=50e6)
+    assert r.met and r.cancels >= 1
+    chunk, level = r.cancelled[0]
+    assert level != TEXT and r.choices[chunk] == TEXT
+    assert any(d.reason and d.reason.startswith("cancelled") for d in r.decisions)
+    # the abandoned bytes cost link time: the replayed final schedule is never slower
+    assert sim.run("fixed:0", trace, slo=1.0, schedule=r.choices).completion <= r.completion + 1e-9
+
+
 def test_past_the_deadline_the_rest_is_text() -> None:
     m = make_manifest([[5_000_000]] * 4, [128] * 4)
     sim = Simulator(m, rtt=0.002, recompute_seconds_per_token=1e-4)

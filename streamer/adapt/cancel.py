@@ -35,6 +35,12 @@ COMMITTED_BYTES = 256 * 1024
 MIN_GAIN = 0.25
 
 
+def cancels_by_default(policy: str) -> bool:
+    """Whether a fetch runs the rule when the caller does not say: for mpc, which plans
+    against the deadline; greedy stays CacheGen's rule, fixed levels stay fixed."""
+    return policy == "mpc"
+
+
 @dataclass(frozen=True)
 class Switch:
     """Abandon the chunk in flight: re-request it as ``choice``; ``abort`` the connection

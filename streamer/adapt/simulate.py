@@ -30,6 +30,15 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   ``time_left`` is ``slo - now - outstanding / estimate`` minus the recompute seconds
   of the chunks already sent to text; the prior is the caller's (the session's
   per-server prior is the previous fetch's robust estimate: :attr:`SimResult.next_prior`).
+* **Cancel** (mpc by default, as in the session: ``cancel=``). While a KV chunk arrives,
+  ``adapt.cancel.reconsider`` runs every ``RECONSIDER_S`` on the same inputs the session
+  gives it. On a CANCEL the sender stops ``rtt / 2`` later, after the
+  ``cancel.COMMITTED_BYTES`` it had queued; the re-request goes out when those bytes and
+  the CANCELLED answer are in. On an abort the bytes in flight are lost and the
+  re-request goes out ``reconnect_seconds`` later. Either way every chunk requested
+  behind the abandoned one is re-decided, text ones included (the session keeps a text
+  request already sent; re-deciding it with the same information gives text again
+  unless the estimate rose).
 * **After the link.** Decoding is ordered and pipelined with the transfer: a KV chunk
   is decoded by ``max(arrival + decode / layers, previous done + decode)`` (its
   layers decode as they land; only the last layer's share is left after the last
@@ -45,7 +54,9 @@ program over chunks whose states are the Pareto-optimal (link free time, cost) p
 per number of recomputed tokens (no time discretisation). Its timing is the link
 with no idle gaps (requests sent ahead, as the oracle can) and only the last chunk's
 decode tail, which is never later than the simulator's timing of the same schedule,
-so the oracle's cost is a true lower bound on every policy that met the deadline.
+so the oracle's cost is a true lower bound on every policy that met the deadline. The
+oracle never cancels: knowing the trace, it never starts a transfer it would abandon,
+and an abandoned transfer only spends link time, so cancel cannot beat it either.
 """
 from __future__ import annotations
 
@@ -57,8 +68,10 @@ import numpy as np
 
 from netsim.trace import Trace
 
+from streamer.adapt import cancel as cancel_rule
 from streamer.adapt import estimator
-from streamer.adapt.decide import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD, decide
+from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD, decide,
+                                   plan_input)
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES
 from streamer.wire.manifest import Manifest
 from streamer.adapt.policies import TEXT, Choice, Observation, Policy, get_policy
@@ -67,8 +80,12 @@ from streamer.adapt.policies import TEXT, Choice, Observation, Policy, get_polic
 EPS = 1e-9
 #: The objective weight of a text chunk the policies use (``adapt.decide`` passes the default).
 TEXT_PENALTY = 1.0
-#: Bound on request-timing re-evaluations per chunk (a safety net; typically 1-3).
-_MAX_WAKEUPS = 64
+#: The session's look at the chunk in flight for the cancel rule (``session.RECONSIDER_S``).
+RECONSIDER_S = 0.02
+#: Bound on simulation steps per chunk: a safety net against a bug (a chunk's transfer
+#: takes a few request checks plus one cancel check per RECONSIDER_S; a chunk whose
+#: transfer outlasts 20 000 checks (400 s) is not a case the sweeps have).
+_MAX_STEPS_PER_CHUNK = 20_000
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,11 @@ class SimResult:
     text_chunks: int
     next_prior: float | None = None   # the session's per-server prior after this fetch
     next_errors: tuple[float, ...] = ()   # and its memory of log prediction errors
+    cancelled: tuple[tuple[int, Choice], ...] = ()   # (chunk, abandoned level) per cancel
+
+    @property
+    def cancels(self) -> int:
+        return len(self.cancelled)
 
     @property
     def completion(self) -> float:
@@ -182,11 +204,17 @@ class Simulator:
     def __init__(self, manifest: Manifest, *, rtt: float,
                  recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
                  decode_seconds: float | Sequence[float] = 0.0,
-                 distortion: Sequence[float] | None = None) -> None:
+                 distortion: Sequence[float] | None = None,
+                 reconnect_seconds: float | None = None) -> None:
         if not rtt >= 0:
             raise ValueError(f"rtt must be >= 0, got {rtt}")
         self.manifest = manifest
         self.rtt = float(rtt)
+        #: what a new connection costs when the cancel rule aborts one: by default the four
+        #: round trips of TCP, HELLO, AUTH and OPEN (the profile is cached by then)
+        self.reconnect_seconds = 4 * self.rtt if reconnect_seconds is None else float(reconnect_seconds)
+        if not self.reconnect_seconds >= 0:
+            raise ValueError(f"reconnect_seconds must be >= 0, got {reconnect_seconds}")
         self.recompute = float(recompute_seconds_per_token)
         n = len(manifest.chunks)
         dec = np.broadcast_to(np.asarray(decode_seconds, dtype=np.float64), (n,)).copy()
@@ -231,24 +259,29 @@ class Simulator:
     # ------------------------------------------------------------------ one fetch
     def run(self, policy: str | Policy, trace: Trace, *, slo: float, start: float = 0.0,
             prior_bps: float | None = None, prior_errors: Sequence[float] = (),
-            schedule: Sequence[Choice] | None = None) -> SimResult:
+            schedule: Sequence[Choice] | None = None, cancel: bool | None = None) -> SimResult:
         """Simulate one fetch starting at trace time ``start``.
 
         ``schedule`` replays fixed choices instead of asking the policy (e.g. the
-        oracle's schedule), with the same timing model. ``prior_bps`` and ``prior_errors``
-        are the peer's memory from earlier fetches (:attr:`SimResult.next_prior`,
-        :attr:`SimResult.next_errors`). As in the session, ``time_left``
-        excludes the recompute seconds of chunks already sent to text (here every one of
-        them is still pending: recompute runs after the transfers).
+        oracle's schedule), with the same timing model and no cancel. ``prior_bps`` and
+        ``prior_errors`` are the peer's memory from earlier fetches
+        (:attr:`SimResult.next_prior`, :attr:`SimResult.next_errors`). As in the session,
+        ``time_left`` excludes the recompute seconds of chunks already sent to text (here
+        every one of them is still pending: recompute runs after the transfers).
+        ``cancel`` runs the cancel rule on the chunk in flight as the session does (None:
+        the session's default for the policy, :func:`streamer.adapt.cancel.cancels_by_default`).
         """
         if not slo > 0:
             raise ValueError(f"slo must be > 0, got {slo}")
-        fn, _ = _as_policy(policy)
+        fn, name = _as_policy(policy)
+        cancels = schedule is None and (cancel_rule.cancels_by_default(name) if cancel is None else cancel)
         n = len(self.sizes)
         owd = self.rtt / 2
         rtt = self.rtt
+        layers = self.manifest.layers
 
-        # per requested chunk (in order): bytes, link start (sender clock), begin, end
+        # per request (in chunk order): bytes, link start (sender clock), begin, end; a
+        # cancel drops the chunk in flight and every request after it
         nbytes: list[int] = []
         link_start: list[float] = []
         begin: list[float] = []
@@ -263,6 +296,8 @@ class Simulator:
         completed = 0          # chunks whose end has been processed
         last_end: float | None = None
         link_free = 0.0
+        forced: dict[int, tuple[Choice, str]] = {}   # a cancelled chunk's re-request
+        cancelled: list[tuple[int, Choice]] = []
 
         def received(j: int, now: float) -> float:
             if now >= end[j]:
@@ -300,6 +335,10 @@ class Simulator:
         def outstanding(now: float) -> float:
             return sum(nbytes[j] - received(j, now) for j in range(completed, len(end)))
 
+        def recompute_before(index: int) -> float:
+            """Recompute seconds owed for the chunks before ``index`` sent as text."""
+            return self.recompute * float(sum(self.tokens[j] for j in range(index) if is_text[j]))
+
         def crossing(now: float, limit: float) -> float:
             """Earliest time >= now when the bytes still due drop to ``limit``.
 
@@ -321,34 +360,13 @@ class Simulator:
                 return max(now, link_start[m] + dt + owd)
             return max(now, end[-1])
 
-        now = 0.0
-        for index in range(n):
-            # wait, as the session does, until the bytes due would take about one RTT
-            for _ in range(_MAX_WAKEUPS):
-                complete_until(now)
-                hist, est = estimate_at(now)
-                if completed == len(end):
-                    break
-                if sum(not is_text[j] for j in range(completed, len(end))) > MAX_QUEUED_AHEAD:
-                    now = max(now, end[completed])  # the session keeps one chunk queued at most
-                    continue
-                limit = (est or 0.0) * rtt + MIN_SAMPLE_BYTES
-                due = outstanding(now)
-                if due <= limit + 1e-6:
-                    break
-                nxt = min(crossing(now, limit), end[completed])
-                if nxt <= now:  # crossing is now (the integrals differ in the last bits)
-                    break
-                now = nxt
-            else:  # pragma: no cover - safety net: request when the link drains
-                now = max(now, end[-1])
-                complete_until(now)
-                hist, est = estimate_at(now)
-            due = outstanding(now)
-            time_left = slo - now - (due / est if est else 0.0)
-            time_left -= self.recompute * float(sum(self.tokens[j] for j in range(index) if is_text[j]))
-            if schedule is not None:
-                choice: Choice = schedule[index] if time_left > 0 else TEXT
+        def request(index: int, now: float, hist: list[Observation], est: float | None) -> None:
+            nonlocal link_free
+            time_left = slo - now - (outstanding(now) / est if est else 0.0) - recompute_before(index)
+            if index in forced:
+                choice, reason = forced.pop(index)
+            elif schedule is not None:
+                choice = schedule[index] if time_left > 0 else TEXT
                 reason = None if time_left > 0 else "deadline passed"
             else:
                 choice, reason = decide(fn, self.manifest, index, time_left=time_left, history=hist,
@@ -366,9 +384,77 @@ class Simulator:
             requested.append(now)
             begin.append(e + owd if choice == TEXT else s + owd)
             end.append(e + owd)
+
+        def reconsider_head(now: float, hist: list[Observation], est: float) -> float | None:
+            """The cancel rule on the chunk in flight, as the session applies it: on a switch,
+            drop it and everything requested after it, and return when its re-request goes out
+            (after the CANCELLED answer, or after a reconnect when the rule aborts)."""
+            nonlocal link_free, last_end, history
+            j = completed
+            got = received(j, now)
+            plan = plan_input(self.manifest, j, time_left=slo - now - recompute_before(j), history=(),
+                              prior_bps=None, recompute_seconds_per_token=self.recompute)
+            head = cancel_rule.InFlight(level=int(choices[j]), remaining_bytes=int(nbytes[j] - got),
+                                        delivered_layers=int(layers * got / nbytes[j]))
+            switch = cancel_rule.reconsider(plan, head, rate=est, rtt=rtt,
+                                            reconnect_seconds=self.reconnect_seconds)
+            if switch is None:
+                return None
+            if switch.abort:   # what was queued is dropped with the connection
+                link_free, last_end, again = now, now, now + self.reconnect_seconds
+            else:              # the sender stops after what it had committed to the path
+                sent = trace.bits_between(start + link_start[j], start + now + owd) / 8.0
+                carried = min(float(nbytes[j]), sent + cancel_rule.COMMITTED_BYTES)
+                if carried >= nbytes[j]:
+                    return None   # the whole chunk is on its way: nothing left to cancel
+                stop = link_start[j] + trace.time_to_send(8.0 * carried, start + link_start[j])
+                link_free, last_end, again = stop, stop + owd, stop + owd
+            history = hist   # the abandoned transfer is the freshest sample of the link
+            cancelled.append((j, choices[j]))
+            forced[j] = (switch.choice, f"cancelled at level {choices[j]}: predicted to miss the deadline")
+            for column in (nbytes, link_start, begin, end, is_text, requested, choices):
+                del column[j:]
+            return again
+
+        now = 0.0
+        index = 0          # next chunk to request
+        for _ in range(_MAX_STEPS_PER_CHUNK * n):
+            complete_until(now)
+            hist, est = estimate_at(now)
+            head = completed if completed < len(end) else None
+            watching = cancels and head is not None and not is_text[head]
+            if watching and est is not None and now >= begin[head]:
+                again = reconsider_head(now, hist, est)
+                if again is not None:
+                    index, now = head, again
+                    continue
+            if head is None:
+                if index == n:
+                    break
+                request(index, now, hist, est)   # nothing in flight: request at once
+                index += 1
+                continue
+            nxt = end[head]
+            if index < n and sum(not is_text[j] for j in range(head, len(end))) <= MAX_QUEUED_AHEAD:
+                # request, as the session does, once the bytes due would take about one RTT
+                limit = (est or 0.0) * rtt + MIN_SAMPLE_BYTES
+                if outstanding(now) <= limit + 1e-6:
+                    request(index, now, hist, est)
+                    index += 1
+                    continue
+                crossed = crossing(now, limit)
+                if crossed <= now:   # crossing is now (the integrals differ in the last bits)
+                    request(index, now, hist, est)
+                    index += 1
+                    continue
+                nxt = min(nxt, crossed)
+            if watching:   # the session looks every RECONSIDER_S while a chunk arrives
+                nxt = min(nxt, begin[head] if now < begin[head] else now + RECONSIDER_S)
+            now = nxt
+        else:  # pragma: no cover - a bug, not a schedule
+            raise RuntimeError(f"simulated fetch did not finish in {_MAX_STEPS_PER_CHUNK * n} steps")
         complete_until(math.inf)
 
-        layers = self.manifest.layers
         done = 0.0
         timings: list[ChunkTiming] = []
         for j in range(n):
@@ -386,7 +472,8 @@ class Simulator:
                          cost=self.cost_of(choices),
                          text_chunks=sum(is_text),
                          next_prior=memory.rate if memory else None,
-                         next_errors=memory.errors if memory else ())
+                         next_errors=memory.errors if memory else (),
+                         cancelled=tuple(cancelled))
 
     # ------------------------------------------------------------------ oracle
     def oracle(self, trace: Trace, *, slo: float, start: float = 0.0) -> "OracleResult":

@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 import torch
 
+from streamer.adapt.cancel import cancels_by_default
 from streamer.adapt.decide import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
 from streamer.adapt.policies import DEFAULT_POLICY, get_policy
 from streamer.wire import auth
@@ -118,4 +119,4 @@ class SessionConfig:
     @property
     def cancels(self) -> bool:
         """Whether the cancel rule runs: ``cancel``, or by default for mpc only."""
-        return self.policy == "mpc" if self.cancel is None else self.cancel
+        return cancels_by_default(self.policy) if self.cancel is None else self.cancel
