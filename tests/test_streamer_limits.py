@@ -8,6 +8,7 @@ the manifest's, a corrupt stored manifest."""
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import time
 
@@ -31,12 +32,15 @@ def _kv(seed: int, tokens: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def store_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = str(tmp_path_factory.mktemp("limits-store"))
-    profile = codec.calibrate([_kv(1, 2048)])
+def limits_profile() -> codec.Profile:
+    return codec.calibrate([_kv(1, 2048)])
 
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory, limits_profile: codec.Profile) -> str:
+    root = str(tmp_path_factory.mktemp("limits-store"))
     put_context_now(root, "ctx", _kv(2, CHUNKS * CHUNK_TOKENS), [i % 3000 for i in range(CHUNKS * CHUNK_TOKENS)],
-                    profile=profile, chunk_tokens=CHUNK_TOKENS)
+                    profile=limits_profile, chunk_tokens=CHUNK_TOKENS)
     return root
 
 
@@ -61,6 +65,9 @@ class FakeStore:
 
     def __init__(self, profile: bytes = b"p", delay: float = 0.0) -> None:
         self.profile, self.delay, self.calls = profile, delay, 0
+
+    async def profile_size(self, profile_id: str) -> int:
+        return len(self.profile)
 
     async def get_profile_bytes(self, profile_id: str) -> bytes:
         self.calls += 1
@@ -461,3 +468,89 @@ async def test_a_corrupt_stored_manifest_and_a_bad_context_id_are_typed_errors(o
     finally:
         await sender.close()
         await store.close()
+
+
+class CountingReads:
+    """A store that counts the bytes its reads (chunks, texts, profiles) return: what a
+    sender took into memory from it."""
+
+    def __init__(self, store: streamer.Store) -> None:
+        self.store, self.bytes_read = store, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def _counted(self, data: bytes) -> bytes:
+        self.bytes_read += len(data)
+        return data
+
+    async def get_chunk(self, *args) -> bytes:
+        return self._counted(await self.store.get_chunk(*args))
+
+    async def get_text(self, *args) -> bytes:
+        return self._counted(await self.store.get_text(*args))
+
+    async def get_profile_bytes(self, *args) -> bytes:
+        return self._counted(await self.store.get_profile_bytes(*args))
+
+
+#: what a grown stored item is made to measure: far over its manifest size (and the profile limit set below)
+_HUGE = 64 << 20
+
+
+async def _grow(store: streamer.Store, manifest: streamer.Manifest, item: str) -> None:
+    """Make one stored item ``_HUGE`` bytes behind the manifest's back (a sparse file, or
+    a SETRANGE past the end of the redis string)."""
+    from streamer.store.file import FileStore
+
+    if isinstance(store, FileStore):
+        directory = store.version_dir("ctx", manifest.version)
+        path = {"chunk": directory / "chunk-1-L2.kvw", "text": directory / "text-3.zst",
+                "profile": store.root / "profiles" / f"{manifest.profile_id}.safetensors"}[item]
+        os.truncate(path, _HUGE)
+        return
+    key = {"chunk": store.chunk_key("ctx", manifest.version, 1, 2), "text": store.text_key("ctx", manifest.version, 3),
+           "profile": store._key("profile", manifest.profile_id)}[item]
+    await store._client.setrange(key, _HUGE - 1, b"\0")
+
+
+@pytest.mark.parametrize("item, request_, message", [
+    ("chunk", p.Request(chunk=1, level=2), "stored chunk 1 at level 2 is {} bytes, the manifest says {}"),
+    ("text", p.Request(chunk=3, level=p.TEXT_LEVEL), "stored chunk 3's text is {} bytes, the manifest says {}"),
+    ("profile", None, "stored profile {} is {} bytes, more than the {} receivers accept"),
+], ids=("chunk", "text", "profile"))
+async def test_a_stored_item_far_over_its_size_is_refused_without_reading_it(
+        store_url: str, limits_profile: codec.Profile, monkeypatch, item: str, request_: p.Request | None,
+        message: str) -> None:
+    """The sender asks the store for sizes first: a blob, text or profile grown far past
+    what the manifest (or the receivers' profile limit) allows is refused with ERROR
+    "internal" before a byte of it is read, and the connection goes on."""
+    import streamer.net.sender as sender_module
+
+    monkeypatch.setattr(sender_module, "MAX_PROFILE_BYTES", 1 << 20)
+    tokens = 4 * CHUNK_TOKENS
+    async with await streamer.open_store(store_url) as backend:
+        manifest = await streamer.put_context(backend, "ctx", _kv(3, tokens), list(range(tokens)),
+                                              profile=limits_profile, chunk_tokens=CHUNK_TOKENS)
+        stated = (manifest.chunks[1].sizes[2] if item == "chunk" else manifest.chunks[3].text_bytes)
+        await _grow(backend, manifest, item)
+        store = CountingReads(backend)
+        sender = await streamer.serve(store)
+        try:
+            client = await _client(sender.port)
+            await client.call(p.Open(context_id="ctx"), p.ManifestData, 5.0)
+            with pytest.raises(ServerError) as refused:
+                if item == "profile":
+                    await client.get_profile(manifest.profile_id, 5.0)
+                else:
+                    await client.call(request_, p.ChunkBegin if item == "chunk" else p.Text, 5.0)
+            expected = (message.format(manifest.profile_id, _HUGE, 1 << 20) if item == "profile"
+                        else message.format(_HUGE, stated))
+            assert (refused.value.code, refused.value.message) == ("internal", expected)
+            assert store.bytes_read == 0
+            client.send(p.Request(chunk=0, level=2))   # the connection (and the daemon) go on
+            assert isinstance((await client.next(5.0)).event, p.ChunkBegin)
+            assert 0 < store.bytes_read == manifest.chunks[0].sizes[2]
+            await client.close()
+        finally:
+            await sender.close()

@@ -257,6 +257,27 @@ async def test_not_found_errors_name_the_id(store: Store) -> None:
     assert issubclass(ChunkNotFound, StoreError) and issubclass(ContextNotFound, StoreError)
 
 
+async def test_sizes_are_the_lengths_read_and_missing_items_are_not_found(store: Store, codec_profile) -> None:
+    """``chunk_size`` / ``text_size`` / ``profile_size`` (asked before a bounded read)
+    agree with what the getters return, and raise the getters' not-found errors."""
+    version = await put_version(store)
+    context_id, name = version.manifest.context_id, version.manifest.version
+    for (i, level), blob in version.blobs.items():
+        assert await store.chunk_size(context_id, name, i, level) == len(blob)
+    for i, text in version.texts.items():
+        assert await store.text_size(context_id, name, i) == len(text)
+    await store.put_profile(codec_profile)
+    assert await store.profile_size(codec_profile.id) == len(codec_profile.to_bytes())
+    with pytest.raises(ChunkNotFound, match="chunk 7 level 0 of context 'ctx'"):
+        await store.chunk_size(context_id, name, 7, 0)
+    with pytest.raises(ChunkNotFound, match="text of chunk 0 of context 'ctx' version 'zzz'"):
+        await store.text_size(context_id, "zzz", 0)
+    with pytest.raises(ProfileNotFound, match="'feedface00000000'"):
+        await store.profile_size("feedface00000000")
+    with pytest.raises(ValueError, match="invalid version"):
+        await store.chunk_size(context_id, "../../x", 0, 0)
+
+
 async def test_ids_and_indices_are_validated(store: Store) -> None:
     with pytest.raises(ValueError, match="invalid context id"):
         await store.get_manifest("../escape")

@@ -18,7 +18,10 @@ timeout (a receiver that stops reading).
 Stored data is checked before any of it is sent: a blob or text whose size is not the
 one the manifest states, a blob whose header disagrees with its length, a profile over
 ``MAX_PROFILE_BYTES`` (receivers refuse those) or a manifest that does not parse is
-answered with ERROR "internal" naming the fault, and logged.
+answered with ERROR "internal" naming the fault, and logged. Sizes are asked of the
+store before reading (``Store.chunk_size`` and friends), so an item far larger than it
+should be is refused without being loaded: what one answer holds in memory is bounded
+by the manifest's sizes and ``MAX_PROFILE_BYTES``.
 """
 from __future__ import annotations
 
@@ -182,10 +185,17 @@ def blob_parts(blob: bytes, limit: int) -> Iterator[memoryview]:
             yield view[piece:min(end, piece + limit)]
 
 
-def _check_size(data: bytes, stated: int, what: str) -> None:
-    """StoredDataInvalid unless ``data`` is the ``stated`` size (the manifest's)."""
-    if len(data) != stated:
-        raise StoredDataInvalid(f"stored {what} is {len(data)} bytes, the manifest says {stated}")
+def _check_size(size: int, stated: int, what: str) -> None:
+    """StoredDataInvalid unless ``size`` is the ``stated`` one (the manifest's)."""
+    if size != stated:
+        raise StoredDataInvalid(f"stored {what} is {size} bytes, the manifest says {stated}")
+
+
+def _check_profile_size(size: int, profile_id: str) -> None:
+    """StoredDataInvalid if a stored profile is larger than receivers accept."""
+    if size > MAX_PROFILE_BYTES:
+        raise StoredDataInvalid(f"stored profile {profile_id} is {size} bytes, "
+                                f"more than the {MAX_PROFILE_BYTES} receivers accept")
 
 
 class _ConnectionHandler:
@@ -383,10 +393,10 @@ class _ConnectionHandler:
                         from None
                 await self._write(self.conn.send(p.ManifestData(data=self.manifest.to_bytes())))
             elif isinstance(request, p.GetProfile):
+                # the size first: an oversize profile is refused without being loaded
+                _check_profile_size(await self.store.profile_size(request.profile_id), request.profile_id)
                 data = memoryview(await self.store.get_profile_bytes(request.profile_id))
-                if len(data) > MAX_PROFILE_BYTES:
-                    raise StoredDataInvalid(f"stored profile {request.profile_id} is {len(data)} bytes, "
-                                            f"more than the {MAX_PROFILE_BYTES} receivers accept")
+                _check_profile_size(len(data), request.profile_id)  # what was read, should it have changed
                 piece = self.conn.send_limit - 17  # the id and the continuation byte
                 for start in range(0, max(len(data), 1), piece):
                     end = min(start + piece, len(data))
@@ -421,9 +431,13 @@ class _ConnectionHandler:
         assert manifest is not None  # the protocol refuses REQUEST before MANIFEST
         if chunk >= len(manifest.chunks):
             raise ValueError(f"chunk {chunk} out of range: context has {len(manifest.chunks)} chunks")
+        # each item's size before reading it (an oversize one is refused without being
+        # loaded), then what was read, should the item have changed in between
         if level == p.TEXT_LEVEL:
+            stated, what = manifest.chunks[chunk].text_bytes, f"chunk {chunk}'s text"
+            _check_size(await self.store.text_size(manifest.context_id, manifest.version, chunk), stated, what)
             data = await self.store.get_text(manifest.context_id, manifest.version, chunk)
-            _check_size(data, manifest.chunks[chunk].text_bytes, f"chunk {chunk}'s text")
+            _check_size(len(data), stated, what)
             await self._write(self.conn.send(p.Text(chunk=chunk, data=data)))
             if self.metrics is not None:
                 self.metrics.chunks.labels(level="text").inc()
@@ -431,8 +445,10 @@ class _ConnectionHandler:
             return
         if level >= len(manifest.level_distortion):
             raise ValueError(f"level {level} out of range: context has {len(manifest.level_distortion)} levels")
+        stated, what = manifest.chunks[chunk].sizes[level], f"chunk {chunk} at level {level}"
+        _check_size(await self.store.chunk_size(manifest.context_id, manifest.version, chunk, level), stated, what)
         blob = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
-        _check_size(blob, manifest.chunks[chunk].sizes[level], f"chunk {chunk} at level {level}")
+        _check_size(len(blob), stated, what)
         parts = list(blob_parts(blob, min(self.conn.send_limit - PART_HEADER.size, _PART_BYTES)))
         await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=len(blob),
                                                       parts=len(parts))))

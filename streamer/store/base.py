@@ -7,6 +7,11 @@ reader always sees either the old or the new version, complete, and a put that d
 midway leaves the previous version readable. A reader holding an old manifest can get
 ``ChunkNotFound`` once a newer version is committed: it should re-read the manifest.
 
+Committed data never changes in place (a version's items are written once, under the
+version id; a profile's id is a hash of its content), so a reader that must not hold
+more than a stated size asks for the item's size first (``chunk_size``, ``text_size``,
+``profile_size``: a stat or a STRLEN, nothing read) and reads only an item that fits.
+
 Backend failures (I/O errors, an unreachable redis) surface as ``StoreError`` naming
 the store; bad arguments (ids, indices) as ``ValueError``.
 """
@@ -216,6 +221,10 @@ class Store(ABC):
         """The serialized profile (``codec.Profile.from_bytes``); ProfileNotFound."""
 
     @abstractmethod
+    async def profile_size(self, profile_id: str) -> int:
+        """The stored profile's length in bytes, without reading it; ProfileNotFound."""
+
+    @abstractmethod
     async def get_manifest(self, context_id: str) -> Manifest:
         """The current manifest of a context; ContextNotFound."""
 
@@ -226,6 +235,14 @@ class Store(ABC):
     @abstractmethod
     async def get_text(self, context_id: str, version: str, chunk: int) -> bytes:
         """One chunk's compressed token ids; ChunkNotFound."""
+
+    @abstractmethod
+    async def chunk_size(self, context_id: str, version: str, chunk: int, level: int) -> int:
+        """One blob's length in bytes, without reading it; ChunkNotFound."""
+
+    @abstractmethod
+    async def text_size(self, context_id: str, version: str, chunk: int) -> int:
+        """The length of one chunk's compressed token ids, without reading them; ChunkNotFound."""
 
     @abstractmethod
     def writer(self, context_id: str) -> ContextWriter:

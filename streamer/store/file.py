@@ -25,7 +25,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import aiofiles
 import aiofiles.os
@@ -44,6 +44,8 @@ _TEMP_PREFIX = ".tmp-"
 #: A profile temp file this old was left by a crash (profile writes take no lock).
 _STALE_TEMP_S = 3600.0
 _LOCK_POLL_S = 0.005
+
+T = TypeVar("T")
 
 
 def fsync_dir(path: Path) -> None:
@@ -82,6 +84,22 @@ async def _read(path: Path) -> bytes | None:
             return await f.read()
     except FileNotFoundError:
         return None
+
+
+async def _size(path: Path) -> int | None:
+    """The file's length in bytes (a stat, nothing read), or None if it does not exist."""
+    try:
+        return (await aiofiles.os.stat(path)).st_size
+    except FileNotFoundError:
+        return None
+
+
+def _chunk_name(chunk: int, level: int) -> str:
+    return f"chunk-{check_index(chunk, 'chunk')}-L{check_index(level, 'level')}.kvw"
+
+
+def _text_name(chunk: int) -> str:
+    return f"text-{check_index(chunk, 'chunk')}.zst"
 
 
 def _try_flock(path: Path, flags: int) -> int | None:
@@ -190,6 +208,14 @@ class FileStore(Store):
             raise ProfileNotFound(profile_id, self.url)
         return data
 
+    async def profile_size(self, profile_id: str) -> int:
+        path = self._profile_path(profile_id)
+        with self._io_errors():
+            size = await _size(path)
+        if size is None:
+            raise ProfileNotFound(profile_id, self.url)
+        return size
+
     # ---------------------------------------------------------------- contexts
     async def get_manifest(self, context_id: str) -> Manifest:
         path = self._context_dir(context_id) / _MANIFEST
@@ -200,19 +226,25 @@ class FileStore(Store):
         return parse_manifest(context_id, data, self.url)
 
     async def get_chunk(self, context_id: str, version: str, chunk: int, level: int) -> bytes:
-        name = f"chunk-{check_index(chunk, 'chunk')}-L{check_index(level, 'level')}.kvw"
-        return await self._get(context_id, version, name, f"chunk {chunk} level {level}")
+        return await self._item(_read, context_id, version, _chunk_name(chunk, level), f"chunk {chunk} level {level}")
 
     async def get_text(self, context_id: str, version: str, chunk: int) -> bytes:
-        name = f"text-{check_index(chunk, 'chunk')}.zst"
-        return await self._get(context_id, version, name, f"text of chunk {chunk}")
+        return await self._item(_read, context_id, version, _text_name(chunk), f"text of chunk {chunk}")
 
-    async def _get(self, context_id: str, version: str, name: str, what: str) -> bytes:
+    async def chunk_size(self, context_id: str, version: str, chunk: int, level: int) -> int:
+        return await self._item(_size, context_id, version, _chunk_name(chunk, level), f"chunk {chunk} level {level}")
+
+    async def text_size(self, context_id: str, version: str, chunk: int) -> int:
+        return await self._item(_size, context_id, version, _text_name(chunk), f"text of chunk {chunk}")
+
+    async def _item(self, access: Callable[[Path], Awaitable[T | None]], context_id: str, version: str,
+                    name: str, what: str) -> T:
+        """``access`` (read or stat) one file of a version; ChunkNotFound if it is missing."""
         with self._io_errors():
-            data = await _read(self.version_dir(context_id, version) / name)
-        if data is None:
+            result = await access(self.version_dir(context_id, version) / name)
+        if result is None:
             raise ChunkNotFound(context_id, version, what, self.url)
-        return data
+        return result
 
     def writer(self, context_id: str) -> "FileContextWriter":
         return FileContextWriter(self, context_id)
@@ -314,10 +346,10 @@ class FileContextWriter(ContextWriter):
             raise StoreError(f"staging directory {self._dir} is unexpectedly locked")
 
     async def _write_chunk(self, chunk: int, level: int, blob: BytesLike) -> None:
-        await self._write(f"chunk-{chunk}-L{level}.kvw", blob)
+        await self._write(_chunk_name(chunk, level), blob)
 
     async def _write_text(self, chunk: int, data: BytesLike) -> None:
-        await self._write(f"text-{chunk}.zst", data)
+        await self._write(_text_name(chunk), data)
 
     async def _write(self, name: str, data: BytesLike) -> None:
         if not self._dir.is_dir():  # clearer than the temp file's ENOENT

@@ -104,6 +104,13 @@ end
 return removed
 """
 
+#: KEYS: one key. Its length (STRLEN, nothing read), or -1 if it does not exist
+#: (STRLEN alone says 0 for a missing key).
+_SIZE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+return redis.call('STRLEN', KEYS[1])
+"""
+
 
 def _sha1(data: bytes | None) -> str:
     import hashlib
@@ -249,6 +256,17 @@ class RedisStore(Store):
             raise ProfileNotFound(profile_id, self.url)
         return data
 
+    async def profile_size(self, profile_id: str) -> int:
+        size = await self._size(self._key("profile", validate_id(profile_id, "profile id")))
+        if size is None:
+            raise ProfileNotFound(profile_id, self.url)
+        return size
+
+    async def _size(self, key: str) -> int | None:
+        """The length of the string at ``key``, or None if there is none."""
+        size = await self._script(_SIZE, [key])
+        return None if size < 0 else size
+
     # --------------------------------------------------------------- contexts
     async def _get_raw_manifest(self, context_id: str) -> bytes | None:
         key = self._manifest_key(context_id)
@@ -273,6 +291,18 @@ class RedisStore(Store):
         if data is None:
             raise ChunkNotFound(context_id, version, f"text of chunk {chunk}", self.url)
         return data
+
+    async def chunk_size(self, context_id: str, version: str, chunk: int, level: int) -> int:
+        size = await self._size(self.chunk_key(context_id, version, chunk, level))
+        if size is None:
+            raise ChunkNotFound(context_id, version, f"chunk {chunk} level {level}", self.url)
+        return size
+
+    async def text_size(self, context_id: str, version: str, chunk: int) -> int:
+        size = await self._size(self.text_key(context_id, version, chunk))
+        if size is None:
+            raise ChunkNotFound(context_id, version, f"text of chunk {chunk}", self.url)
+        return size
 
     def writer(self, context_id: str) -> "RedisContextWriter":
         return RedisContextWriter(self, context_id)
