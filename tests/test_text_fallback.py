@@ -15,7 +15,7 @@ import zstandard
 
 import streamer
 from streamer.net.config import SessionConfig
-from streamer.net.session import FetchFailed, StreamSession
+from streamer.net.session import FetchFailed, StreamSession, TextNotConsumed
 from streamer.store.file import FileStore
 from streamer.store.put import MAX_TEXT_TOKENS, decode_tokens, encode_tokens, put_context
 from streamer.wire.manifest import Manifest, ManifestError
@@ -181,6 +181,37 @@ async def test_a_fetch_never_delivers_ids_outside_the_vocabulary(tmp_path: Path,
                 await session.fetch()
         assert "outside the vocabulary" in str(failure.value)
         assert all(max(t) < 1000 for t in received)
+    finally:
+        await sender.close()
+        await store.close()
+
+
+@pytest.mark.parametrize("how", ["slo", "sender_error"])
+async def test_a_text_chunk_without_on_text_is_a_typed_error_not_a_silent_gap(
+        tmp_path: Path, profile, how: str) -> None:
+    """A chunk that must come as text (an SLO no level can meet; or the sender cannot
+    send its blob) while the consumer gave no ``on_text``: the fetch raises
+    ``TextNotConsumed`` naming the chunk and the cause, instead of returning with the
+    chunk's layers silently missing."""
+    async with await streamer.open_store(str(tmp_path)) as store:
+        manifest = await put_context(store, "doc", KV, IDS[:96], profile=profile, chunk_tokens=32, levels=[2])
+    if how == "sender_error":   # chunk 1's blob is gone: the sender answers not_found, the session asks for text
+        (tmp_path / "contexts" / "doc" / manifest.version / "chunk-1-L2.kvw").unlink()
+    options = {"slo": 1e-6} if how == "slo" else {"slo": 30.0, "policy": "fixed:2"}
+    layers: list[tuple[int, int]] = []
+    store = FileStore(tmp_path)
+    sender = await streamer.serve(store)
+    try:
+        async with StreamSession("127.0.0.1", sender.port, "doc", on_layer=lambda c, l, k, v: layers.append((c, l)),
+                                 max_reconnects=1, backoff=0.01, **options) as session:
+            with pytest.raises(TextNotConsumed) as failure:
+                await session.fetch()
+        chunk = 0 if how == "slo" else 1
+        assert f"chunk {chunk} has to come as text" in str(failure.value)
+        assert "no on_text callback" in str(failure.value)
+        assert ("deadline" if how == "slo" else "not_found") in str(failure.value)
+        assert isinstance(failure.value, FetchFailed) and failure.value.report is not None
+        assert all(c < chunk for c, _ in layers)
     finally:
         await sender.close()
         await store.close()

@@ -92,6 +92,13 @@ class FetchFailed(StreamError):
         self.report = report
 
 
+class TextNotConsumed(FetchFailed):
+    """A chunk has to come as text (token ids) but the session, which hands layers to an
+    ``on_layer``, has no ``on_text``: raised before the text is requested, as the chunk's
+    KV would otherwise be silently missing from what ``on_layer`` received. (A session
+    with neither callback consumes no data, e.g. a benchmark reading only the report.)"""
+
+
 class ContextChanged(StreamError):
     """The context was re-put while we were fetching it: chunks would mix versions."""
 
@@ -371,6 +378,10 @@ class _Fetch:
         except ContextChanged:
             consumer.cancel()
             raise
+        except FetchFailed:   # TextNotConsumed: already names its cause
+            consumer.cancel()
+            self._finish()
+            raise
         except StreamError as exc:
             consumer.cancel()
             self._finish()
@@ -592,6 +603,15 @@ class _Fetch:
             self._send_request(chunk, choice)
 
     def _send_request(self, chunk: _Chunk, choice: Choice) -> None:
+        if choice == TEXT and self.s._on_text is None and self.s._on_layer is not None:
+            report = chunk.report
+            assert report is not None   # made when the chunk was first decided
+            cause = report.reason or (f"the {self.s.policy_name} policy chose it with "
+                                      f"{report.time_left:.3g} s left before the deadline")
+            raise TextNotConsumed(f"chunk {chunk.index} has to come as text ({cause}) but the session has "
+                                  "no on_text callback to recompute it from its token ids: pass on_text "
+                                  "(e.g. streamer.model.CacheAssembler's), or an slo the link can meet",
+                                  self.report)
         chunk.choice = choice
         self.s.levels[chunk.index] = choice
         chunk.requested_at = time.monotonic()
