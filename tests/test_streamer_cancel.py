@@ -8,8 +8,12 @@ import pytest
 
 import netsim
 import streamer
-from streamer.adapt.base import TEXT, PlanInput
-from streamer.adapt.cancel import COMMITTED_BYTES, InFlight, Switch, reconsider
+from streamer.adapt.base import TEXT, Abandon, Observation, PlanInput
+from streamer.adapt.cancel import (COMMITTED_BYTES, RECENT_S, InFlight, Switch, abandon_seconds,
+                                   chunk_rate, reconsider)
+from streamer.adapt.decide import time_left
+from streamer.adapt.estimator import MIN_SAMPLE_BYTES
+from streamer.adapt.mpc import mpc
 
 MB = 1_000_000
 
@@ -53,6 +57,73 @@ def test_no_switch_that_does_not_save_time() -> None:
     """Nothing fits, and the fastest option is not much faster than finishing: keep."""
     head = InFlight(level=2, remaining_bytes=60_000, delivered_layers=0)
     assert reconsider(_plan(0.01), head, rate=MB, rtt=0.001, reconnect_seconds=1.0) is None
+
+
+def test_gives_up_while_giving_up_still_fits() -> None:
+    """Keeping is predicted to just make it, but a collapse noticed at a later look
+    could no longer be given up for text, and at half the rate it would miss: text now."""
+    head = InFlight(level=0, remaining_bytes=50_000, delivered_layers=0)
+    # 50 ms to finish + 2 x ~12 ms of later text = 74 ms of 80 ms left; giving it up after
+    # a later look would take ~40 ms to notice plus ~23 ms for its text
+    assert reconsider(_plan(0.08), head, rate=MB, rtt=0.001, reconnect_seconds=0.01) == Switch(TEXT, True)
+    # with time for a later look to give it up, it is kept
+    assert reconsider(_plan(0.2), head, rate=MB, rtt=0.001, reconnect_seconds=0.01) is None
+
+
+def test_a_chunk_is_judged_by_its_own_recent_rate() -> None:
+    """Marks every 20 ms: 1 MB/s for 200 ms, then 50 kB/s. The whole-transfer average
+    hides the drop; the last RECENT_S shows it, and that is the sample returned."""
+    marks, got = [(0.0, 0)], 0
+    for step in range(1, 15):
+        got += 20_000 if step <= 10 else 1_000
+        marks.append((0.02 * step, got))
+    sample = chunk_rate(marks, estimate=MB)
+    assert sample is not None and RECENT_S <= sample.busy_seconds < marks[-1][0]
+    assert sample.bytes / sample.busy_seconds < 0.5 * got / marks[-1][0]
+    # a steady chunk is judged by its whole transfer
+    steady = [(0.02 * i, 20_000 * i) for i in range(15)]
+    assert chunk_rate(steady, estimate=MB) == Observation(steady[-1][1], steady[-1][0])
+
+
+def test_nothing_to_judge_before_a_sample_unless_the_chunk_stalls() -> None:
+    early = [(0.0, 0), (0.001, MIN_SAMPLE_BYTES // 2)]
+    assert chunk_rate(early, estimate=MB) is None     # on pace for the estimate: wait
+    stalled = [(0.0, 0), (1.0, 10)]
+    sample = chunk_rate(stalled, estimate=MB)         # 64 KiB/s at most, far below 1 MB/s
+    assert sample == Observation(MIN_SAMPLE_BYTES, 1.0)
+    assert chunk_rate(stalled, estimate=None) is None and chunk_rate([(0.0, 0)], estimate=MB) is None
+
+
+def test_abandoning_costs_detection_plus_the_cheaper_way_out() -> None:
+    slow = abandon_seconds(100_000, rtt=0.01, reconnect_seconds=0.05)   # reconnecting is cheaper
+    fast = abandon_seconds(100 * MB, rtt=0.01, reconnect_seconds=0.05)  # draining is cheaper
+    assert slow == pytest.approx(MIN_SAMPLE_BYTES / 100_000 + 0.04 + 0.05 + 0.01)
+    assert fast < 0.05 + 0.04 + 0.01 < slow
+    with pytest.raises(ValueError):
+        abandon_seconds(0.0, rtt=0.01, reconnect_seconds=0.05)
+
+
+def test_time_left_counts_at_least_the_round_trip() -> None:
+    assert time_left(1.0, 0, None, 0.01, 0.2) == pytest.approx(0.79)
+    assert time_left(1.0, 500_000, MB, 0.01, 0.0) == pytest.approx(0.5)
+
+
+def test_mpc_tries_a_level_after_a_fade_only_when_a_slow_chunk_can_be_given_up() -> None:
+    """Four 10 MB chunks at 1 s left: after samples at 100 MB/s, one at 1 MB/s pulls the
+    estimate down so far that the plan says text. Text would be irrevocable; with the
+    cancel rule on, a level is tried (the fade may be over), without it text it is."""
+    history = [Observation(10 * MB, 0.1)] * 3 + [Observation(MB, 1.0)]
+    plan = PlanInput(sizes=[[10 * MB, 5 * MB]] * 4, text_bytes=[2000] * 4, text_seconds=[0.01] * 4,
+                     distortion=[0.001, 0.01], time_left=1.0, history=history)
+    assert mpc(plan) == TEXT
+    bold = PlanInput(**{**plan.__dict__, "abandon": Abandon(rtt=0.005, reconnect_seconds=0.02)})
+    assert mpc(bold) in (0, 1)
+    # nothing measured in this fetch and a prior that says text: the smallest level is tried
+    cold = PlanInput(**{**bold.__dict__, "history": [], "prior_bps": 1e6})
+    assert mpc(cold) == 1
+    # not when even giving the chunk up would leave the rest no time as text
+    tight = PlanInput(**{**bold.__dict__, "time_left": 0.05})
+    assert mpc(tight) == TEXT
 
 
 async def test_a_session_abandons_a_chunk_when_the_link_drops(tmp_path) -> None:

@@ -267,7 +267,8 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     real_decide = session_mod.decide
 
     def recording(policy, manifest, index, *, time_left, history, prior_bps, prior_errors,
-                  recompute_seconds_per_token):
+                  recompute_seconds_per_token, abandon):
+        assert abandon is None   # the fetch below runs without the cancel rule
         out = real_decide(policy, manifest, index, time_left=time_left, history=history,
                           prior_bps=prior_bps, prior_errors=prior_errors,
                           recompute_seconds_per_token=recompute_seconds_per_token)

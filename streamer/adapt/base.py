@@ -42,6 +42,19 @@ class Observation:
 
 
 @dataclass(frozen=True)
+class Abandon:
+    """The fetch runs the cancel rule (``adapt.cancel``): a KV chunk that proves too slow
+    is abandoned for text, at a cost bounded by these (``cancel.abandon_seconds``)."""
+
+    rtt: float
+    reconnect_seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.rtt >= 0 or not self.reconnect_seconds >= 0:
+            raise ValueError(f"invalid {self}: rtt and reconnect_seconds must be >= 0")
+
+
+@dataclass(frozen=True)
 class PlanInput:
     """Everything a policy may look at for one decision.
 
@@ -60,6 +73,8 @@ class PlanInput:
     #: log prediction errors measured on this peer in earlier fetches, oldest first
     #: (``estimator.log_errors``): what calibrates the estimate before this fetch has any
     prior_errors: Sequence[float] = ()
+    #: set when a KV chunk can be abandoned once it proves too slow; None: every request is final
+    abandon: Abandon | None = None
 
     def __post_init__(self) -> None:
         # Shape checks only (cheap, O(chunks)): a mismatch here would otherwise

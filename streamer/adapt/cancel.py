@@ -6,7 +6,7 @@ decision can repair it. Mooncake's rule, made concrete with the planners' cost m
 (``base.predicted_seconds``): keep the transfer while finishing it still leaves the
 later chunks time for their cheapest answers; otherwise CANCEL it and re-request the
 chunk at the best option that makes the deadline, or, when none does, at the fastest
-option, provided that finishes sooner than keeping would.
+option, provided that finishes sooner than keeping would (by ``MIN_GAIN``).
 
 Cancelling is not free: bytes already on their way (the sender's socket buffer and
 whatever the path queues) still arrive before the new answer, and the new request
@@ -22,14 +22,20 @@ flight; unit tests call it on hand-made situations.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamer.adapt.base import TEXT, Choice, PlanInput, predicted_seconds
+from streamer.adapt.base import TEXT, Choice, Observation, PlanInput, predicted_seconds
+from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES
 
 #: Bytes assumed already committed to the path when a CANCEL goes out and so still to
 #: arrive: the sender keeps at most this much queued in its process and kernel (see
 #: ``streamer.net.sender``), plus what the link holds in flight (rate x round trip).
 COMMITTED_BYTES = 256 * 1024
+#: How often the rule looks at the chunk in flight between arrivals (seconds).
+RECONSIDER_S = 0.02
+#: The span of recent arrivals a chunk is also judged by (see ``chunk_rate``).
+RECENT_S = 0.02
 #: Switch only when it saves at least this share of the time keeping would take: a
 #: marginal gain is not worth the bytes thrown away and the estimate's noise.
 MIN_GAIN = 0.25
@@ -39,6 +45,53 @@ def cancels_by_default(policy: str) -> bool:
     """Whether a fetch runs the rule when the caller does not say: for mpc, which plans
     against the deadline; greedy stays CacheGen's rule, fixed levels stay fixed."""
     return policy == "mpc"
+
+
+def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None) -> Observation | None:
+    """The transfer to judge the chunk in flight by, as a sample, or None to leave it alone.
+
+    ``marks`` are (seconds, bytes of the chunk received) at each look, oldest first, the
+    first when the link started carrying the chunk (0 bytes). Once ``MIN_SAMPLE_BYTES``
+    arrived the chunk is judged by its own rate, not by a history that may predate a
+    change (a chunk requested as a probe after a fade must not be cancelled for the
+    fade): the slower of its whole transfer so far and its last ``RECENT_S`` (at least
+    the span that holds ``MIN_SAMPLE_BYTES`` at the average), where a drop mid-chunk
+    shows long before it moves the average. Before that only a chunk already slower
+    than ``estimate`` is judged, as ``MIN_SAMPLE_BYTES`` over the time so far, an upper
+    bound (a stall shows as bytes that do not come); otherwise there is nothing new to
+    decide on. The sample is also what the planner learns when the chunk is abandoned.
+    """
+    if len(marks) < 2:
+        return None
+    (start, _), (now, received) = marks[0], marks[-1]
+    elapsed = now - start
+    if not elapsed > 0:
+        return None
+    if received < MIN_SAMPLE_BYTES:
+        if estimate is not None and MIN_SAMPLE_BYTES / elapsed < estimate:
+            return Observation(MIN_SAMPLE_BYTES, elapsed)
+        return None
+    whole = Observation(received, elapsed)
+    window = max(RECENT_S, MIN_SAMPLE_BYTES * elapsed / received)
+    earlier = [mark for mark in marks if mark[0] <= now - window]
+    if not earlier:
+        return whole
+    then, before = earlier[-1]
+    recent = Observation(max(received - before, 1), now - then)
+    return recent if recent.bytes * whole.busy_seconds < whole.bytes * recent.busy_seconds else whole
+
+
+def abandon_seconds(rate: float, rtt: float, reconnect_seconds: float) -> float:
+    """Seconds the rule may take, beyond the transfer itself, to give up a KV chunk whose
+    link collapses to ``rate`` bytes/s at any point: ``MIN_SAMPLE_BYTES`` to judge it by
+    (if it was slow from the start), the recent window and one look to see the drop,
+    then draining what is committed or reconnecting (whichever is shorter), and the
+    re-request's round trip. What lets a planner try a chunk it cannot be sure of."""
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
+    detect = MIN_SAMPLE_BYTES / rate + RECENT_S + RECONSIDER_S
+    drain = (COMMITTED_BYTES + rate * rtt) / rate
+    return detect + min(drain, reconnect_seconds) + rtt
 
 
 @dataclass(frozen=True)
@@ -72,8 +125,6 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
         return None
     later = sum(_cheapest(plan, chunk, rate) for chunk in range(1, len(plan.sizes)))
     keep = head.remaining_bytes / rate
-    if keep + later <= plan.time_left:
-        return None
     drain = min(head.remaining_bytes, COMMITTED_BYTES + rate * rtt) / rate
     abort = reconnect_seconds < drain
     restart = (reconnect_seconds if abort else drain) + rtt
@@ -81,11 +132,24 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     if head.delivered_layers == 0:
         options += range(head.level + 1, plan.levels)
     cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
+    # at GUARD_FACTOR of the rate: what a level (kept or re-requested) still makes for sure
+    slow = {option: cost[option] if option == TEXT else
+            restart + predicted_seconds(plan, option, rate * GUARD_FACTOR) for option in options}
+    if keep + later <= plan.time_left:
+        # keep while a collapse seen at a later look could still be given up for text;
+        # past that point only a chunk that would finish even at GUARD_FACTOR of this rate
+        noticed = RECONSIDER_S + RECENT_S
+        if (noticed + cost[TEXT] + later <= plan.time_left
+                or keep / GUARD_FACTOR + later <= plan.time_left):
+            return None
+        safe = [option for option in options if slow[option] + later <= plan.time_left]
+        if not safe:
+            return None   # nothing is surer than keeping
+        return Switch(min(safe, key=lambda option: _distortion(plan, option)), abort)
     fitting = [option for option in options if cost[option] + later <= plan.time_left]
-    if fitting:
-        choice = min(fitting, key=lambda option: _distortion(plan, option))
-    else:
-        choice = min(options, key=lambda option: cost[option])
+    if fitting:   # this makes the deadline, keeping does not: no gain test needed
+        return Switch(min(fitting, key=lambda option: _distortion(plan, option)), abort)
+    choice = min(options, key=lambda option: cost[option])
     return Switch(choice, abort) if cost[choice] <= (1 - MIN_GAIN) * keep else None
 
 

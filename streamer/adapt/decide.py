@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from streamer.wire.manifest import Manifest
+from streamer.adapt.base import Abandon
 from streamer.adapt.policies import TEXT, Choice, Observation, PlanInput, Policy
 
 #: Chunks requested beyond the one in progress (text requests are tiny and not counted):
@@ -21,10 +22,19 @@ UNAVAILABLE_BYTES = 1 << 50
 DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN = 1e-4
 
 
+def time_left(until_deadline: float, outstanding_bytes: float, estimate: float | None, rtt: float,
+              recompute_owed: float) -> float:
+    """Seconds the chunks not yet requested have: the deadline, less the bytes still due on
+    earlier requests at ``estimate`` (and at least the new request's round trip: its answer
+    cannot come sooner), less the recompute owed for chunks already sent to text."""
+    due = outstanding_bytes / estimate if estimate else 0.0
+    return until_deadline - max(due, rtt) - recompute_owed
+
+
 def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
                recompute_seconds_per_token: float, text_penalty: float = 1.0,
-               prior_errors: Sequence[float] = ()) -> PlanInput:
+               prior_errors: Sequence[float] = (), abandon: Abandon | None = None) -> PlanInput:
     """The policy's view of chunks ``first_chunk..`` of a manifest."""
     chunks = manifest.chunks[first_chunk:]
     return PlanInput(
@@ -33,13 +43,13 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
         text_seconds=[recompute_seconds_per_token * (c.end - c.start) for c in chunks],
         distortion=list(manifest.level_distortion),
         time_left=time_left, history=list(history), prior_bps=prior_bps, text_penalty=text_penalty,
-        prior_errors=tuple(prior_errors))
+        prior_errors=tuple(prior_errors), abandon=abandon)
 
 
 def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: float,
            history: Sequence[Observation], prior_bps: float | None,
-           recompute_seconds_per_token: float,
-           prior_errors: Sequence[float] = ()) -> tuple[Choice, str | None]:
+           recompute_seconds_per_token: float, prior_errors: Sequence[float] = (),
+           abandon: Abandon | None = None) -> tuple[Choice, str | None]:
     """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
 
     Once the deadline has passed nothing fetched can make it, so the rest goes to
@@ -48,7 +58,7 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
     if time_left <= 0:
         return TEXT, "deadline passed"
     choice = policy(plan_input(manifest, first_chunk, time_left=time_left, history=history,
-                               prior_bps=prior_bps, prior_errors=prior_errors,
+                               prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                                recompute_seconds_per_token=recompute_seconds_per_token))
     if choice != TEXT and manifest.chunks[first_chunk].sizes[choice] == 0:
         raise ValueError(f"policy chose level {choice}, which chunk {first_chunk} was not stored at")

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamer.adapt.base import (Choice, PlanInput, choice_of, option_costs, option_seconds,
+from streamer.adapt.base import (TEXT, Choice, PlanInput, choice_of, option_costs, option_seconds,
                                  probe_level)
-from streamer.adapt.estimator import DEFAULT_WINDOW, guard_estimate, robust_estimate
+from streamer.adapt.cancel import abandon_seconds
+from streamer.adapt.estimator import DEFAULT_WINDOW, guard_estimate, robust_estimate, throughputs
 from streamer.adapt.plan import DEFAULT_BINS, Plan, fastest, first_option_costs, solve
 
 #: Extra cost of text per position earlier in the plan: far below any level's distortion
@@ -62,11 +63,51 @@ def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,
 
 
 def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
-    """Which options of chunk 0 leave the rest able to finish as text at the guard rate."""
+    """Which options of chunk 0 leave the rest able to finish as text at the guard rate.
+
+    With the cancel rule on, a KV chunk that proves slow costs at most what giving it up
+    for text costs (``cancel.abandon_seconds`` at the guard rate, plus its text), so
+    that bound applies where lower; a collapse later in the chunk is the rule's to
+    catch while giving up still fits (``cancel.reconsider``).
+    """
     rate = guard_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
     assert rate is not None  # only called with information
     seconds = option_seconds(inp, rate)
-    return seconds[0] + seconds[1:, -1].sum() <= inp.time_left
+    first = seconds[0].copy()
+    if inp.abandon is not None:
+        bail = abandon_seconds(rate, inp.abandon.rtt, inp.abandon.reconnect_seconds) + first[-1]
+        first[:-1] = np.minimum(first[:-1], bail)
+    return first + seconds[1:, -1].sum() <= inp.time_left
+
+
+def probe(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice | None:
+    """A KV level worth trying for chunk 0 where the plan at the estimate says text, or None.
+
+    Text is irrevocable and measures nothing: once a fade has pulled the estimate down,
+    every later chunk would follow it to text although the link may be back. With the
+    cancel rule on, a KV chunk is a cheap bet instead: at the best recent rate (the
+    fastest of the last ``window`` samples, or the prior) the plan's choice is tried,
+    when abandoning it at the guard rate still leaves the rest time as text; if the link
+    is still slow the rule gives the chunk to text after its first bytes. With no sample
+    in this fetch yet, the smallest level is tried (:func:`~streamer.adapt.base.probe_level`).
+    """
+    if inp.abandon is None:
+        return None
+    rates = throughputs(inp.history)[-window:]
+    if rates.size == 0:
+        # nothing measured in this fetch: the prior may be a fade long past (text fetches
+        # measure nothing, so a low prior would otherwise never be revised)
+        column = probe_level(inp)
+    else:
+        best_rate = max(float(rates.max()), inp.prior_bps or 0.0)
+        estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
+        if estimate is None or not best_rate > estimate:
+            return None
+        totals = first_option_costs(option_seconds(inp, best_rate), plan_costs(inp), inp.time_left, bins)
+        column = int(np.argmin(totals))
+        if not np.isfinite(totals[column]) or column == inp.levels:
+            return None
+    return column if guarded(inp, window)[column] else None
 
 
 def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice:
@@ -81,4 +122,8 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
         return choice_of(fastest(seconds, costs).columns[0], inp.levels)
     safe = np.where(guarded(inp, window), totals, np.inf)
     best = safe if np.isfinite(safe).any() else totals
-    return choice_of(int(np.argmin(best)), inp.levels)
+    choice = choice_of(int(np.argmin(best)), inp.levels)
+    if choice == TEXT:
+        tried = probe(inp, window, bins)
+        return choice if tried is None else tried
+    return choice

@@ -27,8 +27,8 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   ``estimator.pool_sample``), ``Observation(bytes, busy)`` with busy time from
   ``max(request + rtt, previous chunk's end)`` (here the first byte) to the last byte;
   at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived.
-  ``time_left`` is ``slo - now - outstanding / estimate`` minus the recompute seconds
-  of the chunks already sent to text; the prior is the caller's (the session's
+  ``time_left`` is ``adapt.decide.time_left``: ``slo - now - max(outstanding / estimate,
+  rtt)`` minus the recompute seconds of the chunks already sent to text; the prior is the caller's (the session's
   per-server prior is the previous fetch's robust estimate: :attr:`SimResult.next_prior`).
 * **Cancel** (mpc by default, as in the session: ``cancel=``). While a KV chunk arrives,
   ``adapt.cancel.reconsider`` runs every ``RECONSIDER_S`` on the same inputs the session
@@ -69,9 +69,11 @@ import numpy as np
 from netsim.trace import Trace
 
 from streamer.adapt import cancel as cancel_rule
+from streamer.adapt.base import Abandon
+from streamer.adapt.cancel import RECONSIDER_S
 from streamer.adapt import estimator
 from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD, decide,
-                                   plan_input)
+                                   plan_input, time_left)
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES
 from streamer.wire.manifest import Manifest
 from streamer.adapt.policies import TEXT, Choice, Observation, Policy, get_policy
@@ -80,8 +82,6 @@ from streamer.adapt.policies import TEXT, Choice, Observation, Policy, get_polic
 EPS = 1e-9
 #: The objective weight of a text chunk the policies use (``adapt.decide`` passes the default).
 TEXT_PENALTY = 1.0
-#: The session's look at the chunk in flight for the cancel rule (``session.RECONSIDER_S``).
-RECONSIDER_S = 0.02
 #: Bound on simulation steps per chunk: a safety net against a bug (a chunk's transfer
 #: takes a few request checks plus one cancel check per RECONSIDER_S; a chunk whose
 #: transfer outlasts 20 000 checks (400 s) is not a case the sweeps have).
@@ -232,12 +232,13 @@ class Simulator:
     # ------------------------------------------------------------------ decisions
     def decide(self, policy: str | Policy, chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
-               prior_errors: Sequence[float] = ()) -> tuple[Choice, str | None]:
+               prior_errors: Sequence[float] = (), abandon: Abandon | None = None
+               ) -> tuple[Choice, str | None]:
         """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
         context's manifest and recompute cost (the session calls the same function)."""
         fn, _ = _as_policy(policy)
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
-                      prior_bps=prior_bps, prior_errors=prior_errors,
+                      prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                       recompute_seconds_per_token=self.recompute)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
@@ -275,6 +276,7 @@ class Simulator:
             raise ValueError(f"slo must be > 0, got {slo}")
         fn, name = _as_policy(policy)
         cancels = schedule is None and (cancel_rule.cancels_by_default(name) if cancel is None else cancel)
+        abandon = Abandon(self.rtt, self.reconnect_seconds) if cancels else None
         n = len(self.sizes)
         owd = self.rtt / 2
         rtt = self.rtt
@@ -298,6 +300,8 @@ class Simulator:
         link_free = 0.0
         forced: dict[int, tuple[Choice, str]] = {}   # a cancelled chunk's re-request
         cancelled: list[tuple[int, Choice]] = []
+        # the cancel rule's looks at the transfer in flight: (time, (chunk, begin), bytes)
+        marks: list[tuple[float, tuple[int, float], int]] = []
 
         def received(j: int, now: float) -> float:
             if now >= end[j]:
@@ -362,17 +366,17 @@ class Simulator:
 
         def request(index: int, now: float, hist: list[Observation], est: float | None) -> None:
             nonlocal link_free
-            time_left = slo - now - (outstanding(now) / est if est else 0.0) - recompute_before(index)
+            left = time_left(slo - now, outstanding(now), est, rtt, recompute_before(index))
             if index in forced:
                 choice, reason = forced.pop(index)
             elif schedule is not None:
-                choice = schedule[index] if time_left > 0 else TEXT
-                reason = None if time_left > 0 else "deadline passed"
+                choice = schedule[index] if left > 0 else TEXT
+                reason = None if left > 0 else "deadline passed"
             else:
-                choice, reason = decide(fn, self.manifest, index, time_left=time_left, history=hist,
+                choice, reason = decide(fn, self.manifest, index, time_left=left, history=hist,
                                         prior_bps=prior_bps, prior_errors=prior_errors,
-                                        recompute_seconds_per_token=self.recompute)
-            decisions.append(Decision(index, now, time_left, tuple(hist), prior_bps, est, choice, reason))
+                                        recompute_seconds_per_token=self.recompute, abandon=abandon)
+            decisions.append(Decision(index, now, left, tuple(hist), prior_bps, est, choice, reason))
             size = self._bytes_of(index, choice)
             s = max(now + owd, link_free)
             e = s + trace.time_to_send(8.0 * size, start + s)
@@ -385,18 +389,26 @@ class Simulator:
             begin.append(e + owd if choice == TEXT else s + owd)
             end.append(e + owd)
 
-        def reconsider_head(now: float, hist: list[Observation], est: float) -> float | None:
+        def reconsider_head(now: float, est: float | None) -> float | None:
             """The cancel rule on the chunk in flight, as the session applies it: on a switch,
             drop it and everything requested after it, and return when its re-request goes out
             (after the CANCELLED answer, or after a reconnect when the rule aborts)."""
             nonlocal link_free, last_end, history
             j = completed
             got = received(j, now)
+            if not marks or marks[0][1] != (j, begin[j]):   # a new transfer: new looks
+                busy_from = max(begin[j], last_end if last_end is not None else begin[j])
+                marks[:] = [(busy_from, (j, begin[j]), 0)]
+            marks.append((now, (j, begin[j]), int(got)))
+            sample = cancel_rule.chunk_rate([(t, b) for t, _, b in marks], est)
+            if sample is None:
+                return None
+            rate = sample.bytes / sample.busy_seconds
             plan = plan_input(self.manifest, j, time_left=slo - now - recompute_before(j), history=(),
                               prior_bps=None, recompute_seconds_per_token=self.recompute)
             head = cancel_rule.InFlight(level=int(choices[j]), remaining_bytes=int(nbytes[j] - got),
                                         delivered_layers=int(layers * got / nbytes[j]))
-            switch = cancel_rule.reconsider(plan, head, rate=est, rtt=rtt,
+            switch = cancel_rule.reconsider(plan, head, rate=rate, rtt=rtt,
                                             reconnect_seconds=self.reconnect_seconds)
             if switch is None:
                 return None
@@ -409,7 +421,7 @@ class Simulator:
                     return None   # the whole chunk is on its way: nothing left to cancel
                 stop = link_start[j] + trace.time_to_send(8.0 * carried, start + link_start[j])
                 link_free, last_end, again = stop, stop + owd, stop + owd
-            history = hist   # the abandoned transfer is the freshest sample of the link
+            history = history + [sample]   # what the link was judged to carry: the freshest sample
             cancelled.append((j, choices[j]))
             forced[j] = (switch.choice, f"cancelled at level {choices[j]}: predicted to miss the deadline")
             for column in (nbytes, link_start, begin, end, is_text, requested, choices):
@@ -423,8 +435,8 @@ class Simulator:
             hist, est = estimate_at(now)
             head = completed if completed < len(end) else None
             watching = cancels and head is not None and not is_text[head]
-            if watching and est is not None and now >= begin[head]:
-                again = reconsider_head(now, hist, est)
+            if watching and now >= begin[head]:
+                again = reconsider_head(now, est)
                 if again is not None:
                     index, now = head, again
                     continue

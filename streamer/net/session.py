@@ -19,12 +19,17 @@ re-requested at the same level and their delivered layers are skipped; the other
 are decided afresh. A corrupt section is refetched (twice at most). When the
 deadline has passed, everything not yet requested goes to text.
 
-Cancel and downgrade: on every arrival and every ``RECONSIDER_S`` while a chunk is
-in flight, ``adapt.cancel.reconsider`` asks whether finishing it still leaves the
-later chunks time for their cheapest answers; if not, the session sends CANCEL for it
-(and for any chunk requested behind it, which would otherwise arrive first) and
-re-requests it at a lower level or as text (superseding layers already delivered), the
-chunks behind it decided afresh.
+Cancel and downgrade: on every arrival and every ``cancel.RECONSIDER_S`` while a chunk is
+in flight, ``adapt.cancel.reconsider`` judges it by its own rate (``cancel.chunk_rate``:
+its whole transfer so far or its last few tens of ms, whichever is slower) and asks
+whether finishing it still leaves the later chunks time for their cheapest answers,
+and a collapse time to be given up; if not, the session sends CANCEL for it (and for
+any chunk requested behind it, which would otherwise arrive first) and re-requests it
+at a lower level or as text (superseding layers already delivered), the chunks behind
+it decided afresh with the rate the rule judged by as the newest sample. Knowing that
+a slow chunk is given up, mpc may try a level where the estimate alone says text
+(``adapt.mpc.probe``): a fade that pulled the estimate down is not followed to text for
+the rest of the fetch.
 
 Security and limits: ``auth_token`` authenticates to the sender (and the sender to us)
 in the handshake; a refused token raises :class:`AuthenticationFailed` at once (no
@@ -48,7 +53,8 @@ from typing import Any, Callable, Sequence
 import codec
 
 from streamer.adapt import cancel, estimator
-from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input
+from streamer.adapt.base import Abandon
+from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input, time_left
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES
 from streamer.adapt.policies import TEXT, Choice, Observation, get_policy
 from streamer.net.client import (AuthenticationFailed, ClientConnection, ConnectionLost,
@@ -65,7 +71,6 @@ from streamer.wire.manifest import Manifest
 MAX_CORRUPT_RETRIES = 2
 #: While a chunk is in flight, how often the cancel rule looks at it when no frame
 #: completes (a large section at a low rate can take seconds to arrive).
-RECONSIDER_S = 0.02
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
@@ -120,6 +125,8 @@ class _Chunk:
     discard: bool = False      # ignore the rest of the current answer (its header was corrupt)
     cancelling: bool = False   # CANCEL sent; re-requested when its answer ends
     switch_to: Choice | None = None   # what to re-request a cancelled chunk at (None: decide afresh)
+    #: the cancel rule's looks at the current answer: (time, bytes received), from its busy start
+    marks: list[tuple[float, int]] = field(default_factory=list)
     report: ChunkReport | None = None
 
 
@@ -426,7 +433,7 @@ class _Fetch:
         if watching:
             stall_left = self.s.config.stall_timeout - (time.monotonic() - self.last_activity)
             if self._head_in_progress() is not None:   # the cancel rule looks every RECONSIDER_S
-                stall_left = min(stall_left, RECONSIDER_S)
+                stall_left = min(stall_left, cancel.RECONSIDER_S)
             timeout = max(stall_left, 0.0)
         done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waker.cancel()
@@ -522,11 +529,18 @@ class _Fetch:
         return history, estimator.robust_estimate(history, prior=self.prior,
                                                   prior_errors=self.prior_errors)
 
-    def _decide(self, index: int, time_left: float, history: list[Observation]) -> tuple[Choice, str | None]:
-        """The policy's choice (and the rule's reason, if any) for chunk ``index``."""
-        return decide(self.s._policy, self.manifest, index, time_left=time_left, history=history,
-                      prior_bps=self.prior, prior_errors=self.prior_errors,
-                      recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
+    def _decide(self, index: int, now: float) -> tuple[Choice, str | None, float, float | None]:
+        """The policy's choice for chunk ``index`` (and the rule's reason, if any), with the
+        time left and the estimate it saw."""
+        client = self.s._client
+        rtt = client.rtt if client is not None else 0.0
+        history, estimate = self._estimate(now)
+        left = time_left(self.deadline - now, self._outstanding_bytes(), estimate, rtt, self._pending_recompute())
+        abandon = Abandon(rtt, self.s.connect_seconds) if self.s.config.cancels else None
+        choice, reason = decide(self.s._policy, self.manifest, index, time_left=left, history=history,
+                                prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
+                                recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
+        return choice, reason, left, estimate
 
     def _pending_recompute(self) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text."""
@@ -546,8 +560,12 @@ class _Fetch:
         if not self.s.config.cancels or head is None or head.cancelling or client is None or client.closed:
             return
         now = time.monotonic()
-        history, estimate = self._estimate(now)
-        if estimate is None:
+        if not head.marks:
+            head.marks.append((self._busy_start(head), 0))
+        head.marks.append((now, self._progress(head)))
+        _, estimate = self._estimate(now)
+        sample = cancel.chunk_rate(head.marks, estimate)
+        if sample is None:
             return
         plan = plan_input(self.manifest, head.index, time_left=self.deadline - now - self._pending_recompute(),
                           history=[], prior_bps=None, prior_errors=(),
@@ -555,15 +573,15 @@ class _Fetch:
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - self._progress(head),
                                     delivered_layers=self.delivery.delivered_layers(head.index))
-        switch = cancel.reconsider(plan, in_flight, rate=estimate, rtt=client.rtt,
+        switch = cancel.reconsider(plan, in_flight, rate=sample.bytes / sample.busy_seconds, rtt=client.rtt,
                                    reconnect_seconds=self.s.connect_seconds)
         if switch is None:
             return
         self.cancels += 1
         head.switch_to = switch.choice
-        # what the abandoned transfer measured is the freshest sample of the link: the
-        # chunks behind it are re-decided with it
-        self.history = history
+        # what the rule judged the abandoned transfer by is the freshest sample of the
+        # link: the chunks behind it are re-decided with it
+        self.history.append(sample)
         if switch.abort:
             await self._reconnect("cancel: dropping the queued rest of a chunk", abort=True)
             return
@@ -584,20 +602,17 @@ class _Fetch:
             return   # re-requests of cancelled chunks go first, so they keep their order
         while client is not None and not client.closed and self.next_chunk < len(self.chunks):
             now = time.monotonic()
-            history, estimate = self._estimate(now)
-            outstanding = self._outstanding_bytes()
             if self.inflight:
                 if sum(self.chunks[i].choice != TEXT for i in self.inflight) > MAX_QUEUED_AHEAD:
                     return
+                _, estimate = self._estimate(now)
                 lookahead = (estimate or 0.0) * max(client.rtt, self.response_latency) + MIN_SAMPLE_BYTES
-                if outstanding > lookahead:
+                if self._outstanding_bytes() > lookahead:
                     return
-            due = outstanding / estimate if estimate else 0.0
-            time_left = self.deadline - now - due - self._pending_recompute()
             index = self.next_chunk
-            choice, reason = self._decide(index, time_left, history)
+            choice, reason, left, estimate = self._decide(index, now)
             chunk = self.chunks[index]
-            chunk.report = ChunkReport(index=index, level=choice, time_left=time_left, reason=reason,
+            chunk.report = ChunkReport(index=index, level=choice, time_left=left, reason=reason,
                                        estimate_bps=None if estimate is None else 8 * estimate)
             self.next_chunk += 1
             self._send_request(chunk, choice)
@@ -616,6 +631,7 @@ class _Fetch:
         self.s.levels[chunk.index] = choice
         chunk.requested_at = time.monotonic()
         chunk.begin_at = None
+        chunk.marks = []
         chunk.received = 0
         chunk.buffer = bytearray()
         chunk.consumed = 0
@@ -773,9 +789,8 @@ class _Fetch:
 
     def _decide_now(self, index: int) -> tuple[Choice, str | None]:
         """The policy's choice for chunk ``index`` with what is known right now."""
-        now = time.monotonic()
-        history, _ = self._estimate(now)
-        return self._decide(index, self.deadline - now - self._pending_recompute(), history)
+        choice, reason, _, _ = self._decide(index, time.monotonic())
+        return choice, reason
 
     def _on_error(self, event: p.Error) -> None:
         """A non-fatal ERROR answers the oldest outstanding request."""
