@@ -7,6 +7,7 @@ calibration (``entropy``, ``rans``). The bitstream is specified in FORMAT.md.
 Decoders for other devices plug in through ``backends`` (``import kernels`` for CUDA).
 ``warm_up()`` compiles or loads the numba kernels ahead of a timed path (not on import);
 ``parallel`` makes them safe to call from several threads on any numba threading layer.
+``Rotary`` (a profile's RoPE parameters) makes keys be coded position-free (``rotary``).
 """
 from .api import (decode, decode_layers, decode_section, encode, header_length, inspect,
                   parse_header, resolve_profile, section_decoder)
@@ -15,11 +16,12 @@ from .container import BlobHeader
 from .errors import CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .profile import Level, Profile, calibrate
+from .rotary import Rotary
 from .warmup import warm_up
 
 __all__ = [
     "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS",
     "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "calibrate", "decode",
     "decode_layers", "decode_section", "encode", "header_length", "inspect", "parse_header",
-    "register_backend", "resolve_profile", "section_decoder", "warm_up",
+    "register_backend", "resolve_profile", "Rotary", "section_decoder", "warm_up",
 ]

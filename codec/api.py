@@ -1,7 +1,7 @@
 """Public codec entry points: encode, decode, decode_layers, inspect, decode_section.
 
-Blob = header (shape, dtype, level, profile id, per-layer lengths, checksums and
-modes, optional embedded profile) + one section per layer. Each section holds the
+Blob = header (shape, dtype, level, start position, profile id, per-layer lengths,
+checksums and modes, optional embedded profile) + one section per layer. Each section holds the
 layer's attention-sink tokens verbatim, then its K and V lanes (or, in a raw
 section, its other tokens verbatim), so a receiver can decode layer l as soon as
 that section has arrived (``decode_section``). Every size read from a blob is
@@ -20,7 +20,8 @@ from . import backends, container, layer_codec
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
-from .profile import DEFAULT_SINK_TOKENS, Profile, embedded_profile, validate_kv
+from .profile import DEFAULT_SINK_TOKENS, Profile, coded_body, embedded_profile, validate_kv
+from .rotary import MAX_POSITION
 
 _ITEM_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -56,7 +57,7 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
 
 
 def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None = None, *,
-           sink_tokens: int | None = None) -> bytes:
+           sink_tokens: int | None = None, start: int = 0) -> bytes:
     """Encode kv [layers, 2, tokens, heads, head_dim] (fp16/bf16/fp32) at ``level``.
 
     Without a profile the blob carries its own (identity transform, fitted on
@@ -66,10 +67,17 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
     infinite values are a ValueError. ``sink_tokens`` overrides how many leading
     tokens are kept verbatim (the profile's default, 4, suits a context's first
     chunk; later chunks of a context have no attention sinks and may pass 0).
+    ``start`` is the absolute position of the chunk's first token in its context,
+    recorded in the blob: with a profile that carries the model's RoPE
+    (``profile.rotary``) keys are rotated back from those positions before the
+    transform, and the decoder re-applies RoPE there.
     """
     validate_kv(kv)
     kv = kv.detach().cpu()
     layers, _, tokens, heads, head_dim = kv.shape
+    if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or not 0 <= start <= MAX_POSITION - tokens:
+        raise ValueError(f"start must be an int >= 0 with start + tokens <= {MAX_POSITION}, got {start!r}")
+    start = int(start)
     if profile is not None:
         profile.check_shape(layers, heads, head_dim)
         profile.check_level(level)
@@ -86,11 +94,11 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
         profile = embedded_profile(kv, level, sinks)
         embedded = zstandard.ZstdCompressor(level=9).compress(profile.to_bytes())
         slot = 0
-    body = kv[:, :, sinks:].to(torch.float32).reshape(layers, 2, tokens - sinks, heads * head_dim)
+    body = coded_body(kv, sinks, profile.rotary, start)
     sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks) for l in range(layers)))
     header = container.pack_header(
         dtype=kv.dtype, level=level, layers=layers, heads=heads, head_dim=head_dim,
-        sink_tokens=sinks, tokens=tokens, profile_id=profile.id, embedded_profile=embedded,
+        sink_tokens=sinks, tokens=tokens, start=start, profile_id=profile.id, embedded_profile=embedded,
         sections=list(sections), modes=list(modes))
     return header + b"".join(sections)
 
@@ -146,8 +154,10 @@ def _parse_embedded(profile_id: str, data: bytes, limit: int) -> Profile:
     except (zstandard.ZstdError, MemoryError) as exc:
         raise CorruptBitstream(f"embedded profile does not decompress within {limit} bytes: {exc}") from exc
     parsed = Profile.from_bytes(raw)
-    if parsed.id != profile_id or len(parsed.targets) != 1 or parsed.transform != "identity":
-        raise CorruptBitstream("embedded profile does not match the blob header (FORMAT.md: identity, one level)")
+    if parsed.id != profile_id or len(parsed.targets) != 1 or parsed.transform != "identity" \
+            or parsed.rotary is not None:
+        raise CorruptBitstream("embedded profile does not match the blob header (FORMAT.md: identity, "
+                               "one level, no rotary)")
     return parsed
 
 
@@ -201,7 +211,7 @@ def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _
     sinks = header.sink_tokens
     flat = out.view(2, header.tokens, header.channels)
     if isinstance(rest, layer_codec.LanePayload):
-        layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:])
+        layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:], header.start + sinks)
     else:
         flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
     if sinks:
@@ -266,6 +276,7 @@ def inspect(blob: bytes | memoryview) -> dict:
         "profile_id": header.profile_id,
         "embedded_profile": header.embedded_profile is not None,
         "sink_tokens": header.sink_tokens,
+        "start": header.start,
         "total_bytes": header.total_size,
         "bits_per_element": 8.0 * header.total_size / elements,
         "sections": {

@@ -2,8 +2,8 @@
 
 Pure byte packing and parsing with every length and checksum verified, so the
 layer decoder only ever sees a section whose bytes are exactly what was written.
-The header alone says how long it is after its first 32 bytes, and where each
-layer's section starts, so a receiver can decode layer l as soon as its bytes land.
+The header alone says how long it is after its first 32 bytes (version 3 puts the
+chunk's start position right after them), and where each layer's section starts, so a receiver can decode layer l as soon as its bytes land.
 """
 from __future__ import annotations
 
@@ -16,10 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CorruptBitstream
+from .rotary import MAX_POSITION  # token positions are u32: start + tokens <= 2^32
 
 MAGIC = b"KVWB"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: Version 2 blobs (no start position: start = 0) are still read.
+READABLE_VERSIONS = (2, 3)
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")
+#: Version 3: the absolute position of the blob's first token, right after the fixed header.
+START = struct.Struct("<I")
 SECTION_ENTRY = struct.Struct("<IIB")  # length, crc32, mode
 CRC = struct.Struct("<I")
 FLAG_EMBEDDED_PROFILE = 0x01
@@ -63,6 +68,7 @@ class BlobHeader:
     head_dim: int
     sink_tokens: int
     tokens: int
+    start: int  # absolute position of token 0 (RoPE); 0 in version 2 blobs
     profile_id: str
     embedded_profile: bytes | None
     sections: tuple[tuple[int, int], ...]  # (length, crc32) per layer
@@ -129,12 +135,13 @@ def crc32(data: bytes | memoryview) -> int:
 
 
 def pack_header(*, dtype: torch.dtype, level: int, layers: int, heads: int, head_dim: int,
-                sink_tokens: int, tokens: int, profile_id: str, embedded_profile: bytes | None,
+                sink_tokens: int, tokens: int, start: int, profile_id: str, embedded_profile: bytes | None,
                 sections: list[bytes], modes: list[int]) -> bytes:
     flags = FLAG_EMBEDDED_PROFILE if embedded_profile is not None else 0
     embedded = embedded_profile or b""
     parts = [FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], level, flags, layers, heads,
-                        head_dim, sink_tokens, tokens, bytes.fromhex(profile_id), len(embedded))]
+                        head_dim, sink_tokens, tokens, bytes.fromhex(profile_id), len(embedded)),
+             START.pack(start)]
     parts += [SECTION_ENTRY.pack(len(s), crc32(s), mode) for s, mode in zip(sections, modes, strict=True)]
     parts.append(embedded)
     body = b"".join(parts)
@@ -150,11 +157,16 @@ def header_length(prefix: bytes | memoryview) -> int | None:
     if len(prefix) < FIXED.size:
         return None
     fields = _unpack_fixed(prefix)
-    layers, heads, head_dim, embedded_len = fields[5], fields[6], fields[7], fields[11]
+    version, layers, heads, head_dim, embedded_len = fields[1], fields[5], fields[6], fields[7], fields[11]
     most = zstd_bound(embedded_profile_limit(layers, heads * head_dim))
     if embedded_len > most:
         raise CorruptBitstream(f"blob header claims a {embedded_len}-byte embedded profile; its shape allows {most}")
-    return FIXED.size + SECTION_ENTRY.size * layers + embedded_len + CRC.size
+    return _table_offset(version) + SECTION_ENTRY.size * layers + embedded_len + CRC.size
+
+
+def _table_offset(version: int) -> int:
+    """Where the section table starts: after the fixed header (and, from version 3, the start)."""
+    return FIXED.size + (START.size if version >= 3 else 0)
 
 
 def zstd_bound(size: int) -> int:
@@ -166,8 +178,9 @@ def _unpack_fixed(data: bytes | memoryview) -> tuple:
     fields = FIXED.unpack_from(data, 0)
     if fields[0] != MAGIC:
         raise CorruptBitstream("not a kvwire blob (bad magic)")
-    if fields[1] != FORMAT_VERSION:
-        raise CorruptBitstream(f"unsupported blob format version {fields[1]} (this build reads {FORMAT_VERSION})")
+    if fields[1] not in READABLE_VERSIONS:
+        raise CorruptBitstream(f"unsupported blob format version {fields[1]} (this build reads "
+                               f"{', '.join(map(str, READABLE_VERSIONS))})")
     return fields
 
 
@@ -196,11 +209,15 @@ def parse_header(data: bytes | memoryview) -> BlobHeader:
                                f"limits ({MAX_CHANNELS} channels, {MAX_LAYER_VALUES} values per K or V)")
     if bool(flags & FLAG_EMBEDDED_PROFILE) != (embedded_len > 0):
         raise CorruptBitstream("blob header disagrees with itself about the embedded profile")
-    table_end = FIXED.size + SECTION_ENTRY.size * layers
-    entries = [SECTION_ENTRY.unpack_from(data, FIXED.size + SECTION_ENTRY.size * i) for i in range(layers)]
+    start = START.unpack_from(data, FIXED.size)[0] if version >= 3 else 0
+    if start + tokens > MAX_POSITION:
+        raise CorruptBitstream(f"blob tokens {start}..{start + tokens - 1} pass the last position {MAX_POSITION - 1}")
+    table = _table_offset(version)
+    table_end = table + SECTION_ENTRY.size * layers
+    entries = [SECTION_ENTRY.unpack_from(data, table + SECTION_ENTRY.size * i) for i in range(layers)]
     embedded = bytes(data[table_end: table_end + embedded_len]) if embedded_len else None
     header = BlobHeader(version=version, dtype=CODE_DTYPES[dtype_code], level=level, layers=layers,
-                        heads=heads, head_dim=head_dim, sink_tokens=sinks, tokens=tokens,
+                        heads=heads, head_dim=head_dim, sink_tokens=sinks, tokens=tokens, start=start,
                         profile_id=profile_id.hex(), embedded_profile=embedded,
                         sections=tuple((length, crc) for length, crc, _ in entries),
                         modes=tuple(mode for _, _, mode in entries), size=size)

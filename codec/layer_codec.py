@@ -223,11 +223,18 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
     return coef
 
 
-def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor) -> None:
-    """Decode one layer's parsed lanes into ``out`` [2, coded_tokens, C] (K then V)."""
+def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor, position: int = 0) -> None:
+    """Decode one layer's parsed lanes into ``out`` [2, coded_tokens, C] (K then V).
+
+    ``position``: the first coded token's absolute position, where a rotary profile's
+    keys get their RoPE back (in float32, before rounding to ``out``'s dtype).
+    """
     plan = lanes.plan
     coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, out.shape[1]))
     rows = (coef_t[: plan.kept[0]], coef_t[plan.kept[0]:])
     for kv in range(2):
+        rope = None
+        if kv == 0 and profile.rotary is not None:
+            rope = (profile.rotary, profile.rotary.angles(position, out.shape[1]))
         transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
-                          _basis(profile, layer, kv, plan.kept[kv]), out[kv])
+                          _basis(profile, layer, kv, plan.kept[kv]), out[kv], rope)

@@ -24,9 +24,13 @@ from . import entropy, transform
 from .container import MAX_CHANNELS, MAX_LEVELS, MAX_TABLES, MAX_TOKENS, MAX_U16
 from .errors import CorruptBitstream
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS, design_step
+from .rotary import Rotary, rotate
 
 PROFILE_FORMAT = "kvwire-profile"
+#: Version 1: no RoPE removal. Version 2 adds ``rotary`` (FORMAT.md, "Profile file"); a
+#: profile without one is still written as version 1, so its id does not change.
 PROFILE_VERSION = 1
+PROFILE_VERSION_ROTARY = 2
 #: Tokens coded in one delta group (anchor + 9 deltas), as in CacheGen.
 DELTA_GROUP = 10
 #: Attention-sink tokens kept verbatim at the start of a context.
@@ -73,6 +77,8 @@ class Profile:
     shift: np.ndarray
     table: np.ndarray
     tables: np.ndarray
+    #: RoPE of the keys, removed before the transform (None: keys are coded as they are)
+    rotary: Rotary | None = None
     _id: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,12 +111,15 @@ class Profile:
 
     # ---------------------------------------------------------- serialization
     def _metadata_json(self) -> str:
-        return json.dumps({
+        meta = {
             "format": PROFILE_FORMAT, "version": PROFILE_VERSION,
             "layers": self.layers, "heads": self.heads, "head_dim": self.head_dim,
             "sink_tokens": self.sink_tokens, "transform": self.transform,
             "targets": list(self.targets), "estimated_bits": list(self.estimated_bits),
-        }, sort_keys=True)
+        }
+        if self.rotary is not None:
+            meta.update(version=PROFILE_VERSION_ROTARY, rotary=self.rotary.to_json())
+        return json.dumps(meta, sort_keys=True)
 
     def _arrays(self) -> dict[str, np.ndarray]:
         arrays = {"mean": self.mean, "steps": self.steps, "kept": self.kept,
@@ -141,9 +150,13 @@ class Profile:
             raise CorruptBitstream("not a kvwire profile (metadata is not a JSON object)")
         if meta.get("format") != PROFILE_FORMAT:
             raise CorruptBitstream("not a kvwire profile (format tag missing)")
-        if meta.get("version") != PROFILE_VERSION:
-            raise CorruptBitstream(f"unsupported profile version {meta.get('version')}")
+        version = meta.get("version")
+        if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY) or isinstance(version, bool):
+            raise CorruptBitstream(f"unsupported profile version {version!r}")
+        if ("rotary" in meta) != (version == PROFILE_VERSION_ROTARY):
+            raise CorruptBitstream(f"a version {version} profile must {'not ' * (version == 1)}carry rotary")
         try:
+            rotary = Rotary.from_json(meta["rotary"]) if "rotary" in meta else None
             return cls(
                 layers=int(meta["layers"]), heads=int(meta["heads"]), head_dim=int(meta["head_dim"]),
                 sink_tokens=int(meta["sink_tokens"]), transform=str(meta["transform"]),
@@ -151,7 +164,7 @@ class Profile:
                 estimated_bits=tuple(float(b) for b in meta["estimated_bits"]),
                 mean=arrays["mean"], basis=arrays.get("basis"), steps=arrays["steps"],
                 kept=arrays["kept"], delta_group=arrays["delta_group"], shift=arrays["shift"],
-                table=arrays["table"], tables=arrays["tables"],
+                table=arrays["table"], tables=arrays["tables"], rotary=rotary,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptBitstream(f"malformed kvwire profile: {exc}") from exc
@@ -200,6 +213,9 @@ class Profile:
             raise ValueError("profile.steps must be positive and finite")
         if not np.all(np.isfinite(self.mean)):
             raise ValueError("profile.mean must be finite")
+        if self.rotary is not None and (not isinstance(self.rotary, Rotary)
+                                        or self.rotary.head_dim != self.head_dim):
+            raise ValueError(f"profile.rotary must be a Rotary of head_dim {self.head_dim}, got {self.rotary!r}")
         if np.any(self.delta_group < 0) or np.any(self.delta_group > MAX_TOKENS):
             raise ValueError(f"profile.delta_group must be in [0, {MAX_TOKENS}]")
         if np.any(self.kept < 0):
@@ -384,8 +400,10 @@ def _assign_classes(fit: _Fit, level: int, channels: int) -> tuple[np.ndarray, n
 
 def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: int, *,
                 targets: Sequence[float] = DEFAULT_TARGETS, sink_tokens: int = DEFAULT_SINK_TOKENS,
-                transform_kind: str = "layer", delta: str = "auto", design_tokens: int = 4096) -> Profile:
-    """Fit a profile to tokens[layer][kv] = tensor [N, C] (sinks already removed)."""
+                transform_kind: str = "layer", delta: str = "auto", design_tokens: int = 4096,
+                rotary: Rotary | None = None) -> Profile:
+    """Fit a profile to tokens[layer][kv] = tensor [N, C] (sinks already removed; keys
+    already rotated back when ``rotary`` is given, which the profile then records)."""
     if transform_kind not in TRANSFORMS:
         raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform_kind!r}")
     if delta not in ("auto", "never", "always"):
@@ -428,27 +446,45 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
                        dtype=np.float32),
         kept=kept,
         delta_group=np.array([[fits[l][kv].delta for kv in range(2)] for l in range(L)], dtype=np.int32),
-        shift=shift, table=table, tables=tables,
+        shift=shift, table=table, tables=tables, rotary=rotary,
     )
 
 
-def split_tokens(kv: torch.Tensor, sink_tokens: int) -> list[list[torch.Tensor]]:
-    """tokens[layer][kv] = float32 [N, C] of the non-sink tokens of ``kv``."""
+def coded_body(kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None, start: int = 0) -> torch.Tensor:
+    """float32 [layers, 2, N, C] of the tokens after the sinks, as the transform sees them:
+    with ``rotary``, keys rotated back from positions ``start + sink_tokens ..``."""
     L, _, T, H, D = kv.shape
     body = kv[:, :, sink_tokens:].to(torch.float32).reshape(L, 2, T - sink_tokens, H * D)
-    return [[body[l, i] for i in range(2)] for l in range(L)]
+    if rotary is not None and T > sink_tokens:
+        angles = rotary.angles(start + sink_tokens, T - sink_tokens)
+        if kv.dtype == torch.float32:  # .to() returned a view of the caller's KV: never rotate it
+            body = body.clone()
+        for layer in range(L):
+            body[layer, 0] = rotate(body[layer, 0], rotary, angles, inverse=True)
+    return body
+
+
+def split_tokens(kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None = None) -> list[list[torch.Tensor]]:
+    """tokens[layer][kv] = float32 [N, C] of the non-sink tokens of ``kv`` (see coded_body)."""
+    body = coded_body(kv, sink_tokens, rotary)
+    return [[body[l, i] for i in range(2)] for l in range(body.shape[0])]
 
 
 def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEFAULT_TARGETS,
               sink_tokens: int = DEFAULT_SINK_TOKENS, transform: str = "layer",
-              delta: str = "auto", design_tokens: int = 4096) -> Profile:
+              delta: str = "auto", design_tokens: int = 4096, rotary: Rotary | None = None) -> Profile:
     """Fit a profile on sample KV caches [layers, 2, tokens, heads, head_dim].
 
     Each sample's first ``sink_tokens`` are left out (they are sent verbatim).
     ``transform``: "layer" (PCA across all heads; the default), "head" (PCA
     within each head) or "identity". ``delta``: "auto" switches CacheGen's
     anchor/delta coding on per (layer, K/V) only where it measures >= 1% smaller.
+    ``rotary`` (the model's RoPE, e.g. ``streamer.model.rotary_of(model)``): each sample's
+    keys, at positions 0 .. tokens - 1, are rotated back before fitting, and the profile
+    makes encode and decode do the same at each chunk's own positions.
     """
+    if rotary is not None and not isinstance(rotary, Rotary):
+        raise ValueError(f"rotary must be a codec.Rotary or None, got {type(rotary).__name__}")
     bodies: list[list[list[torch.Tensor]]] = []
     shape = None
     for kv in samples:
@@ -457,8 +493,10 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
         if shape is not None and (L, H, D) != shape:
             raise ValueError(f"calibration samples disagree on shape: {shape} vs {(L, H, D)}")
         shape = (L, H, D)
+        if rotary is not None and rotary.head_dim != D:
+            raise ValueError(f"rotary head_dim {rotary.head_dim} does not match the samples' head_dim {D}")
         if T > sink_tokens:
-            bodies.append(split_tokens(kv, sink_tokens))
+            bodies.append(split_tokens(kv, sink_tokens, rotary))
     if shape is None:
         raise ValueError("calibrate needs at least one sample")
     if not bodies:
@@ -466,7 +504,7 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
     L, H, D = shape
     tokens = [[torch.cat([b[l][i] for b in bodies]) for i in range(2)] for l in range(L)]
     return fit_profile(tokens, H, D, targets=targets, sink_tokens=sink_tokens,
-                       transform_kind=transform, delta=delta, design_tokens=design_tokens)
+                       transform_kind=transform, delta=delta, design_tokens=design_tokens, rotary=rotary)
 
 
 def embedded_profile(kv: torch.Tensor, level: int, sink_tokens: int) -> Profile:
@@ -481,4 +519,4 @@ def embedded_profile(kv: torch.Tensor, level: int, sink_tokens: int) -> Profile:
                        design_tokens=1024)
 
 
-__all__ = ["Profile", "Level", "calibrate", "DEFAULT_LEVEL", "DEFAULT_TARGETS"]
+__all__ = ["Profile", "Level", "Rotary", "calibrate", "DEFAULT_LEVEL", "DEFAULT_TARGETS"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .rotary import Rotary, rotate
+
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean [C] and covariance [C, C] (float64) of tokens x [N, C]."""
@@ -50,7 +52,7 @@ def forward(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> 
 
 
 def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
     """Write tokens [N, C] reconstructed from coefficients [kept, N] into ``out``.
 
     With a basis, components past ``kept`` were dropped (they reconstruct as the
@@ -58,7 +60,8 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
     a fresh (aligned) tensor: writing into a view of a larger output lets the BLAS
     pick another kernel and round differently, and every decode path must agree.
     Values are clamped to the output dtype's finite range, so a reconstruction that
-    lands a hair past fp16's largest value never becomes inf.
+    lands a hair past fp16's largest value never becomes inf. ``rope`` (a rotary and
+    its angles for these tokens) re-applies RoPE to reconstructed keys, in float32.
     """
     kept, tokens = coef.shape
     bias = mean.expand(tokens, mean.shape[0])
@@ -68,6 +71,8 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
         result = bias.clone()
     else:
         result = torch.addmm(bias, coef.T, basis[:kept])
+    if rope is not None:
+        result = rotate(result, rope[0], rope[1])
     out.copy_(clamp_to(result, out.dtype))
 
 

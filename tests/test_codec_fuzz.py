@@ -24,6 +24,7 @@ import torch
 import codec
 
 FIXED = 32          # FORMAT.md: fixed header size
+TABLE = FIXED + 4   # version 3: the u32 start position, then the section table
 ENTRY = 9           # (u32 length, u32 crc32, u8 mode) per layer
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,7 +91,7 @@ def _section_table(blob: bytes) -> tuple[int, int, int]:
     """(layers, embedded_len, header_size) read straight from the bytes per FORMAT.md."""
     layers = struct.unpack_from("<H", blob, 8)[0]
     embedded = struct.unpack_from("<I", blob, 28)[0]
-    return layers, embedded, FIXED + ENTRY * layers + embedded + 4
+    return layers, embedded, TABLE + ENTRY * layers + embedded + 4
 
 
 def _reseal(blob: bytearray, sections: list[bytes] | None = None) -> bytes:
@@ -99,7 +100,7 @@ def _reseal(blob: bytearray, sections: list[bytes] | None = None) -> bytes:
     header = bytearray(blob[:size])
     if sections is not None:
         for i, sec in enumerate(sections):
-            struct.pack_into("<II", header, FIXED + ENTRY * i, len(sec), zlib.crc32(sec) & 0xFFFFFFFF)
+            struct.pack_into("<II", header, TABLE + ENTRY * i, len(sec), zlib.crc32(sec) & 0xFFFFFFFF)
     struct.pack_into("<I", header, size - 4, zlib.crc32(bytes(header[:size - 4])) & 0xFFFFFFFF)
     body = b"".join(sections) if sections is not None else bytes(blob[size:])
     return bytes(header) + body
@@ -109,7 +110,7 @@ def _split_sections(blob: bytes) -> tuple[int, list[bytes]]:
     layers, _, size = _section_table(blob)
     out, pos = [], size
     for i in range(layers):
-        length = struct.unpack_from("<I", blob, FIXED + ENTRY * i)[0]
+        length = struct.unpack_from("<I", blob, TABLE + ENTRY * i)[0]
         out.append(blob[pos:pos + length])
         pos += length
     assert pos == len(blob)
@@ -315,14 +316,14 @@ def test_forged_lane_table(profiled_blob):
 
 
 def test_forged_header_fields(case):
-    """Fixed-header bytes (after magic/version) rewritten, header CRC recomputed."""
+    """Fixed-header and start bytes (after magic/version) rewritten, header CRC recomputed."""
     blob, profile = case
     rng = random.Random(8)
     size = codec.header_length(blob[:FIXED])
     for trial in range(1500):
         data = bytearray(blob)
         for _ in range(rng.randrange(1, 3)):
-            pos = rng.randrange(5, FIXED)
+            pos = rng.randrange(5, TABLE)
             data[pos] = rng.randrange(256) if rng.random() < 0.5 else data[pos] ^ (1 << rng.randrange(8))
         data = bytes(data)
         try:
@@ -342,7 +343,7 @@ def test_forged_embedded_profile(embedded_blob):
     """Bytes of the embedded (zstd) profile rewritten, header CRC recomputed."""
     blob, _ = embedded_blob
     layers, embedded_len, size = _section_table(blob)
-    start = FIXED + ENTRY * layers
+    start = TABLE + ENTRY * layers
     rng = random.Random(9)
     for trial in range(400):
         data = bytearray(blob)
@@ -378,7 +379,7 @@ def test_random_garbage_is_corrupt():
 def test_garbage_with_valid_magic_is_corrupt(tiny_profile):
     rng = random.Random(11)
     for _ in range(2000):
-        data = b"KVWB\x01" + rng.randbytes(rng.randrange(0, 400))
+        data = b"KVWB\x03" + rng.randbytes(rng.randrange(0, 400))
         _expect_corrupt(data, tiny_profile)
         _expect_corrupt(data, None)
 
@@ -389,7 +390,7 @@ def test_garbage_with_valid_header_crc_is_handled(tiny_profile):
     for _ in range(2000):
         layers = rng.randrange(1, 4)
         embedded = rng.choice([0, 0, rng.randrange(1, 40)])
-        fixed = bytearray(b"KVWB\x01" + rng.randbytes(FIXED - 5))
+        fixed = bytearray(b"KVWB\x03" + rng.randbytes(TABLE - 5))
         struct.pack_into("<H", fixed, 8, layers)
         struct.pack_into("<I", fixed, 28, embedded)
         if rng.random() < 0.5:  # make the shape plausible more often

@@ -7,6 +7,10 @@ Files in tests/data/:
 * ``golden_blob_embedded.bin``: ``golden_input(dtype=bfloat16)`` at level 3, profile=None
 * ``golden_decoded.npy``: what golden_blob.bin decodes to (float16 values)
 * ``golden_decoded_embedded.npy``: what the embedded blob decodes to (bfloat16 bits as int16)
+* ``golden_blob_rotary.bin``: ``rotary_input()`` (golden_input with RoPE on its keys at
+  positions ROTARY_START..) at DEFAULT_LEVEL, start ROTARY_START, with ``rotary_profile()``
+  (the golden profile plus ROTARY: keys coded without RoPE)
+* ``golden_decoded_rotary.npy``: what the rotary blob decodes to (float16 values)
 
 The tests check that (a) the committed blobs decode, with the committed profile, to the
 committed tensors (to float32 GEMM rounding, as FORMAT.md allows) and to the formula
@@ -25,6 +29,7 @@ then review and commit tests/data/.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -45,11 +50,15 @@ BLOB_FILE = DATA / "golden_blob.bin"
 EMBEDDED_FILE = DATA / "golden_blob_embedded.bin"
 DECODED_FILE = DATA / "golden_decoded.npy"
 DECODED_EMBEDDED_FILE = DATA / "golden_decoded_embedded.npy"
+ROTARY_FILE = DATA / "golden_blob_rotary.bin"
+DECODED_ROTARY_FILE = DATA / "golden_decoded_rotary.npy"
 REGEN = os.environ.get("KVWIRE_REGEN_GOLDEN") == "1"
 
 SHAPE = (2, 2, 300, 2, 8)  # layers, K/V, tokens, heads, head_dim: 2 lanes per K/V
 LEVEL = codec.DEFAULT_LEVEL
 EMBEDDED_LEVEL = 3
+ROTARY = codec.Rotary(head_dim=8, dim=8, theta=10000.0)
+ROTARY_START = 1000
 
 
 def golden_input(phase: float = 0.0, tokens: int = SHAPE[2], dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -64,6 +73,27 @@ def golden_input(phase: float = 0.0, tokens: int = SHAPE[2], dtype: torch.dtype 
     return x.to(dtype)
 
 
+def rotary_input() -> torch.Tensor:
+    """golden_input() with RoPE (ROTARY, float64 angles) on its keys at positions ROTARY_START..,
+    as a model would cache it: what the rotary profile rotates back to golden_input's keys."""
+    from codec.rotary import rotate
+
+    x = golden_input(dtype=torch.float64)
+    layers, _, tokens, heads, head_dim = SHAPE
+    freqs = torch.arange(ROTARY_START, ROTARY_START + tokens, dtype=torch.float64)[:, None] \
+        * ROTARY.inv_freq().double()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    for layer in range(layers):
+        keys = x[layer, 0].reshape(tokens, heads * head_dim)
+        x[layer, 0] = rotate(keys, ROTARY, (emb.cos(), emb.sin())).reshape(tokens, heads, head_dim)
+    return x.to(torch.float16)
+
+
+def rotary_profile(profile: codec.Profile) -> codec.Profile:
+    """The golden profile with ROTARY: the format's RoPE path pinned without re-calibrating."""
+    return dataclasses.replace(profile, rotary=ROTARY)
+
+
 def _regenerate() -> None:
     DATA.mkdir(parents=True, exist_ok=True)
     profile = codec.calibrate([golden_input(phase=1.0, tokens=600, dtype=torch.float32)])
@@ -75,14 +105,18 @@ def _regenerate() -> None:
     embedded = codec.encode(golden_input(dtype=torch.bfloat16), EMBEDDED_LEVEL)
     EMBEDDED_FILE.write_bytes(embedded)
     np.save(DECODED_EMBEDDED_FILE, codec.decode(embedded).view(torch.int16).numpy())
+    rotary = rotary_profile(profile)
+    blob = codec.encode(rotary_input(), LEVEL, rotary, start=ROTARY_START)
+    ROTARY_FILE.write_bytes(blob)
+    np.save(DECODED_ROTARY_FILE, codec.decode(blob, rotary).numpy())
 
 
 @pytest.fixture(scope="module")
 def golden():
     if REGEN:
         _regenerate()
-    missing = [p.name for p in (PROFILE_FILE, BLOB_FILE, EMBEDDED_FILE, DECODED_FILE, DECODED_EMBEDDED_FILE)
-               if not p.is_file()]
+    missing = [p.name for p in (PROFILE_FILE, BLOB_FILE, EMBEDDED_FILE, DECODED_FILE, DECODED_EMBEDDED_FILE,
+                                ROTARY_FILE, DECODED_ROTARY_FILE) if not p.is_file()]
     if missing:
         pytest.fail(f"golden files missing: {missing}; regenerate with KVWIRE_REGEN_GOLDEN=1")
     return {
@@ -91,6 +125,8 @@ def golden():
         "embedded": EMBEDDED_FILE.read_bytes(),
         "decoded": torch.from_numpy(np.load(DECODED_FILE)).float(),
         "decoded_embedded": torch.from_numpy(np.load(DECODED_EMBEDDED_FILE)).view(torch.bfloat16),
+        "rotary": ROTARY_FILE.read_bytes(),
+        "decoded_rotary": torch.from_numpy(np.load(DECODED_ROTARY_FILE)).float(),
     }
 
 
@@ -108,6 +144,17 @@ def test_golden_blob_decodes(golden):
     torch.testing.assert_close(out.float(), golden["decoded"], rtol=2e-3, atol=2e-3)
     # FORMAT.md: decoders agree to float32 rounding of the GEMM, then round to fp16
     assert float((out.float() - golden["decoded"]).abs().max()) <= 2 * float(golden["decoded"].abs().max()) * 2 ** -10
+    assert torch.equal(out[:, :, :4], x[:, :, :4])
+    assert _distortion(x, out, 4) <= 1.6 * profile.targets[LEVEL]
+
+
+def test_golden_rotary_blob_decodes(golden):
+    """Keys coded without RoPE get it back at the recorded positions (FORMAT.md, "Rotary keys")."""
+    profile = rotary_profile(golden["profile"])
+    out = codec.decode(golden["rotary"], profile)
+    assert codec.parse_header(golden["rotary"]).start == ROTARY_START
+    torch.testing.assert_close(out.float(), golden["decoded_rotary"], rtol=2e-3, atol=2e-3)
+    x = rotary_input()
     assert torch.equal(out[:, :, :4], x[:, :, :4])
     assert _distortion(x, out, 4) <= 1.6 * profile.targets[LEVEL]
 
@@ -153,6 +200,11 @@ def test_golden_profile_reencodes_bit_exact(golden):
     assert blob == golden["blob"], "bitstream changed: bump the format version and regenerate tests/data"
 
 
+def test_golden_rotary_reencodes_bit_exact(golden):
+    blob = codec.encode(rotary_input(), LEVEL, rotary_profile(golden["profile"]), start=ROTARY_START)
+    assert blob == golden["rotary"], "bitstream (or the RoPE removal) changed"
+
+
 def test_golden_embedded_reencodes_bit_exact(golden):
     blob = codec.encode(golden_input(dtype=torch.bfloat16), EMBEDDED_LEVEL)
     assert blob == golden["embedded"], "bitstream (or embedded profile fitting) changed"
@@ -173,13 +225,15 @@ def test_blob_layout_matches_format_md(golden):
     blob, profile = golden["blob"], golden["profile"]
     (magic, version, dtype, level, flags, layers, heads, head_dim, sinks, tokens, pid,
      embedded_len) = struct.unpack_from("<4sBBBBHHHHI8sI", blob, 0)
-    assert magic == b"KVWB" and version == 2
+    assert magic == b"KVWB" and version == 3
+    (start,) = struct.unpack_from("<I", blob, 32)
+    assert start == 0
     assert dtype == 1  # float16
     assert level == LEVEL and flags == 0 and embedded_len == 0
     assert (layers, tokens, heads, head_dim) == (SHAPE[0], SHAPE[2], SHAPE[3], SHAPE[4])
     assert sinks == 4
     assert pid.hex() == profile.id
-    header_len = 32 + 9 * layers + embedded_len + 4
+    header_len = 32 + 4 + 9 * layers + embedded_len + 4
     assert codec.header_length(blob[:32]) == header_len
     (crc,) = struct.unpack_from("<I", blob, header_len - 4)
     assert crc == zlib.crc32(blob[:header_len - 4])
@@ -190,7 +244,7 @@ def test_blob_layout_matches_format_md(golden):
     pos = header_len
     lanes_seen = []
     for l in range(layers):
-        length, section_crc, mode = struct.unpack_from("<IIB", blob, 32 + 9 * l)
+        length, section_crc, mode = struct.unpack_from("<IIB", blob, 36 + 9 * l)
         section = blob[pos:pos + length]
         assert zlib.crc32(section) == section_crc
         assert mode == 0  # rANS lanes
@@ -219,7 +273,7 @@ def test_embedded_blob_layout_matches_format_md(golden):
     flags, layers = struct.unpack_from("<BH", blob, 7)
     (embedded_len,) = struct.unpack_from("<I", blob, 28)
     assert flags == 1 and embedded_len > 0
-    start = 32 + 9 * layers
+    start = 36 + 9 * layers
     raw = zstandard.ZstdDecompressor().decompress(blob[start:start + embedded_len])
     profile = codec.Profile.from_bytes(raw)
     # "An embedded profile is an identity profile with exactly one level."

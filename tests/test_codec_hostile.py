@@ -104,7 +104,7 @@ def test_embedded_profile_longer_than_its_shape_allows_is_refused_from_32_bytes(
     struct.pack_into("<I", prefix, 28, 0xFFFFFFFF)
     with pytest.raises(codec.CorruptBitstream, match="4294967295-byte embedded profile"):
         codec.header_length(bytes(prefix))
-    assert codec.header_length(blob[:32]) == 32 + 9 + 1 + 4
+    assert codec.header_length(blob[:32]) == 32 + 4 + 9 + 1 + 4  # fixed, start, one entry, P, CRC
 
 
 @pytest.mark.parametrize("heads,head_dim,tokens,word", [
@@ -157,7 +157,7 @@ def test_raw_section_by_hand_decodes_to_its_bytes(small_profile) -> None:
 def test_old_format_version_is_refused_by_name(small_profile) -> None:
     blob = hand_blob(tokens=8, heads=1, head_dim=2, sections=[lane_payload(2, 0)], profile_id=small_profile.id,
                      version=1)
-    with pytest.raises(codec.CorruptBitstream, match="unsupported blob format version 1 .*reads 2"):
+    with pytest.raises(codec.CorruptBitstream, match="unsupported blob format version 1 .*reads 2, 3"):
         codec.decode(blob, small_profile)
 
 
@@ -221,4 +221,12 @@ def test_hand_blob_agrees_with_the_encoder(small_profile) -> None:
     again = hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
                       profile_id=small_profile.id, dtype=3, sinks=0)
     assert again == blob
-    assert struct.unpack_from("<B", blob, 4)[0] == container.FORMAT_VERSION == 2
+    assert struct.unpack_from("<B", blob, 4)[0] == container.FORMAT_VERSION == 3
+    moved = codec.encode(kv, 0, small_profile, start=7)
+    assert hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
+                     profile_id=small_profile.id, dtype=3, sinks=0, start=7) == moved
+    # a version 2 blob (no start field) still reads, at start 0
+    old = hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
+                    profile_id=small_profile.id, dtype=3, sinks=0, version=2)
+    assert codec.parse_header(old).start == 0
+    assert torch.equal(codec.decode(old, small_profile), codec.decode(blob, small_profile))

@@ -433,7 +433,8 @@ def test_inspect(codec_profile, codec_test_kv):
     assert info["sink_tokens"] == 4
     assert info["total_bytes"] == len(blob)
     assert info["complete"] is True
-    assert info["format_version"] == 2
+    assert info["format_version"] == 3
+    assert info["start"] == 0
     sections = info["sections"]
     assert len(sections["layers"]) == kv.shape[0]
     assert sections["raw_layers"] == []

@@ -77,20 +77,29 @@ def size_rows(layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int 
 # ------------------------------------------------------------------------ hostile inputs
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")   # FORMAT.md, "Fixed header"
 ENTRY = struct.Struct("<IIB")              # FORMAT.md: (length, crc32, mode) per section
-FORMAT_VERSION = 2
+START = struct.Struct("<I")                # FORMAT.md: version 3's start position, after the fixed header
+FORMAT_VERSION = 3
+
+
+def table_offset(version: int) -> int:
+    """Where a blob's section table starts (FORMAT.md): after the fixed header, and from
+    version 3 after the start position too."""
+    return FIXED.size + (START.size if version >= 3 else 0)
 
 
 def hand_blob(*, tokens: int, heads: int, head_dim: int, sections: list[bytes], profile_id: str,
               modes: list[int] | None = None, dtype: int = 1, level: int = 0, sinks: int = 0,
-              embedded: bytes = b"", version: int = FORMAT_VERSION) -> bytes:
+              embedded: bytes = b"", version: int = FORMAT_VERSION, start: int = 0) -> bytes:
     """A blob assembled by hand from FORMAT.md (valid CRCs, whatever the fields say)."""
     fixed = FIXED.pack(b"KVWB", version, dtype, level, 1 if embedded else 0, len(sections), heads, head_dim,
                        sinks, tokens, bytes.fromhex(profile_id), len(embedded))
+    if version >= 3:
+        fixed += START.pack(start)
     return seal(fixed, sections, modes or [0] * len(sections), embedded)
 
 
 def seal(fixed: bytes, sections: list[bytes], modes: list[int], embedded: bytes = b"") -> bytes:
-    """The 32 fixed-header bytes as given, then the section table (lengths and CRCs of
+    """The fixed-header bytes as given (32, then version 3's start), then the section table (lengths and CRCs of
     ``sections``), ``embedded``, the header CRC and the sections (FORMAT.md)."""
     body = fixed + b"".join(ENTRY.pack(len(s), zlib.crc32(s), m) for s, m in zip(sections, modes)) + embedded
     return body + struct.pack("<I", zlib.crc32(body)) + b"".join(sections)

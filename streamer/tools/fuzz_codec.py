@@ -26,14 +26,14 @@ import zlib
 
 import numpy as np
 
-from streamer.tools.adversarial import ENTRY, FIXED, seal
+from streamer.tools.adversarial import ENTRY, FIXED, seal, table_offset
 
 
 class FuzzBug(AssertionError):
     """A target misbehaved on an input (wrong exception type, bad state, wrong shape)."""
 
 
-_FIXED, _ENTRY = FIXED.size, ENTRY.size
+_ENTRY = ENTRY.size
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,19 +52,20 @@ def _seed_blobs():
 
 def _reseal(blob: bytes) -> bytes:
     """Recompute every section CRC and the header CRC (FORMAT.md), keeping the lengths."""
-    if len(blob) < _FIXED + 4:
+    if len(blob) < FIXED.size + 4:
         return blob
+    table = table_offset(blob[4])
     layers = struct.unpack_from("<H", blob, 8)[0]
     embedded = struct.unpack_from("<I", blob, 28)[0]
-    size = _FIXED + _ENTRY * layers + embedded + 4
+    size = table + _ENTRY * layers + embedded + 4
     if size > len(blob):
         return blob
     header = bytearray(blob[:size])
     pos = size
     for i in range(layers):
-        length = struct.unpack_from("<I", header, _FIXED + _ENTRY * i)[0]
+        length = struct.unpack_from("<I", header, table + _ENTRY * i)[0]
         section = blob[pos:pos + length]
-        struct.pack_into("<I", header, _FIXED + _ENTRY * i + 4, zlib.crc32(section) & 0xFFFFFFFF)
+        struct.pack_into("<I", header, table + _ENTRY * i + 4, zlib.crc32(section) & 0xFFFFFFFF)
         pos += length
     struct.pack_into("<I", header, size - 4, zlib.crc32(bytes(header[:size - 4])) & 0xFFFFFFFF)
     return bytes(header) + blob[size:]
@@ -133,40 +134,42 @@ def _seed_sections(blob: bytes) -> tuple[list[bytes], list[int]]:
 
 #: header fields a ``header`` input may replace: name -> (FORMAT.md offset, struct code)
 _FIELDS = (("version", 4, "B"), ("dtype", 5, "B"), ("level", 6, "B"), ("layers", 8, "H"), ("heads", 10, "H"),
-           ("head_dim", 12, "H"), ("sinks", 14, "H"), ("tokens", 16, "I"))
+           ("head_dim", 12, "H"), ("sinks", 14, "H"), ("tokens", 16, "I"), ("start", 32, "I"))
 
 
 def header_blob(data: bytes) -> tuple[bytes, object]:
     """The hand-assembled blob (and its profile) that ``data`` describes.
 
-    data[0]: seed blob; then 6-byte edits (u8 what, u8 layer, u32 value): what % 12 <
-    8 replaces a fixed-header field (_FIELDS), 8 a section's mode, 9 cuts a section
-    to ``value`` bytes, 10 pads it with ``value % 4096`` zero bytes, 11 overwrites
-    a u32 of its lane table (n_lanes, word counts, states) at index ``layer``.
+    data[0]: seed blob; then 6-byte edits (u8 what, u8 layer, u32 value): what % 13 <
+    9 replaces a header field (_FIELDS, the start position included), 9 a section's
+    mode, 10 cuts a section to ``value`` bytes, 11 pads it with ``value % 4096`` zero
+    bytes, 12 overwrites a u32 of its lane table (n_lanes, word counts, states) at
+    index ``layer``.
     Section lengths and every CRC are then recomputed (FORMAT.md), so only the
     fields' meaning is wrong.
     """
     seeds = _seed_blobs()
     blob, profile = seeds[data[0] % len(seeds)] if data else seeds[0]
     sections, modes = _seed_sections(blob)
-    fixed = bytearray(blob[:FIXED.size])
+    fixed = bytearray(blob[:table_offset(blob[4])])
     embedded_len = struct.unpack_from("<I", blob, 28)[0]
-    table_end = FIXED.size + ENTRY.size * len(sections)
+    table_end = len(fixed) + ENTRY.size * len(sections)
     embedded = blob[table_end: table_end + embedded_len]
     sink_len = 2 * struct.unpack_from("<H", blob, 14)[0] * struct.unpack_from("<H", blob, 10)[0] \
         * struct.unpack_from("<H", blob, 12)[0] * (4 if blob[5] == 3 else 2)
     for j in range(1, len(data) - 5, 6):
         what, index, value = struct.unpack_from("<BBI", data, j)
-        what %= 12
+        what %= len(_FIELDS) + 4
         layer = index % len(sections)
-        if what < 8:
+        if what < len(_FIELDS):
             _, offset, code = _FIELDS[what]
-            struct.pack_into("<" + code, fixed, offset, value & ((1 << 8 * struct.calcsize(code)) - 1))
-        elif what == 8:
+            if offset + struct.calcsize(code) <= len(fixed):  # a version 2 seed has no start
+                struct.pack_into("<" + code, fixed, offset, value & ((1 << 8 * struct.calcsize(code)) - 1))
+        elif what == len(_FIELDS):
             modes[layer] = value % 3
-        elif what == 9:
+        elif what == len(_FIELDS) + 1:
             sections[layer] = sections[layer][: value % (len(sections[layer]) + 1)]
-        elif what == 10:
+        elif what == len(_FIELDS) + 2:
             sections[layer] = sections[layer] + bytes(value % 4096)
         else:
             at = sink_len + 4 * (index % 16)
@@ -206,7 +209,7 @@ def check_header(data: bytes) -> None:
 
 #: profile arrays a ``profile`` input may edit, and the metadata fields it may replace
 _ARRAYS = ("mean", "basis", "steps", "kept", "delta_group", "shift", "table", "tables")
-_META = ("layers", "heads", "head_dim", "sink_tokens", "targets", "estimated_bits", "transform")
+_META = ("layers", "heads", "head_dim", "sink_tokens", "targets", "estimated_bits", "transform", "rotary")
 
 
 def profile_bytes(data: bytes) -> bytes:
@@ -215,7 +218,7 @@ def profile_bytes(data: bytes) -> bytes:
     data[0]: seed profile; then 7-byte edits (u8 what, u16 index, u32 value): what %
     20 < 8 sets element ``index`` of array _ARRAYS[what] to ``value`` (cast to its
     dtype; floats from the u32's bits), < 16 drops or repeats the array's last row
-    on axis ``index % ndim``, else replaces metadata field _META[index % 7] by a
+    on axis ``index % ndim``, else replaces metadata field _META[index % 8] by a
     number, a list or a string derived from ``value``.
     """
     from safetensors.numpy import save
@@ -256,8 +259,10 @@ def _identity_profile():
 
     import codec
 
+    # with RoPE removal, so the rotary metadata (profile version 2) is fuzzed too
     return codec.calibrate([torch.randn(1, 2, 30, 2, 2, generator=torch.Generator().manual_seed(2))],
-                           transform="identity", targets=(1e-3, 1e-2))
+                           transform="identity", targets=(1e-3, 1e-2),
+                           rotary=codec.Rotary(head_dim=2, dim=2, theta=10000.0))
 
 
 def check_profile(data: bytes) -> None:

@@ -1,0 +1,156 @@
+"""Rotary position embeddings (RoPE) of a model's keys: the parameters, and the rotation.
+
+A causal LM's cached keys are ``RoPE(k, position)``: each pair of channels ``(i, i + dim/2)``
+of a head is rotated by ``position * inv_freq[i]``. The same pre-RoPE key at two positions
+gives two different cached keys, which the codec's fixed PCA cannot decorrelate. A profile
+that carries ``Rotary`` makes the encoder rotate the keys back to position-free values
+before the transform and the decoder re-apply RoPE after the inverse transform, so the
+bitstream codes what the model computed before the rotation.
+
+The recipe is transformers' Llama rotary (``rotate_half``, float32 angles
+``position * inv_freq``): un-rotating with it is the exact inverse, up to float32
+rounding, of what the model did. Supported frequency schedules: ``default``, ``linear``
+and ``llama3``; the others (dynamic NTK, YaRN, LongRoPE) depend on the sequence length
+or scale cos/sin, so a model using them is coded without RoPE removal.
+Pure functions of tensors; no I/O.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3")
+#: Positions are u32 in the blob header: a chunk's tokens lie in [0, 2^32).
+MAX_POSITION = 1 << 32
+_MAX_THETA = 1e12
+_MAX_FACTOR = 1e6
+_MAX_U16 = 0xFFFF
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"Rotary.{name} must be an int in [{low}, {high}], got {value!r}")
+
+
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    """``low < value <= high`` and finite (JSON may carry NaN, Infinity or a 400-digit int)."""
+    number = float(value) if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)
+                                                           and abs(value) <= 2 ** 64) else math.nan
+    if not math.isfinite(number) or not low < number <= high:
+        raise ValueError(f"Rotary.{name} must be a finite number in ({low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """RoPE parameters of a model's keys, as transformers' Llama rotary uses them.
+
+    ``dim`` channels of each head are rotated (the first ``dim``; the rest pass through,
+    as with a partial rotary factor), ``dim`` even and at most ``head_dim``. ``theta`` is
+    the base. ``rope_type`` ``linear`` divides every frequency by ``factor``; ``llama3``
+    (Llama 3.1's schedule) divides the low ones by ``factor`` and interpolates the middle
+    band by ``low_freq_factor``, ``high_freq_factor`` and ``original_max_positions``.
+    Fields a schedule does not use must keep their defaults, so one model always
+    gives one profile id.
+    """
+
+    head_dim: int
+    dim: int
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self) -> None:
+        _check_int("head_dim", self.head_dim, 2, _MAX_U16)
+        _check_int("dim", self.dim, 2, self.head_dim)
+        if self.dim % 2:
+            raise ValueError(f"Rotary.dim must be even (channels rotate in pairs), got {self.dim}")
+        _check_float("theta", self.theta, 1.0, _MAX_THETA)
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"Rotary.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        _check_float("factor", self.factor, 0.0, _MAX_FACTOR)
+        _check_float("low_freq_factor", self.low_freq_factor, 0.0, _MAX_FACTOR)
+        _check_float("high_freq_factor", self.high_freq_factor, self.low_freq_factor, _MAX_FACTOR)
+        _check_int("original_max_positions", self.original_max_positions, 1, MAX_POSITION - 1)
+        defaults = Rotary.__dataclass_fields__
+        unused = {"default": ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions"),
+                  "linear": ("low_freq_factor", "high_freq_factor", "original_max_positions"),
+                  "llama3": ()}[self.rope_type]
+        for name in unused:
+            if getattr(self, name) != defaults[name].default:
+                raise ValueError(f"Rotary.{name} is not used by rope_type {self.rope_type!r}; "
+                                 f"leave it at {defaults[name].default!r}")
+
+    # ------------------------------------------------------------- serialization
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> "Rotary":
+        """From ``to_json``'s dict; ValueError for anything else (unknown or missing keys too)."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise ValueError(f"rotary must be an object with exactly the keys {sorted(names)}")
+        return cls(**data)
+
+    # ------------------------------------------------------------------ frequencies
+    def inv_freq(self) -> torch.Tensor:
+        """float32 [dim / 2]: each channel pair's angle per position (transformers' recipe)."""
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.int64).to(torch.float32) / self.dim
+        inv = 1.0 / (self.theta ** exponent)
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            return self._llama3(inv)
+        return inv
+
+    def _llama3(self, inv: torch.Tensor) -> torch.Tensor:
+        low_wavelen = self.original_max_positions / self.low_freq_factor
+        high_wavelen = self.original_max_positions / self.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+        smooth = (self.original_max_positions / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+    def angles(self, start: int, tokens: int, device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), float32 [tokens, dim], of positions ``start .. start + tokens - 1``."""
+        if start < 0 or start + tokens > MAX_POSITION:
+            raise ValueError(f"positions {start}..{start + tokens - 1} are outside [0, {MAX_POSITION})")
+        positions = torch.arange(start, start + tokens, dtype=torch.int64, device=device).to(torch.float32)
+        freqs = positions[:, None] * self.inv_freq().to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def rotate(keys: torch.Tensor, rotary: Rotary, angles: tuple[torch.Tensor, torch.Tensor], *,
+           inverse: bool = False) -> torch.Tensor:
+    """RoPE (or, ``inverse``, its removal) of float32 keys [tokens, heads * head_dim].
+
+    ``angles`` is ``rotary.angles(first position, tokens)``. Returns a new tensor.
+    """
+    cos, sin = angles
+    tokens, channels = keys.shape
+    if channels % rotary.head_dim or cos.shape != (tokens, rotary.dim):
+        raise ValueError(f"keys [{tokens}, {channels}] do not fit rotary head_dim {rotary.head_dim}, "
+                         f"angles {tuple(cos.shape)}")
+    heads = keys.reshape(tokens, channels // rotary.head_dim, rotary.head_dim)
+    out = heads.clone()
+    half = rotary.dim // 2
+    x1, x2 = heads[..., :half], heads[..., half:rotary.dim]
+    c1, c2 = cos[:, None, :half], cos[:, None, half:]
+    s1, s2 = sin[:, None, :half], sin[:, None, half:]
+    if inverse:  # rotation by -angle: x * cos - rotate_half(x) * sin
+        out[..., :half] = x1 * c1 + x2 * s1
+        out[..., half:rotary.dim] = x2 * c2 - x1 * s2
+    else:        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+        out[..., :half] = x1 * c1 - x2 * s1
+        out[..., half:rotary.dim] = x2 * c2 + x1 * s2
+    return out.reshape(tokens, channels)
