@@ -8,7 +8,9 @@ from page-locked memory while the previous section's kernel and GEMM run on
 writes coefficients token-major ([tokens, rows]), which is exactly the GEMM's
 left operand. Entropy decoding and dequantization are bit-identical to the CPU
 decoder; the GEMM's summation order differs (cuBLAS vs MKL), so the output agrees
-with the CPU to float32 rounding of the GEMM, not bit for bit. ``decode_layers``
+with the CPU to float32 rounding of the GEMM, not bit for bit. A rotary profile's keys
+get their RoPE back on the device after the GEMM (torch, float32), at the positions the
+blob header records, as the CPU decoder does. ``decode_layers``
 runs the stages as a two-deep pipeline (``kernels.pipeline``): section l+1 uploads
 while section l decodes.
 """
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 import codec
-from codec import container, layer_codec, transform
+from codec import container, layer_codec, rotary, transform
 from codec.errors import GpuUnavailable
 from codec.profile import Profile
 
@@ -146,6 +148,7 @@ class GpuDecoder:
                          np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
                          block=(THREADS_PER_BLOCK, 1, 1),
                          grid=(math.ceil(plan.lanes / THREADS_PER_BLOCK), 1), stream=self.decode_stream)
+        rope = staged.profile.rotary
         with torch.cuda.stream(self._torch_decode):
             rows = (coef[:, : plan.kept[0]], coef[:, plan.kept[0]:])
             for kv in range(2):
@@ -154,6 +157,8 @@ class GpuDecoder:
                     result = rows[kv] + mean
                 else:
                     result = torch.addmm(mean.expand(coded, channels), rows[kv], tables.basis[layer, kv, : plan.kept[kv]])
+                if kv == 0 and rope is not None:
+                    result = rotary.rotate(result, rope, rope.angles(header.start + sinks, coded, self.device))
                 out[kv, sinks:] = transform.clamp_to(result, header.dtype)
             return self._finish_launch(staged, out, status)
 

@@ -53,3 +53,23 @@ def test_a_chunk_recomputed_from_text_matches_the_prefill(smollm2, context_ids) 
     half = len(context_ids) // 2
     recomputed = hf.recompute_chunk(model, kv[:, :, :half], context_ids[half:])
     torch.testing.assert_close(recomputed, kv[:, :, half:], rtol=1e-3, atol=1e-3)
+
+
+def test_rotary_of_smollm2_removes_exactly_its_rope(smollm2, context_ids) -> None:
+    """rotary_of reads the model's RoPE; rotating the cached keys back gives k_proj's output."""
+    from codec.rotary import rotate
+
+    model, tokenizer = smollm2
+    rotary = hf.rotary_of(model)
+    assert rotary is not None and (rotary.head_dim, rotary.dim, rotary.rope_type) == (64, 64, "default")
+    assert torch.equal(rotary.inv_freq(), model.model.rotary_emb.inv_freq)
+    projected = {}
+    hook = model.model.layers[3].self_attn.k_proj.register_forward_hook(
+        lambda module, args, out: projected.setdefault("k", out.detach()))
+    try:
+        kv = hf.capture_kv(model, tokenizer, context_ids)
+    finally:
+        hook.remove()
+    tokens = kv.shape[2]
+    back = rotate(kv[3, 0].reshape(tokens, -1), rotary, rotary.angles(0, tokens), inverse=True)
+    torch.testing.assert_close(back, projected["k"][0], rtol=1e-4, atol=1e-4)

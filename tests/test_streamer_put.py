@@ -118,11 +118,11 @@ async def test_failure_midway_keeps_the_previous_version(store: Store, small_kv,
     real_encode = codec.encode
     encoded = []
 
-    def failing_encode(kv, level, profile, *, sink_tokens=None):
+    def failing_encode(kv, level, profile, *, sink_tokens=None, start=0):
         if len(encoded) >= 2:
             raise RuntimeError("encoder died")
         encoded.append(level)
-        return real_encode(kv, level, profile, sink_tokens=sink_tokens)
+        return real_encode(kv, level, profile, sink_tokens=sink_tokens, start=start)
 
     monkeypatch.setattr(codec, "encode", failing_encode)
     with pytest.raises(RuntimeError, match="encoder died"):

@@ -29,6 +29,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from streamer.model.rotary import rotary_of  # noqa: F401  (also streamer.hf.rotary_of)
+
 #: Debian ships these English texts on every system: real text without a download.
 MEASURE_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CALIBRATION_TEXTS = (Path("/usr/share/common-licenses/Apache-2.0"),

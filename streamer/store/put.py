@@ -172,7 +172,8 @@ async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Te
     sinks = None if index == 0 else 0  # attention sinks exist only at the context's start
 
     async def level_job(level: int) -> bytes:
-        blob = await asyncio.to_thread(codec.encode, kv, level, profile, sink_tokens=sinks)
+        # start: the chunk's positions in the context, where a rotary profile removes RoPE
+        blob = await asyncio.to_thread(codec.encode, kv, level, profile, sink_tokens=sinks, start=start)
         await writer.put_chunk(index, level, blob)
         return blob
 

@@ -13,6 +13,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _label(row) -> str:
+    """The method, marked ``+rope`` for a profile that removes RoPE from the keys."""
+    return row.method + ("+rope" if row.rotary else "")
+
+
 def render(report: QualityReport) -> str:
     c = report.config
     decoder = c["kind"] == "decoder"
@@ -22,7 +27,7 @@ def render(report: QualityReport) -> str:
              + f", profile {c['profile_id']} calibrated on {c['calibration_tokens']} other tokens"
              f" in {c['calibration_seconds']} s; {c['seconds']} s in all", ""]
     end = (f"{'ppl':>9}{'ppl chg':>9}{'top-1':>8}" if decoder else f"{'cosine':>10}{'min cos':>10}")
-    lines.append(f"{'method':<8}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'attn err':>10}   "
+    lines.append(f"{'method':<12}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'attn err':>10}   "
                  f"{'attention error per layer':<34}{end}")
     for r in report.rows:
         per_layer = " ".join(f"{e:.1e}" for e in r.attention_error)
@@ -31,7 +36,7 @@ def render(report: QualityReport) -> str:
                     f"{_fmt(r.top1_agreement, '.4f'):>8}")
         else:
             tail = f"{_fmt(r.cosine, '.6f'):>10}{_fmt(r.cosine_min, '.6f'):>10}"
-        lines.append(f"{r.method:<8}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
+        lines.append(f"{_label(r):<12}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
                      f"{r.attention_error_mean:>10.2e}   {per_layer:<34}{tail}")
     if decoder and report.reference.get("perplexity"):
         lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
@@ -49,10 +54,10 @@ def plot(report: QualityReport, path: Path) -> None:
 
     decoder = report.config["kind"] == "decoder"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"kvwire": dict(marker="o", linestyle="-"), "fp16": dict(marker="s", linestyle="none"),
-              "int8": dict(marker="^", linestyle="none")}
+    styles = {"kvwire": dict(marker="o", linestyle="-"), "kvwire+rope": dict(marker="D", linestyle="--"),
+              "fp16": dict(marker="s", linestyle="none"), "int8": dict(marker="^", linestyle="none")}
     for method, style in styles.items():
-        rows = sorted((r for r in report.rows if r.method == method), key=lambda r: r.bits_per_element)
+        rows = sorted((r for r in report.rows if _label(r) == method), key=lambda r: r.bits_per_element)
         if not rows:
             continue
         bits = [r.bits_per_element for r in rows]

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 DEFAULT_CALIBRATION_TOKENS = 8192
+#: --rotary: the default (streamer.model.quality.ROTARY_DEFAULT), or forced on / off
+_ROTARY = {"auto": None, "on": True, "off": False}
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -35,7 +37,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     kwargs = {"targets": tuple(args.targets)} if args.targets else {}
     try:
-        profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window, **kwargs)
+        profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window,
+                                            rotary=_ROTARY[args.rotary], **kwargs)
     except ValueError as exc:
         print(f"kvwire calibrate: {exc}", file=sys.stderr)
         return 2
@@ -49,12 +52,14 @@ def _calibrate(args: argparse.Namespace) -> int:
                           "model": args.model, "texts": [str(t) for t in texts], "tokens": len(ids),
                           "shape": {"layers": profile.layers, "heads": profile.heads,
                                     "head_dim": profile.head_dim},
-                          "transform": profile.transform, "seconds": round(seconds, 2), "levels": levels},
+                          "transform": profile.transform,
+                          "rotary": None if profile.rotary is None else profile.rotary.to_json(), "seconds": round(seconds, 2), "levels": levels},
                          indent=2))
         return 0
     print(f"kvwire calibrate: {args.model} KV ({profile.layers} layers x {profile.heads} heads x "
           f"{profile.head_dim}) on {len(ids)} tokens of {', '.join(t.name for t in texts)} in {seconds:.1f} s")
-    print(f"profile {profile.id} -> {output} ({output.stat().st_size / 1e6:.2f} MB)")
+    print(f"profile {profile.id} -> {output} ({output.stat().st_size / 1e6:.2f} MB)"
+          + ("; keys coded without RoPE" if profile.rotary is not None else ""))
     print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
     for lv in levels:
         default = "  (default)" if lv["level"] == codec.DEFAULT_LEVEL else ""
@@ -71,7 +76,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
         bench_quality.main(args.model, as_json=args.json, plot_path=None if args.no_plot else args.plot,
                            profile_path=args.profile, calibration_tokens=args.calibration_tokens,
                            windows=args.windows, window_tokens=args.window_tokens,
-                           context_tokens=args.context_tokens, levels=args.levels)
+                           context_tokens=args.context_tokens, levels=args.levels, rotary=args.rotary)
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"kvwire bench quality: {exc}", file=sys.stderr)
         return 2
@@ -103,6 +108,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="tokens per captured context (default: encoder positions; decoders min(positions, 2048))")
     p.add_argument("--targets", type=float, nargs="+", metavar="MSE",
                    help="level target distortions, best first (default: the codec's ladder)")
+    p.add_argument("--rotary", choices=tuple(_ROTARY), default="auto",
+                   help="remove the model's RoPE from the keys before fitting (the profile then does it "
+                        "per chunk position): 'auto' (the default choice, measured by bench quality), 'on', 'off'")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
 
@@ -124,6 +132,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="decoders: context tokens per window, the rest is the scored continuation "
                         "(default 3/4 of the window)")
     q.add_argument("--levels", type=int, nargs="+", default=None, help="levels to measure (default all)")
+    q.add_argument("--rotary", choices=("auto", "on", "off", "both"), default="auto",
+                   help="profiles that remove RoPE from the keys: 'auto' (the calibrate default), 'on', "
+                        "'off', or 'both' side by side (ignored with --profile)")
     q.add_argument("--json", action="store_true", help="print JSON instead of a table")
     q.add_argument("--plot", default="quality.png", help="PNG path (default quality.png)")
     q.add_argument("--no-plot", action="store_true", help="do not write the PNG")
