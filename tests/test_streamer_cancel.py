@@ -71,15 +71,19 @@ def test_gives_up_while_giving_up_still_fits() -> None:
 
 
 def test_a_chunk_is_judged_by_its_own_recent_rate() -> None:
-    """Marks every 20 ms: 1 MB/s for 200 ms, then 50 kB/s. The whole-transfer average
-    hides the drop; the last RECENT_S shows it, and that is the sample returned."""
+    """Marks every 20 ms: 1 MB/s for 200 ms, then 250 kB/s. The whole-transfer average
+    hides the drop; the recent arrivals show it, and that is the sample returned."""
     marks, got = [(0.0, 0)], 0
-    for step in range(1, 15):
-        got += 20_000 if step <= 10 else 1_000
+    for step in range(1, 31):
+        got += 20_000 if step <= 10 else 5_000
         marks.append((0.02 * step, got))
     sample = chunk_rate(marks, estimate=MB)
     assert sample is not None and RECENT_S <= sample.busy_seconds < marks[-1][0]
-    assert sample.bytes / sample.busy_seconds < 0.5 * got / marks[-1][0]
+    assert sample.bytes >= MIN_SAMPLE_BYTES
+    assert sample.bytes / sample.busy_seconds < 0.6 * got / marks[-1][0]   # 250 vs 500 kB/s
+    # bursty arrivals: nothing in the last look after a 100 kB burst is not a stall
+    bursty = [(0.0, 0), (0.02, 100_000), (0.04, 100_000)]
+    assert chunk_rate(bursty, estimate=MB) == Observation(100_000, 0.04)
     # a steady chunk is judged by its whole transfer
     steady = [(0.02 * i, 20_000 * i) for i in range(15)]
     assert chunk_rate(steady, estimate=MB) == Observation(steady[-1][1], steady[-1][0])

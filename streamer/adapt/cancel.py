@@ -54,9 +54,9 @@ def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None) -> Ob
     first when the link started carrying the chunk (0 bytes). Once ``MIN_SAMPLE_BYTES``
     arrived the chunk is judged by its own rate, not by a history that may predate a
     change (a chunk requested as a probe after a fade must not be cancelled for the
-    fade): the slower of its whole transfer so far and its last ``RECENT_S`` (at least
-    the span that holds ``MIN_SAMPLE_BYTES`` at the average), where a drop mid-chunk
-    shows long before it moves the average. Before that only a chunk already slower
+    fade): the slower of its whole transfer so far and its recent arrivals (the last
+    ``RECENT_S`` or more, back to a look ``MIN_SAMPLE_BYTES`` ago), where a drop
+    mid-chunk shows long before it moves the average. Before that only a chunk already slower
     than ``estimate`` is judged, as ``MIN_SAMPLE_BYTES`` over the time so far, an upper
     bound (a stall shows as bytes that do not come); otherwise there is nothing new to
     decide on. The sample is also what the planner learns when the chunk is abandoned.
@@ -72,12 +72,13 @@ def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None) -> Ob
             return Observation(MIN_SAMPLE_BYTES, elapsed)
         return None
     whole = Observation(received, elapsed)
-    window = max(RECENT_S, MIN_SAMPLE_BYTES * elapsed / received)
-    earlier = [mark for mark in marks if mark[0] <= now - window]
-    if not earlier:
-        return whole
-    then, before = earlier[-1]
-    recent = Observation(max(received - before, 1), now - then)
+    # the latest look at least RECENT_S ago with MIN_SAMPLE_BYTES arrived since (the first
+    # look qualifies): arrivals come in bursts, and a window that happens to fall between
+    # two would read as a stall
+    then, before = next(mark for mark in reversed(marks)
+                        if mark[0] <= now - RECENT_S and received - mark[1] >= MIN_SAMPLE_BYTES
+                        or mark is marks[0])
+    recent = Observation(received - before, now - then)
     return recent if recent.bytes * whole.busy_seconds < whole.bytes * recent.busy_seconds else whole
 
 
