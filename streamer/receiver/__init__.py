@@ -9,6 +9,7 @@ serving processes next to it over a small HTTP/JSON API.
 * ``http``    - the aiohttp application (``/fetch``, ``/contexts/{id}``, ``/events``,
   ``/healthz``, ``/metrics``)
 * ``daemon``  - ``Receiver``: configuration, start, graceful close
+* ``malloc``  - glibc malloc tuned and trimmed, so RSS follows what is in use
 * ``cli``     - ``kvwire receive``
 """
 from __future__ import annotations

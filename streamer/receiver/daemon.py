@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from streamer.net.config import SessionConfig
+from streamer.receiver import malloc
 from streamer.receiver.cache import ContextCache
 from streamer.receiver.fetcher import Fetcher
 from streamer.receiver.http import make_app
@@ -44,6 +46,10 @@ class ReceiverConfig:
     #: model (local path or "minilm") to recompute chunks that arrive as text
     model: str | None = None
     shutdown_grace: float = 5.0
+    #: glibc malloc tuned at start and trimmed every this many seconds, so that RSS follows
+    #: what is in use instead of its high-water mark (see ``streamer.receiver.malloc``);
+    #: None: malloc left as it is
+    trim_seconds: float | None = malloc.TRIM_SECONDS
     #: how every fetch runs (decode device, timeouts, auth, TLS, limits); its ``slo`` and
     #: ``policy`` are the defaults of POST /fetch
     session: SessionConfig = field(default_factory=SessionConfig)
@@ -56,6 +62,8 @@ class ReceiverConfig:
         overrides = {name: value for name in ("device", "slo", "policy")
                      if (value := getattr(self, name)) is not None}
         self.session = dataclasses.replace(self.session, **overrides)   # validates
+        if self.trim_seconds is not None and not self.trim_seconds > 0:
+            raise ValueError(f"trim_seconds must be > 0 (or None), not {self.trim_seconds!r}")
         self.device, self.slo, self.policy = self.session.device, self.session.slo, self.session.policy
 
 
@@ -68,6 +76,7 @@ class Receiver:
         self.closing = False
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        self._malloc: malloc.Tuning | None = None
         self.address: tuple[str, int] = ("", 0)
 
     @property
@@ -93,6 +102,8 @@ class Receiver:
         server = self._site._server
         sockets = getattr(server, "sockets", None) or ()
         self.address = tuple(sockets[0].getsockname()[:2]) if sockets else (host, port)  # type: ignore[assignment]
+        if self.config.trim_seconds is not None:
+            self._malloc = malloc.Tuning(os.environ, self.config.trim_seconds)
         return self
 
     async def probe_senders(self) -> list[dict[str, Any]]:
@@ -124,6 +135,8 @@ class Receiver:
         await self.fetcher.close(self.config.shutdown_grace)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._malloc is not None:
+            self._malloc.stop()
 
     async def __aenter__(self) -> "Receiver":
         return self
