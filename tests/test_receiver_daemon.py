@@ -558,3 +558,24 @@ async def test_a_chunk_that_stays_corrupt_after_layers_went_out_is_superseded(co
     assert superseded == {"chunk": 1, "layers": 2}
     report = next(d for _, kind, d in events if kind == "done")["report"]
     assert report["chunks"][1]["level"] == "text" and report["chunks"][1]["superseded_layers"] == 2
+
+
+async def test_repeated_fetches_keep_no_per_fetch_state(contexts, sender, receive, http) -> None:
+    """A long-running receiver's memory must not grow with the fetches it has made: once
+    they are over, no job, session or event log survives, and the idle connections stay
+    within their bound (RSS is ``kvwire bench load``'s business: the machine is shared)."""
+    import gc
+
+    from streamer.net.session import StreamSession
+    from streamer.receiver.fetcher import MAX_IDLE_CONNECTIONS, FetchJob
+
+    receiver = await receive([("127.0.0.1", sender.port)])
+    for i in range(12):
+        status, body = await _post(http, receiver, context_id=CONTEXTS[i % len(CONTEXTS)], refresh=True)
+        assert status == 200 and body["status"] == "fetched", body
+    fetcher = receiver.fetcher
+    assert fetcher.inflight == {}
+    assert all(len(idle) <= MAX_IDLE_CONNECTIONS for idle in fetcher._idle.values())
+    gc.collect()
+    alive = [o for o in gc.get_objects() if type(o) in (FetchJob, StreamSession)]
+    assert alive == []
