@@ -22,7 +22,11 @@ def test_options() -> None:
                                                   "--senders", "3", "--store", "redis://h:1/0"]))
     assert (cfg.sessions, cfg.seconds, cfg.senders, cfg.store) == (4, 1.0, 3, "redis://h:1/0")
     assert load._config(build_parser().parse_args(["bench", "load", "--seconds", "2"])).seconds == 2.0
-    for bad in (["--sessions", "0"], ["--senders", "0"], ["--slo", "0"], ["--duration", "-1"]):
+    assert cfg.trim_seconds == 2.0
+    assert load._config(build_parser().parse_args(["bench", "load", "--trim-seconds", "0"])).trim_seconds is None
+    assert load._config(build_parser().parse_args(["bench", "load", "--trim-seconds", "0.5"])).trim_seconds == 0.5
+    for bad in (["--sessions", "0"], ["--senders", "0"], ["--slo", "0"], ["--duration", "-1"],
+                ["--trim-seconds", "-1"]):
         with pytest.raises(SystemExit):
             load._config(build_parser().parse_args(["bench", "load", *bad]))
 
@@ -95,7 +99,10 @@ def test_quick_json_run_with_two_senders(capsys: pytest.CaptureFixture[str]) -> 
         assert 0 < out[key]["p50"] <= out[key]["p99"]
     for who in ("senders", "receiver"):
         assert out["rss"][who]["peak_mb"] > 0 and out["rss"][who]["start_mb"] > 0
-        assert set(out["rss"][who]) >= {"start_mb", "baseline_mb", "end_mb", "growth"}
+        assert set(out["rss"][who]) >= {"start_mb", "baseline_mb", "end_mb", "growth", "max_growth"}
+    # this process's malloc runs as the receiver daemon's (tuned and trimmed) on glibc
+    from streamer.receiver import malloc
+    assert ("trimmed every 2 s" in out["config"]["receiver_malloc"]) == malloc.Malloc.here().available
     assert len(out["samples"]) >= 2
     # both senders served (round-robin), one session per fetch plus the profile warm-up
     m = out["sender_metrics"]

@@ -17,7 +17,10 @@ must be zero), text fallbacks, SLO misses; fetches completed; chunk latency p50/
 (``ChunkReport.seconds``, KV chunks) and fetch latency; goodput (chunk bytes of completed
 fetches per second); RSS of the senders and the receiver process at start and end, and
 their growth after the warm-up (a quarter of the run, at most 10 s); the machine's CPUs
-and the contexts' sizes. ``--soak`` runs until Ctrl-C (or ``--duration``) and fails unless
+and the contexts' sizes. This process's glibc malloc is tuned and trimmed every
+``--trim-seconds`` (default 2; 0: glibc's defaults) as the receiver daemon's is (see
+``streamer.receiver.malloc``: without it RSS follows malloc's high-water mark, not what is
+in use). ``--soak`` runs until Ctrl-C (or ``--duration``) and fails unless
 the growth stays under ``--max-growth`` (default 20%); the exit code is non-zero on any
 error, or on too much growth in ``--soak``.
 
@@ -63,6 +66,9 @@ class LoadConfig:
     context_tokens: tuple[int, ...] = (480, 960, 1440, 1856)
     levels: tuple[int, ...] = (0, 2, 4)
     calibration_tokens: int = 1024
+    #: the receiving process's glibc malloc tuned and trimmed every this many seconds, as
+    #: the receiver daemon does (streamer.receiver.malloc); None: glibc's defaults
+    trim_seconds: float | None = 2.0
 
 
 FULL = LoadConfig()
@@ -402,19 +408,35 @@ async def _receiver(index: int, ports: list[int], cfg: LoadConfig, contexts: lis
 
 
 def _growth(samples: list[dict[str, Any]], key: str, warmup: float) -> dict[str, Any]:
-    """RSS at the first sample, at the first after the warm-up, at the end, and the growth
-    after the warm-up."""
+    """RSS at the first sample, at the first after the warm-up, at the end (the fetches
+    over), its highest after the warm-up; the growth from the warm-up to the end, and to
+    that highest (under load: what the fetches in flight hold at the worst moment)."""
     after = [s for s in samples if s["t"] >= warmup]
     start = samples[0][key] / 1e6 if samples else None
     if len(after) < 2:
-        return {"start_mb": start, "baseline_mb": None, "end_mb": None, "max_mb": None, "growth": None}
-    base, end = after[0][key], after[-1][key]
-    return {"start_mb": start, "baseline_mb": base / 1e6, "end_mb": end / 1e6,
-            "max_mb": max(s[key] for s in after) / 1e6, "growth": (end - base) / base if base else None}
+        return {"start_mb": start, "baseline_mb": None, "end_mb": None, "max_mb": None, "growth": None,
+                "max_growth": None}
+    base, end, high = after[0][key], after[-1][key], max(s[key] for s in after)
+    return {"start_mb": start, "baseline_mb": base / 1e6, "end_mb": end / 1e6, "max_mb": high / 1e6,
+            "growth": (end - base) / base if base else None, "max_growth": (high - base) / base if base else None}
 
 
 # ---------------------------------------------------------------------------- run
 async def run(cfg: LoadConfig) -> dict[str, Any]:
+    from streamer.receiver import malloc
+
+    # this (receiving) process's malloc as a receiver daemon runs it, from the start
+    allocator = malloc.Tuning(os.environ, cfg.trim_seconds) if cfg.trim_seconds is not None else None
+    try:
+        out = await _run(cfg)
+    finally:
+        if allocator is not None:
+            allocator.stop()
+    out["config"]["receiver_malloc"] = allocator.describe() if allocator is not None else "glibc defaults"
+    return out
+
+
+async def _run(cfg: LoadConfig) -> dict[str, Any]:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []
@@ -569,7 +591,8 @@ def render(out: dict[str, Any]) -> str:
         f"contexts: {len(out['contexts'])} of {sizes} MB at level {min(cfg['levels'])} (levels "
         f"{','.join(map(str, cfg['levels']))} stored), {cfg['layers']}x{cfg['heads']}x{cfg['head_dim']}, "
         f"{cfg['chunk_tokens']} tokens a chunk; decode {'on (checked)' if cfg['decode'] else 'off'}",
-        f"machine: {cfg['cpus']} CPUs (receivers and senders share them); receiver loop {cfg['loop']}",
+        f"machine: {cfg['cpus']} CPUs (receivers and senders share them); receiver loop {cfg['loop']}, "
+        f"malloc {cfg['receiver_malloc']}",
         f"ran {out['run_seconds']:.1f} s (wall {out['wall_seconds']:.1f} s): {out['fetches']} fetches completed, "
         f"{out['errors']} errors {out['errors_by_kind']}",
         f"text fallbacks: {out['text_chunks']} chunks in {out['text_fetches']} fetches; SLO misses: "
@@ -580,10 +603,11 @@ def render(out: dict[str, Any]) -> str:
     ]
     for who in ("senders", "receiver"):
         r = rss[who]
-        growth = "-" if r["growth"] is None else f"{r['growth']:+.1%}"
+        growth, high = ("-" if r[k] is None else f"{r[k]:+.1%}" for k in ("growth", "max_growth"))
         lines.append(f"{who} RSS: start {fmt(r['start_mb'], '.1f')} MB, end {fmt(r['end_mb'], '.1f')} MB, "
                      f"peak {r['peak_mb']:.1f} MB; after {rss['warmup_seconds']:.1f} s warm-up "
-                     f"{fmt(r['baseline_mb'], '.1f')} -> {fmt(r['end_mb'], '.1f')} MB ({growth})")
+                     f"{fmt(r['baseline_mb'], '.1f')} -> {fmt(r['end_mb'], '.1f')} MB ({growth}), "
+                     f"highest {fmt(r['max_mb'], '.1f')} MB ({high})")
     m = out["sender_metrics"]
     lines.append(f"sender metrics: {m['sessions_total']:.0f} sessions {m['per_sender_sessions']}, chunks by "
                  f"level {m['chunks_by_level']}, {m['sent_bytes_total'] / 1e6:.1f} MB sent, "
@@ -612,6 +636,8 @@ def _config(args: argparse.Namespace) -> LoadConfig:
     for name in ("sessions", "sample_seconds", "max_growth", "store", "senders", "slo", "policy"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
+    if args.trim_seconds is not None:
+        changes["trim_seconds"] = args.trim_seconds or None
     cfg = replace(cfg, **changes)
     if cfg.sessions < 1:
         raise SystemExit("kvwire bench load: --sessions must be >= 1")
@@ -621,6 +647,8 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         raise SystemExit("kvwire bench load: --duration must be > 0")
     if not cfg.slo > 0:
         raise SystemExit("kvwire bench load: --slo must be > 0")
+    if cfg.trim_seconds is not None and not cfg.trim_seconds > 0:
+        raise SystemExit("kvwire bench load: --trim-seconds must be >= 0")
     return cfg
 
 
@@ -650,6 +678,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="run until Ctrl-C (or --duration) and fail if RSS grows more than --max-growth")
     b.add_argument("--max-growth", type=float, help="allowed RSS growth after the warm-up (default 0.2)")
     b.add_argument("--sample-seconds", type=float, help="RSS sampling period (default 2; --quick 0.5)")
+    b.add_argument("--trim-seconds", type=float,
+                   help="this process's malloc tuned and trimmed every this many s, as the receiver "
+                        "daemon does (default 2; 0: glibc's defaults, untrimmed)")
     b.add_argument("--no-decode", action="store_true", help="receivers skip the codec work (and its check)")
     b.add_argument("--quick", action="store_true", help="16 sessions for 3 s on small contexts (for tests)")
     b.add_argument("--json", action="store_true", help="print machine-readable JSON")
