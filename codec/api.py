@@ -10,6 +10,7 @@ checked against codec/FORMAT.md's "Limits" before anything is allocated from it.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Iterator
 
 import numpy as np
@@ -18,10 +19,22 @@ import zstandard
 
 from . import backends, container, layer_codec
 from .container import BlobHeader
-from .errors import CorruptBitstream, ProfileMismatch
+from .errors import CorruptBitstream, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .profile import DEFAULT_SINK_TOKENS, Profile, coded_body, embedded_profile, validate_kv
 from .rotary import MAX_POSITION
+
+#: a layer's K or V whose measured MSE/var passes this multiple of its level's target does
+#: not fit the profile: the layer is stored raw and ``encode`` warns (ProfileMismatchWarning).
+#: Real text unlike the calibration overshoots by up to ~2x; a profile from another model
+#: by 10x and more (issue #14).
+MISFIT_FACTOR = 4.0
+#: tokens the fit check quantizes per layer and K/V (evenly spaced): ~4% of the encoding
+#: time of a 1536-token chunk, and enough to tell 4x from 1x (64 x C values)
+MISFIT_SAMPLE_TOKENS = 64
+#: fewer coded tokens than this are not checked: their own variance says little (a few
+#: tokens of a context's tail may all be alike) and a wrong guess would only cost bytes
+MISFIT_MIN_TOKENS = 64
 
 _ITEM_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -41,19 +54,76 @@ def _tokens_from_bytes(data: memoryview, dtype: torch.dtype, channels: int) -> t
 
 
 def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tensor, body: torch.Tensor,
-                   sinks: int) -> tuple[bytes, int]:
+                   sinks: int, raw: bool = False) -> tuple[bytes, int]:
     """(section bytes, mode) of one layer: rANS lanes, or the tokens verbatim when the
-    lanes would not be smaller (data unlike the calibration) or the values do not
-    quantize at all, so a section is never larger than the layer in its own dtype."""
+    lanes would not be smaller (data unlike the calibration), the values do not
+    quantize at all, or ``raw`` (the profile does not fit the layer), so a section is
+    never larger than the layer in its own dtype."""
     raw_size = container.token_bytes(kv_layer.shape[1] - sinks, body.shape[-1], kv_layer.dtype)
-    try:
-        lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1])
-    except layer_codec.ValuesOutOfRange:
-        lanes = None
+    lanes = None
+    if not raw:
+        try:
+            lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1])
+        except layer_codec.ValuesOutOfRange:
+            pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
     if lanes is None or len(lanes) >= raw_size:
         return sink_bytes + _token_bytes(kv_layer[:, sinks:]), container.MODE_RAW
     return sink_bytes + lanes, container.MODE_CODED
+
+
+def measured_distortion(profile: Profile, slot: int, body: torch.Tensor) -> np.ndarray:
+    """MSE/var [layers, 2] that coding ``body`` (float32 [layers, 2, N, C], the tokens as
+    the transform sees them: ``coded_body``) at level ``slot`` gives each layer's K and V,
+    as the profile's targets count it: squared error per token over the sum of the
+    channels' variances (of the data itself, not of the calibration).
+
+    The error is the quantizer's rounding of the kept components plus the energy of the
+    dropped ones (the basis is orthonormal); a delta-coded value rounds on the same grid
+    (its anchor is a multiple of the step), so this is what the encoder's output has.
+    Error and variance are both measured on ``MISFIT_SAMPLE_TOKENS`` evenly spaced
+    tokens: a few % of the transform's work on a long chunk, whatever its length.
+    """
+    layers, _, tokens, _ = body.shape
+    # numpy, not torch: on tensors this small torch's thread pool costs more than the work
+    sample = body[:, :, ::max(1, -(-tokens // MISFIT_SAMPLE_TOKENS))].numpy()
+    variance = sample.var(axis=2, dtype=np.float64).sum(axis=-1)
+    centered = sample - profile.mean[:, :, None]
+    energy = np.square(centered, dtype=np.float64).sum(axis=(2, 3))
+    measured = np.empty((layers, 2))
+    for layer in range(layers):
+        for kind in range(2):
+            kept = int(profile.kept[slot, layer, kind])
+            step = float(profile.steps[slot, layer, kind])
+            coef = centered[layer, kind]
+            if profile.basis is not None:
+                coef = coef @ profile.basis[layer, kind, :kept].T
+            coef = coef.astype(np.float64)
+            rounding = float(np.square(coef - step * np.rint(coef / step)).sum())
+            dropped = max(float(energy[layer, kind]) - float(np.square(coef).sum()), 0.0)
+            measured[layer, kind] = (rounding + dropped) / sample.shape[2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(variance > 0, measured / np.where(variance > 0, variance, 1.0),
+                        np.where(measured > 0, np.inf, 0.0))
+
+
+def _misfits(profile: Profile, slot: int, body: torch.Tensor) -> dict[tuple[int, int], float]:
+    """{(layer, kind): MSE/var} of every layer K/V whose measured distortion passes
+    ``MISFIT_FACTOR`` times the level's target."""
+    measured = measured_distortion(profile, slot, body)
+    over = ~(measured <= MISFIT_FACTOR * profile.targets[slot])
+    return {(int(l), int(k)): float(measured[l, k]) for l, k in zip(*np.nonzero(over))}
+
+
+def _misfit_message(profile: Profile, level: int, misfits: dict[tuple[int, int], float], layers: int) -> str:
+    target = profile.targets[level]
+    (layer, kind), worst = max(misfits.items(), key=lambda item: item[1])
+    raw_layers = sorted({layer for layer, _ in misfits})
+    return (f"profile {profile.id} does not fit this KV: at level {level} (target MSE/var {target:.2g}) "
+            f"{len(misfits)} of {2 * layers} layer K/V parts measure over {MISFIT_FACTOR:g}x the target, "
+            f"worst layer {layer} {'KV'[kind]} at {worst:.2g} ({worst / target:.1f}x). Was the profile "
+            f"calibrated on another model, or on very different data? Layers {raw_layers} are stored "
+            f"raw (exact, not compressed).")
 
 
 def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None = None, *,
@@ -71,6 +141,12 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
     recorded in the blob: with a profile that carries the model's RoPE
     (``profile.rotary``) keys are rotated back from those positions before the
     transform, and the decoder re-applies RoPE there.
+
+    A profile that does not fit the data (a layer's K or V would come out with an
+    MSE/var over ``MISFIT_FACTOR`` times the level's target: a profile from another
+    model, or data far from its calibration; checked from ``MISFIT_MIN_TOKENS`` coded
+    tokens on) is detected while encoding: those layers are stored raw (exact) and a
+    ``ProfileMismatchWarning`` names them and the measured error.
     """
     validate_kv(kv)
     kv = kv.detach().cpu()
@@ -95,7 +171,12 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
         embedded = zstandard.ZstdCompressor(level=9).compress(profile.to_bytes())
         slot = 0
     body = coded_body(kv, sinks, profile.rotary, start)
-    sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks) for l in range(layers)))
+    misfits = _misfits(profile, slot, body) if embedded is None and body.shape[2] >= MISFIT_MIN_TOKENS else {}
+    raw = {layer for layer, _ in misfits}
+    sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks, raw=l in raw)
+                            for l in range(layers)))
+    if misfits:
+        warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=2)
     header = container.pack_header(
         dtype=kv.dtype, level=level, layers=layers, heads=heads, head_dim=head_dim,
         sink_tokens=sinks, tokens=tokens, start=start, profile_id=profile.id, embedded_profile=embedded,
