@@ -269,3 +269,107 @@ def test_generation_stops_at_the_end_of_sequence_token(llama):
     finally:
         llama.generation_config.eos_token_id = saved
 
+
+
+# ------------------------------------------------------ model paths (issue #14 item 7)
+def test_a_path_that_is_neither_a_model_directory_nor_a_gguf_file_is_a_clear_error(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    for path, words in ((text, "not a GGUF file"), (tmp_path / "empty", "without config.json"),
+                        (fake, "not a GGUF file")):
+        with pytest.raises(hf.ModelLoadError, match=words):
+            hf.resolve_model_path(str(path))
+        with pytest.raises(hf.ModelLoadError, match=words):
+            hf.load_model(str(path))
+    with pytest.raises(FileNotFoundError, match="no such local directory or .gguf file"):
+        hf.load_model(str(tmp_path / "missing"))
+
+
+def test_a_damaged_gguf_file_is_a_clear_error(tmp_path):
+    """The GGUF magic, then garbage: transformers' own error, wrapped with the path."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(range(60)))
+    assert hf.is_gguf(broken) and hf.resolve_model_path(str(broken)) == str(broken)
+    with pytest.raises((hf.ModelLoadError, RuntimeError), match="broken.gguf|gguf"):
+        hf.load_model(str(broken))
+
+
+def test_calibrate_cli_reports_a_bad_model_path_without_a_traceback(tmp_path, capsys):
+    from streamer.tools.cli import main
+
+    bad = tmp_path / "weights.bin"
+    bad.write_bytes(b"\0" * 16)
+    assert main(["calibrate", "--model", str(bad), "-o", str(tmp_path / "p.kvprofile")]) == 2
+    assert "not a GGUF file" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- recompute rate (issue #14 item 7)
+def test_recompute_rate_is_measured_once_per_model_and_length(llama):
+    from streamer.model import rate
+
+    first = rate.recompute_seconds_per_token(llama, 32)
+    assert first > 0
+    assert rate.recompute_seconds_per_token(llama, 32) == first          # remembered, not re-timed
+    # capped at the model's positions: 10000 tokens cannot be prefilled by a 512-position model
+    rate.recompute_seconds_per_token(llama, 10_000)
+    assert 512 in rate._measured[llama]
+
+
+async def test_assembler_attach_sets_the_callbacks_and_the_measured_rate(llama, stored_context):
+    """attach(): the session's policy weighs text at the model's own rate (one chunk's
+    prefill, measured before fetch()), or at the rate the caller gave."""
+    import streamer
+
+    store = await streamer.open_store(stored_context["root"])
+    server = await streamer.serve(store)
+    try:
+        async with streamer.StreamSession("127.0.0.1", server.port, "ctx", slo=10.0, policy="text") as session:
+            assembler = hf.CacheAssembler(llama, session.manifest)
+            assembler.attach(session)
+            assert session.config.recompute_seconds_per_token == assembler.recompute_seconds_per_token > 0
+            await session.fetch()
+        async with streamer.StreamSession("127.0.0.1", server.port, "ctx", slo=10.0) as session:
+            given = hf.CacheAssembler(llama, session.manifest, recompute_seconds_per_token=0.002)
+            given.attach(session)
+            assert session.config.recompute_seconds_per_token == 0.002
+    finally:
+        await server.close()
+        await store.close()
+    assert assembler.complete and assembler.text_chunks == [0, 1, 2]
+    assert torch.allclose(assembler.kv, stored_context["kv"], atol=1e-5)
+
+
+@pytest.mark.slow
+async def test_fetch_cli_with_a_model_measures_its_rate_and_recomputes_text(llama, stored_context, tmp_path):
+    """kvwire fetch --model: the text cost is measured on the model (not the 0.1 ms/token
+    guess) and text chunks are recomputed, so --out holds the complete KV."""
+    import asyncio
+    import sys
+
+    from safetensors.torch import load_file
+
+    import streamer
+
+    model_dir = tmp_path / "llama"
+    llama.save_pretrained(model_dir)
+    hf.random_llama(vocab=256)[1].save_pretrained(model_dir)
+    out = tmp_path / "kv.safetensors"
+    store = await streamer.open_store(stored_context["root"])
+    server = await streamer.serve(store)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "streamer.tools.cli", "fetch", "--server", f"127.0.0.1:{server.port}",
+            "--context", "ctx", "--policy", "text", "--slo", "30", "--model", str(model_dir), "--out", str(out),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 240)
+    finally:
+        await server.close()
+        await store.close()
+    assert proc.returncode == 0, stderr.decode()
+    assert "ms/token (measured on the model here)" in stdout.decode()
+    saved = load_file(str(out))
+    assert saved["text_ranges"].numel() == 0
+    assert torch.allclose(saved["kv"].float(), stored_context["kv"], atol=1e-5)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import os
 import threading
@@ -63,49 +64,93 @@ def smollm2_path() -> str:
     return str(found[0])
 
 
+class ModelLoadError(ValueError):
+    """A model path that is neither a Hugging Face model directory nor a GGUF file, or
+    whose files do not load: the message names the path and what is wrong with it."""
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True for a file that starts with the GGUF magic (whatever its name ends with)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except (IsADirectoryError, FileNotFoundError):
+        return False
+
+
 def resolve_model_path(name: str | None) -> str:
     """``None`` or ``"minilm"`` -> the shipped MiniLM weights; ``"smollm2"`` -> the shipped
-    SmolLM2-135M-Instruct GGUF file; anything else is a local path (a directory, or a
-    ``.gguf`` file)."""
+    SmolLM2-135M-Instruct GGUF file; anything else is a local path: a Hugging Face model
+    directory (with ``config.json``) or a GGUF file. FileNotFoundError when it does not
+    exist, ModelLoadError when it is neither."""
     if name is None or name.lower() in ("minilm", "all-minilm-l6-v2"):
         return minilm_path()
     if name.lower() in ("smollm2", "smollm2-135m-instruct"):
         return smollm2_path()
-    if not Path(name).exists():
-        raise FileNotFoundError(f"model {name!r}: no such local directory (nothing is downloaded)")
+    path = Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"model {name!r}: no such local directory or .gguf file (nothing is downloaded)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"model {name!r}: a directory without config.json is not a Hugging Face model "
+                             "directory (pass the directory holding config.json, or a .gguf file)")
+    if path.is_file() and not is_gguf(path):
+        raise ModelLoadError(f"model {name!r}: not a GGUF file (it does not start with the GGUF magic) "
+                             "nor a Hugging Face model directory")
     return name
 
 
 def load_model(path: str | None = None):
-    """(model, tokenizer) from a local path (default: all-MiniLM-L6-v2), in eval mode;
-    a ``.gguf`` file loads as a causal LM.
+    """(model, tokenizer) from a local path or a name ``resolve_model_path`` knows
+    (default: all-MiniLM-L6-v2), in eval mode.
 
-    A checkpoint whose config names a ``...ForCausalLM`` architecture loads with its
-    LM head (``AutoModelForCausalLM``: ``generate_with_kv`` and perplexities need
-    it); anything else loads as ``AutoModel`` (MiniLM: the bare encoder).
+    A GGUF file loads as a causal LM (tokenizer and weights from the file, dequantized
+    to float32; needs the ``gguf`` and ``accelerate`` packages). In a directory, a
+    checkpoint whose config names a ``...ForCausalLM`` architecture loads with its LM
+    head (``AutoModelForCausalLM``: ``generate_with_kv`` and perplexities need it);
+    anything else loads as ``AutoModel`` (MiniLM: the bare encoder). A path that is
+    neither, or whose files do not load, raises ModelLoadError naming the path;
+    missing packages raise RuntimeError.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    path = path or minilm_path()
-    if path.endswith(".gguf"):
-        # a GGUF checkpoint is one file; transformers dequantizes it to float32 weights
-        folder, name = str(Path(path).parent), Path(path).name
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                     local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        model.eval()
-        return model, tokenizer
+    path = resolve_model_path(path)
+    kind = "GGUF file" if is_gguf(path) else "Hugging Face model directory"
+    try:
+        model, tokenizer = _load_gguf(path) if is_gguf(path) else _load_directory(path)
+    except ImportError as exc:
+        raise RuntimeError(f"loading {path} needs a package that is not installed ({exc}); "
+                           "GGUF files need: pip install gguf accelerate") from exc
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"model {path!r} does not load as a {kind}: {exc}") from exc
+    model.eval()
+    return model, tokenizer
+
+
+def _load_gguf(path: str):
+    """A GGUF checkpoint is one file; transformers dequantizes it to float32 weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(Path(path).parent), Path(path).name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    return model, tokenizer
+
+
+def _load_directory(path: str):
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     causal = any(str(a).endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ()))
     loader = AutoModelForCausalLM if causal else AutoModel
     model = loader.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model.eval()
     return model, tokenizer
 
 
@@ -470,9 +515,14 @@ class CacheAssembler:
     chunk comes every earlier chunk is complete and a decoder recomputes it over
     their (possibly lossy) KV. ``cache()`` gives the result as a ``DynamicCache``
     (decoders), ``token_ids`` the ids of the chunks that came as text.
+
+    ``attach(session)`` sets the session's callbacks and has its policy weigh text
+    chunks at ``recompute_seconds_per_token``: the rate given, or this model's own,
+    measured on one chunk's prefill when first asked (``streamer.model.rate``).
     """
 
-    def __init__(self, model, manifest, *, window: int | None = None) -> None:
+    def __init__(self, model, manifest, *, window: int | None = None,
+                 recompute_seconds_per_token: float | None = None) -> None:
         layers, heads, head_dim = kv_shape(model)
         if (manifest.layers, manifest.heads, manifest.head_dim) != (layers, heads, head_dim):
             raise ValueError(f"manifest KV is {manifest.layers}x{manifest.heads}x{manifest.head_dim}, "
@@ -487,6 +537,26 @@ class CacheAssembler:
         self.text_chunks: list[int] = []
         self._layers_done = [0] * len(manifest.chunks)
         self._lock = threading.Lock()  # recomputation may run in a worker thread
+        self._rate = recompute_seconds_per_token
+
+    @property
+    def recompute_seconds_per_token(self) -> float:
+        """What recomputing a chunk costs per token here: as given, or measured once on a
+        chunk as long as the manifest's longest (a prefill of it, seconds on a CPU)."""
+        if self._rate is None:
+            from streamer.model.rate import recompute_seconds_per_token
+
+            longest = max((c.end - c.start for c in self.manifest.chunks), default=1)
+            self._rate = recompute_seconds_per_token(self.model, longest)
+        return self._rate
+
+    def attach(self, session) -> None:
+        """Receive ``session``'s fetch into this assembler: its callbacks, and its policy's
+        text cost set to ``recompute_seconds_per_token`` (call before ``fetch()``: the
+        measurement is not timed by the fetch)."""
+        session.set_callbacks(on_layer=self.on_layer, on_text=self.on_text)
+        session.config = dataclasses.replace(session.config,
+                                             recompute_seconds_per_token=self.recompute_seconds_per_token)
 
     def _range(self, chunk: int) -> tuple[int, int]:
         info = self.manifest.chunks[chunk]

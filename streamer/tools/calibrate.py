@@ -22,15 +22,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from streamer.model import hf, quality
 
+    started = time.perf_counter()
     try:
-        path = hf.resolve_model_path(args.model)
         texts = [Path(t) for t in args.text] if args.text else list(hf.CALIBRATION_TEXTS)
         text = hf.read_text(texts)
-    except (FileNotFoundError, RuntimeError) as exc:
+        model, tokenizer = hf.load_model(args.model)  # a name, a model directory or a GGUF file
+    except (FileNotFoundError, RuntimeError, hf.ModelLoadError) as exc:
         print(f"kvwire calibrate: {exc}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
-    model, tokenizer = hf.load_model(path)
     ids = hf.tokenize(tokenizer, text)[:args.tokens]
     if len(ids) < 64:
         print(f"kvwire calibrate: the text has only {len(ids)} tokens; calibration needs more", file=sys.stderr)
