@@ -11,6 +11,9 @@ import sys
 from typing import Awaitable, Callable
 
 DEFAULT_PORT = 7410
+#: ``kvwire fetch``'s text cost without a model to measure (a GPU-class guess; with
+#: ``--model`` the model's own rate is measured instead)
+DEFAULT_RECOMPUTE_MS_PER_TOKEN = 0.1
 
 
 def parse_address(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
@@ -154,27 +157,43 @@ async def _fetch(args: argparse.Namespace) -> int:
               f"slack {report.time_left:7.3f} s" + (f"  ({report.reason})" if report.reason else ""),
               flush=True)
 
+    loaded = await asyncio.to_thread(_load_model, args.model) if args.model else None
+    given = args.recompute_ms_per_token
     config = session_config(args, slo=args.slo, policy=args.policy,
-                            recompute_seconds_per_token=args.recompute_ms_per_token / 1e3,
+                            recompute_seconds_per_token=(DEFAULT_RECOMPUTE_MS_PER_TOKEN if given is None
+                                                         else given) / 1e3,
                             max_buffered_bytes=args.max_buffered_mb << 20)
     async with StreamSession(*servers[0], args.context, config=config, servers=servers[1:],
                              on_chunk=on_chunk) as session:
         m = session.manifest
         assert m is not None
-        if args.out:
-            kv = torch.zeros(m.layers, 2, m.tokens, m.heads, m.head_dim, dtype=getattr(torch, m.dtype))
+        if loaded is not None:
+            # text chunks are recomputed with the model and weighed at what that costs here
+            # (measured now, on one chunk's prefill: before fetch() starts its clock)
+            from streamer.model.hf import CacheAssembler
 
-        def on_layer(chunk: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            if kv is not None:
-                info = m.chunks[chunk]
-                kv[layer, 0, info.start:info.end] = k
-                kv[layer, 1, info.start:info.end] = v
+            assembler = CacheAssembler(loaded, m, recompute_seconds_per_token=None if given is None else given / 1e3)
+            await asyncio.to_thread(assembler.attach, session)
+            if not args.json:
+                print(f"recompute {assembler.recompute_seconds_per_token * 1e3:.2f} ms/token "
+                      f"({'given' if given is not None else 'measured on the model here'})", flush=True)
+        else:
+            if args.out:
+                kv = torch.zeros(m.layers, 2, m.tokens, m.heads, m.head_dim, dtype=getattr(torch, m.dtype))
 
-        def on_text(chunk: int, token_ids: list[int]) -> None:
-            text_chunks[chunk] = token_ids
+            def on_layer(chunk: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                if kv is not None:
+                    info = m.chunks[chunk]
+                    kv[layer, 0, info.start:info.end] = k
+                    kv[layer, 1, info.start:info.end] = v
 
-        session.set_callbacks(on_layer=on_layer, on_text=on_text)
+            def on_text(chunk: int, token_ids: list[int]) -> None:
+                text_chunks[chunk] = token_ids
+
+            session.set_callbacks(on_layer=on_layer, on_text=on_text)
         report = await session.fetch()
+    if loaded is not None and args.out:
+        kv = assembler.kv.to(getattr(torch, m.dtype))  # complete: text chunks were recomputed
     if kv is not None:
         _write_fetched(args.out, kv, m, text_chunks)
     if args.json:
@@ -186,6 +205,13 @@ async def _fetch(args: argparse.Namespace) -> int:
               f"{report.first_layer_seconds if report.first_layer_seconds is None else round(report.first_layer_seconds, 3)} s"
               + (f"; wrote {args.out}" if args.out else ""))
     return 0
+
+
+def _load_model(name: str):
+    """The model of ``kvwire fetch --model`` (a name, a model directory or a GGUF file)."""
+    from streamer.model import hf
+
+    return hf.load_model(name)[0]
 
 
 def _write_fetched(path: str, kv, manifest, text_chunks: dict[int, list[int]]) -> None:
@@ -263,8 +289,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     fetch.add_argument("--context", required=True, help="context id")
     fetch.add_argument("--slo", type=float, default=1.0, help="deadline in seconds (default 1)")
     fetch.add_argument("--policy", default="mpc", help="mpc (default), greedy, fixed:N or text")
-    fetch.add_argument("--recompute-ms-per-token", type=float, default=0.1,
-                       help="recompute cost of the text fallback, ms per token (default 0.1)")
+    fetch.add_argument("--model", metavar="MODEL",
+                       help="recompute chunks that arrive as text with this model ('minilm', 'smollm2', a "
+                            "local model directory or a .gguf file): --out then holds the complete KV, and "
+                            "the policy weighs text at the model's recompute rate, measured here before the fetch")
+    fetch.add_argument("--recompute-ms-per-token", type=float, default=None,
+                       help="recompute cost of the text fallback, ms per token (default: measured with "
+                            f"--model, else {DEFAULT_RECOMPUTE_MS_PER_TOKEN})")
     fetch.add_argument("--out", help="write the KV to this safetensors file")
     fetch.add_argument("--json", action="store_true", help="print the fetch report as JSON")
     _add_auth_option(fetch, "to authenticate with")
