@@ -73,3 +73,27 @@ def test_rotary_of_smollm2_removes_exactly_its_rope(smollm2, context_ids) -> Non
     tokens = kv.shape[2]
     back = rotate(kv[3, 0].reshape(tokens, -1), rotary, rotary.angles(0, tokens), inverse=True)
     torch.testing.assert_close(back, projected["k"][0], rtol=1e-4, atol=1e-4)
+
+
+def test_calibrate_cli_takes_the_gguf_file(tmp_path, capsys) -> None:
+    """kvwire calibrate --model FILE.gguf (issue #14 item 7): a GGUF file, not only a
+    Hugging Face directory, and the profile carries the model's shape."""
+    import codec
+    from streamer.tools.cli import main
+
+    try:
+        path = hf.smollm2_path()
+    except RuntimeError as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")
+    out = tmp_path / "smollm2.kvprofile"
+    assert main(["calibrate", "--model", path, "--tokens", "128", "-o", str(out)]) == 0
+    profile = codec.Profile.load(out)
+    assert (profile.layers, profile.heads, profile.head_dim) == (30, 3, 64)
+
+
+def test_recompute_rate_is_measured_on_the_model(smollm2) -> None:
+    """What kvwire fetch --model / CacheAssembler weigh text chunks at: one chunk's prefill."""
+    from streamer.model import rate
+
+    model, _ = smollm2
+    assert rate.recompute_seconds_per_token(model, 64) > 0
