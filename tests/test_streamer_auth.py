@@ -24,7 +24,7 @@ from streamer.wire import protocol as p
 from streamer.wire.frames import encode
 from streamer.net.sender import ServerConfig, is_loopback
 
-from test_streamer_limits import CHUNKS, Raw, _fatal, store_root  # noqa: F401  (fixture)
+from test_streamer_limits import CHUNKS, Raw, _fatal, limits_profile, store_root  # noqa: F401  (fixtures)
 
 TOKEN = "correct horse battery staple 42"
 OTHER = "wrong horse battery staple 4242"
