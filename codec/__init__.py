@@ -13,7 +13,7 @@ from .api import (decode, decode_layers, decode_section, encode, header_length, 
                   parse_header, resolve_profile, section_decoder)
 from .backends import register as register_backend
 from .container import BlobHeader
-from .errors import CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch
+from .errors import CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .profile import Level, Profile, calibrate
 from .rotary import Rotary
@@ -21,7 +21,7 @@ from .warmup import warm_up
 
 __all__ = [
     "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS",
-    "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "calibrate", "decode",
+    "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "ProfileMismatchWarning", "calibrate", "decode",
     "decode_layers", "decode_section", "encode", "header_length", "inspect", "parse_header",
     "register_backend", "resolve_profile", "Rotary", "section_decoder", "warm_up",
 ]

@@ -16,3 +16,12 @@ def test_serve_refuses_a_store_directory_that_does_not_exist(tmp_path: Path, for
     err = capsys.readouterr().err
     assert f"directory {str(missing)!r} does not exist" in err and "kvwire put --store creates it" in err
     assert not missing.exists()
+
+
+def test_receive_refuses_a_model_path_that_is_not_a_model(tmp_path: Path, capsys) -> None:
+    not_a_model = tmp_path / "notes.txt"
+    not_a_model.write_text("hello")
+    assert main(["receive", "--servers", "127.0.0.1:9", "--listen", "127.0.0.1:0",
+                 "--model", str(not_a_model)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load model {not_a_model}" in err and "not a GGUF file" in err

@@ -41,8 +41,19 @@ async def _receive(args: argparse.Namespace) -> int:
     config = ReceiverConfig(servers=args.servers, cache_dir=args.cache, cache_bytes=args.cache_bytes,
                             model=args.model, shutdown_grace=args.grace, session=session)
     if args.model:
+        import sys
+
+        from streamer.model.hf import ModelLoadError
+
         print(f"kvwire receive: loading model {args.model}", flush=True)
-    receiver = await start_receiver(config, *args.listen)
+        try:
+            receiver = await start_receiver(config, *args.listen)
+        except (FileNotFoundError, ModelLoadError, RuntimeError) as exc:
+            # a wrong path, not a model, a damaged file or a missing package: say which
+            print(f"kvwire receive: cannot load model {args.model}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        receiver = await start_receiver(config, *args.listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
