@@ -308,14 +308,12 @@ def test_calibrate_cli_reports_a_bad_model_path_without_a_traceback(tmp_path, ca
 
 # ------------------------------------------------------- recompute rate (issue #14 item 7)
 def test_recompute_rate_is_measured_once_per_model_and_length(llama):
-    from streamer.model import rate
-
-    first = rate.recompute_seconds_per_token(llama, 32)
+    first = hf.recompute_seconds_per_token(llama, 32)
     assert first > 0
-    assert rate.recompute_seconds_per_token(llama, 32) == first          # remembered, not re-timed
+    assert hf.recompute_seconds_per_token(llama, 32) == first          # remembered, not re-timed
     # capped at the model's positions: 10000 tokens cannot be prefilled by a 512-position model
-    rate.recompute_seconds_per_token(llama, 10_000)
-    assert 512 in rate._measured[llama]
+    hf.recompute_seconds_per_token(llama, 10_000)
+    assert 512 in hf._measured_rates[llama]
 
 
 async def test_assembler_attach_sets_the_callbacks_and_the_measured_rate(llama, stored_context):

@@ -93,7 +93,5 @@ def test_calibrate_cli_takes_the_gguf_file(tmp_path, capsys) -> None:
 
 def test_recompute_rate_is_measured_on_the_model(smollm2) -> None:
     """What kvwire fetch --model / CacheAssembler weigh text chunks at: one chunk's prefill."""
-    from streamer.model import rate
-
     model, _ = smollm2
-    assert rate.recompute_seconds_per_token(model, 64) > 0
+    assert hf.recompute_seconds_per_token(model, 64) > 0

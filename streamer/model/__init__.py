@@ -2,8 +2,8 @@
 recompute chunks that arrive as text, and measure what a lossy cache does to the model.
 
 * ``hf``          - capture / inject KV (decoders via the cache, encoders via hooks),
-  greedy generation after a transmitted context, ``CacheAssembler`` (recompute)
-* ``rate``        - ``recompute_seconds_per_token``: this model's measured text cost
+  greedy generation after a transmitted context, ``CacheAssembler`` (recompute),
+  ``recompute_seconds_per_token`` (this model's measured text cost)
 * ``rotary``      - ``rotary_of``: the model's RoPE as a ``codec.Rotary`` (keys coded position-free)
 * ``quality``     - per-level quality on real text (attention error, embedding cosine,
   perplexity), and profile calibration on a model's own KV
@@ -13,9 +13,8 @@ recompute chunks that arrive as text, and measure what a lossy cache does to the
 from streamer.model.hf import (CALIBRATION_TEXTS, MEASURE_TEXT, CacheAssembler, ModelLoadError, cache_to_kv,
                                capture_kv, continuation_logits, generate_with_kv, greedy_generate,
                                is_decoder, is_gguf, kv_shape, kv_to_cache, load_model, minilm_path,
-                               random_llama, read_text, recompute_chunk, resolve_model_path,
-                               sentence_embedding, tokenize)
-from streamer.model.rate import recompute_seconds_per_token
+                               random_llama, read_text, recompute_chunk, recompute_seconds_per_token,
+                               resolve_model_path, sentence_embedding, tokenize)
 from streamer.model.rotary import rotary_of
 
 __all__ = ["CALIBRATION_TEXTS", "MEASURE_TEXT", "CacheAssembler", "ModelLoadError", "cache_to_kv",

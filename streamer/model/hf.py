@@ -25,6 +25,8 @@ import dataclasses
 import inspect
 import os
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -505,6 +507,36 @@ def recompute_chunk(model, kv_so_far: torch.Tensor | None, token_ids: Sequence[i
     return torch.cat(pieces, dim=2).float().cpu()
 
 
+#: tokens timed when the chunk length is not known (capped at the model's positions)
+RATE_TOKENS = 512
+#: a short prefill before timing: the first forward pays one-off allocation and dispatch costs
+_RATE_WARM_TOKENS = 16
+_measured_rates: "weakref.WeakKeyDictionary[object, dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def recompute_seconds_per_token(model, tokens: int = RATE_TOKENS) -> float:
+    """Seconds per token ``recompute_chunk`` takes on a ``tokens``-token chunk (capped at
+    the model's positions) with this model, measured here once and remembered.
+
+    A fetch weighs sending a chunk as text against its KV at this rate; a default guessed
+    for a GPU (0.1 ms/token) made text look 19x cheaper than it is for SmolLM2 on a 2-core
+    CPU (~1.9 ms/token). So whoever holds the model measures it, once per (model, chunk
+    length) in a process and outside any timed fetch. A profile does not record it: the
+    rate belongs to the receiver's hardware, and a profile travels to other machines.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None) or tokens
+    tokens = max(1, min(int(tokens), int(limit)))
+    known = _measured_rates.setdefault(model, {})
+    if tokens not in known:
+        vocab = vocab_size(model)
+        ids = [(7 + 31 * i) % vocab for i in range(tokens)]  # any ids: the cost does not depend on them
+        recompute_chunk(model, None, ids[:min(_RATE_WARM_TOKENS, tokens)])
+        began = time.perf_counter()
+        recompute_chunk(model, None, ids)
+        known[tokens] = (time.perf_counter() - began) / tokens
+    return known[tokens]
+
+
 class CacheAssembler:
     """Collects a StreamSession fetch into one complete KV tensor.
 
@@ -518,7 +550,7 @@ class CacheAssembler:
 
     ``attach(session)`` sets the session's callbacks and has its policy weigh text
     chunks at ``recompute_seconds_per_token``: the rate given, or this model's own,
-    measured on one chunk's prefill when first asked (``streamer.model.rate``).
+    measured on one chunk's prefill when first asked (``recompute_seconds_per_token``).
     """
 
     def __init__(self, model, manifest, *, window: int | None = None,
@@ -544,8 +576,6 @@ class CacheAssembler:
         """What recomputing a chunk costs per token here: as given, or measured once on a
         chunk as long as the manifest's longest (a prefill of it, seconds on a CPU)."""
         if self._rate is None:
-            from streamer.model.rate import recompute_seconds_per_token
-
             longest = max((c.end - c.start for c in self.manifest.chunks), default=1)
             self._rate = recompute_seconds_per_token(self.model, longest)
         return self._rate
