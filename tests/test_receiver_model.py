@@ -54,6 +54,11 @@ async def test_text_chunks_are_recomputed_with_the_model(llama_context) -> None:
     receiver = await start_receiver(ReceiverConfig(servers=[("127.0.0.1", sender.port)], model="random-llama"),
                                     "127.0.0.1", 0, model=llama_context["model"])
     try:
+        # the policy weighs text at what the model's recompute measured at start-up costs
+        from streamer.model import hf
+
+        measured = hf._measured_rates[llama_context["model"][0]]
+        assert receiver.fetcher.session.recompute_seconds_per_token in measured.values()
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{receiver.url}/fetch", json={"context_id": "doc", "slo": 10.0,
                                                                 "policy": "text"}) as r:

@@ -45,6 +45,9 @@ class ReceiverConfig:
     cache_bytes: int = DEFAULT_CACHE_BYTES
     #: model (local path or "minilm") to recompute chunks that arrive as text
     model: str | None = None
+    #: with a model: weigh text chunks at its recompute rate, measured once at start-up
+    #: (``streamer.model.recompute_seconds_per_token``) instead of ``session``'s figure
+    measure_recompute: bool = True
     shutdown_grace: float = 5.0
     #: glibc malloc tuned at start and trimmed every this many seconds, so that RSS follows
     #: what is in use instead of its high-water mark (see ``streamer.receiver.malloc``);
@@ -189,4 +192,12 @@ async def start_receiver(config: ReceiverConfig, host: str = "127.0.0.1", port: 
     await asyncio.to_thread(warm_up_decoder, config.device)
     if model is None and config.model:
         model = await asyncio.to_thread(load_model, config.model)
+    if model is not None and config.measure_recompute:
+        from streamer.model import recompute_seconds_per_token
+
+        rate = await asyncio.to_thread(recompute_seconds_per_token, model[0])
+        log.info("recomputing text with the model costs %.3f ms/token here: the policy weighs text at that",
+                 rate * 1e3)
+        config = dataclasses.replace(config, session=dataclasses.replace(
+            config.session, recompute_seconds_per_token=rate))
     return await Receiver(config, model=model).start(host, port)
