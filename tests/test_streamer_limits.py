@@ -22,6 +22,7 @@ from streamer.wire import protocol as p
 from streamer.wire.frames import encode
 from streamer.net.client import ClientConnection, ProfileTooLarge, ServerError
 from streamer.net.sender import ServerConfig
+from streamer.wire.manifest import ManifestError
 
 LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 4, 8, 32, 256, 8
 PID = "0123456789abcdef"
@@ -551,6 +552,49 @@ async def test_a_stored_item_far_over_its_size_is_refused_without_reading_it(
             client.send(p.Request(chunk=0, level=2))   # the connection (and the daemon) go on
             assert isinstance((await client.next(5.0)).event, p.ChunkBegin)
             assert 0 < store.bytes_read == manifest.chunks[0].sizes[2]
+            await client.close()
+        finally:
+            await sender.close()
+
+
+async def test_a_stored_manifest_over_the_limit_is_refused_before_it_is_read(
+        store_url: str, limits_profile: codec.Profile, monkeypatch) -> None:
+    """A manifest grown past MAX_MANIFEST_BYTES in the store: the store refuses it from its
+    size alone (a file store never reads it), the sender answers OPEN with a typed error
+    naming the size, and keeps serving."""
+    import streamer.store.file as file_module
+    import streamer.wire.manifest as manifest_module
+    from streamer.store.file import FileStore
+
+    limit = 1 << 20
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", limit)
+    real_read = file_module._read
+
+    async def no_manifest_reads(path):
+        assert (path.parent.name, path.name) != ("ctx", "manifest.json"), "the oversized manifest was read"
+        return await real_read(path)
+
+    monkeypatch.setattr(file_module, "_read", no_manifest_reads)
+    tokens = 2 * CHUNK_TOKENS
+    async with await streamer.open_store(store_url) as store:
+        for cid in ("ctx", "fine"):
+            await streamer.put_context(store, cid, _kv(4, tokens), list(range(tokens)),
+                                       profile=limits_profile, chunk_tokens=CHUNK_TOKENS)
+        if isinstance(store, FileStore):
+            os.truncate(store.root / "contexts" / "ctx" / "manifest.json", 2 * limit)
+        else:
+            await store._client.setrange(store._manifest_key("ctx"), 2 * limit - 1, b"\0")
+        with pytest.raises(ManifestError, match=f"manifest is {2 * limit} bytes, over the {limit}-byte limit"):
+            await store.get_manifest("ctx")
+        sender = await streamer.serve(store)
+        try:
+            client = await _client(sender.port)
+            with pytest.raises(ServerError, match="stored manifest of context 'ctx' is corrupt: manifest is") as bad:
+                await client.call(p.Open(context_id="ctx"), p.ManifestData, 5.0)
+            assert bad.value.code == "internal"
+            await client.close()
+            client = await _client(sender.port)
+            assert isinstance(await client.call(p.Open(context_id="fine"), p.ManifestData, 5.0), p.ManifestData)
             await client.close()
         finally:
             await sender.close()

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterator, 
 import aiofiles
 import aiofiles.os
 
-from streamer.wire.manifest import Manifest, ManifestError, validate_context_id, validate_id
+from streamer.wire.manifest import (Manifest, ManifestError, check_manifest_size, validate_context_id,
+                                    validate_id)
 from streamer.store.base import (BytesLike, ChunkNotFound, ContextNotFound, ContextWriter,
                                  ProfileNotFound, Store, StoreError, check_index, check_location,
                                  parse_manifest)
@@ -220,7 +221,10 @@ class FileStore(Store):
     async def get_manifest(self, context_id: str) -> Manifest:
         path = self._context_dir(context_id) / _MANIFEST
         with self._io_errors():
-            data = await _read(path)
+            size = await _size(path)
+            if size is not None:
+                check_manifest_size(size)   # before reading it: from_bytes checks what was read
+            data = None if size is None else await _read(path)
         if data is None:
             raise ContextNotFound(context_id, self.url)
         return parse_manifest(context_id, data, self.url)

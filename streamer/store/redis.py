@@ -44,7 +44,7 @@ from redis.exceptions import (ClusterDownError, ClusterError, ConnectionError, M
                               RedisClusterException, RedisError, SlotNotCoveredError, TimeoutError,
                               TryAgainError)
 
-from streamer.wire.manifest import Manifest, ManifestError, validate_context_id, validate_id
+from streamer.wire.manifest import Manifest, ManifestError, check_manifest_size, validate_context_id, validate_id
 from streamer.store.base import (BytesLike, ChunkNotFound, ContextNotFound, ContextWriter,
                                  ProfileNotFound, Store, StoreError, check_index, check_location,
                                  manifest_items, parse_manifest)
@@ -273,6 +273,9 @@ class RedisStore(Store):
         return await self._call(lambda: self._client.get(key))
 
     async def get_manifest(self, context_id: str) -> Manifest:
+        size = await self._size(self._manifest_key(context_id))
+        if size is not None:
+            check_manifest_size(size)   # before reading it: from_bytes checks what was read
         data = await self._get_raw_manifest(context_id)
         if data is None:
             raise ContextNotFound(context_id, self.url)

@@ -38,6 +38,18 @@ class ManifestError(ValueError):
     """A manifest (object or serialized bytes) is malformed."""
 
 
+#: The largest serialized manifest read or parsed: one frame at the protocol's default
+#: ``max_frame`` (a manifest travels in one MANIFEST frame), ~100k chunks.
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+
+
+def check_manifest_size(size: int) -> None:
+    """ManifestError for a serialized manifest over ``MAX_MANIFEST_BYTES``: checked before
+    a stored one is read, so a hostile or damaged store cannot make a reader allocate it."""
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+
+
 def validate_id(value: object, what: str = "context id") -> str:
     """Return ``value`` if it is a safe id (1-200 of [A-Za-z0-9._-], not starting with '.').
 
@@ -217,6 +229,7 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Manifest":
         """Parse and validate a manifest; anything malformed raises ManifestError."""
+        check_manifest_size(len(data))
         try:
             doc = json.loads(bytes(data).decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
