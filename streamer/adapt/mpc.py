@@ -80,33 +80,28 @@ def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
     return first + seconds[1:, -1].sum() <= inp.time_left
 
 
-def probe(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice | None:
-    """A KV level worth trying for chunk 0 where the plan at the estimate says text, or None.
+def probe(inp: PlanInput, window: int = DEFAULT_WINDOW) -> Choice | None:
+    """The smallest level of chunk 0, worth trying where the plan at the estimate says
+    text, or None.
 
     Text is irrevocable and measures nothing: once a fade has pulled the estimate down,
     every later chunk would follow it to text although the link may be back. With the
-    cancel rule on, a KV chunk is a cheap bet instead: at the best recent rate (the
-    fastest of the last ``window`` samples, or the prior) the plan's choice is tried,
-    when abandoning it at the guard rate still leaves the rest time as text; if the link
-    is still slow the rule gives the chunk to text after its first bytes. With no sample
-    in this fetch yet, the smallest level is tried (:func:`~streamer.adapt.base.probe_level`).
+    cancel rule on, a KV chunk is a cheap bet instead, when something says the link may
+    be faster than the estimate (a recent sample or the prior above it, or nothing
+    measured yet in this fetch) and abandoning the chunk at the guard rate still leaves
+    the rest time as text: if the link is still slow the rule gives the chunk to text
+    after its first bytes. The smallest level (:func:`~streamer.adapt.base.probe_level`)
+    commits the fewest bytes to the bet.
     """
     if inp.abandon is None:
         return None
     rates = throughputs(inp.history)[-window:]
-    if rates.size == 0:
-        # nothing measured in this fetch: the prior may be a fade long past (text fetches
-        # measure nothing, so a low prior would otherwise never be revised)
-        column = probe_level(inp)
-    else:
+    if rates.size:
         best_rate = max(float(rates.max()), inp.prior_bps or 0.0)
         estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
         if estimate is None or not best_rate > estimate:
             return None
-        totals = first_option_costs(option_seconds(inp, best_rate), plan_costs(inp), inp.time_left, bins)
-        column = int(np.argmin(totals))
-        if not np.isfinite(totals[column]) or column == inp.levels:
-            return None
+    column = probe_level(inp)
     return column if guarded(inp, window)[column] else None
 
 
@@ -124,6 +119,6 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
     best = safe if np.isfinite(safe).any() else totals
     choice = choice_of(int(np.argmin(best)), inp.levels)
     if choice == TEXT:
-        tried = probe(inp, window, bins)
+        tried = probe(inp, window)
         return choice if tried is None else tried
     return choice
