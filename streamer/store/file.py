@@ -338,6 +338,7 @@ class FileContextWriter(ContextWriter):
         self._store = store
         self._dir = store.version_dir(context_id, self.version)
         self._lock_fd: int | None = None
+        self._writes: set[asyncio.Task] = set()
 
     async def _begin(self) -> None:
         # Create and lock the directory under the context lock, so no sweep can see
@@ -358,6 +359,15 @@ class FileContextWriter(ContextWriter):
     async def _write(self, name: str, data: BytesLike) -> None:
         if not self._dir.is_dir():  # clearer than the temp file's ENOENT
             raise StoreError(f"staging directory {self._dir} was removed")
+        # A put that fails cancels its other writes, but a write's thread (the rename)
+        # runs on: cancelled mid-way, it would land its file after _discard removed the
+        # directory. So the write is shielded and _discard waits for it.
+        write = asyncio.ensure_future(self._write_file(name, data))
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        await asyncio.shield(write)
+
+    async def _write_file(self, name: str, data: BytesLike) -> None:
         with self._store._io_errors():
             await _atomic_write(self._dir / name, data, sync_dir=False)
 
@@ -374,6 +384,8 @@ class FileContextWriter(ContextWriter):
             await asyncio.to_thread(_remove_unlocked_versions, context_dir, self.version)
 
     async def _discard(self) -> None:
+        if self._writes:   # writes still running for cancelled callers (see _write)
+            await asyncio.gather(*self._writes, return_exceptions=True)
         await asyncio.to_thread(shutil.rmtree, self._dir, True)  # leftovers: the next sweep
 
     def _close(self) -> None:
