@@ -133,9 +133,6 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     if head.delivered_layers == 0:
         options += range(head.level + 1, plan.levels)
     cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
-    # at GUARD_FACTOR of the rate: what a level (kept or re-requested) still makes for sure
-    slow = {option: cost[option] if option == TEXT else
-            restart + predicted_seconds(plan, option, rate * GUARD_FACTOR) for option in options}
     if keep + later <= plan.time_left:
         # keep while a collapse seen at a later look could still be given up for text;
         # past that point only a chunk that would finish even at GUARD_FACTOR of this rate
@@ -143,6 +140,9 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
         if (noticed + cost[TEXT] + later <= plan.time_left
                 or keep / GUARD_FACTOR + later <= plan.time_left):
             return None
+        # at GUARD_FACTOR of the rate: what a level (re-requested) still makes for sure
+        slow = {option: cost[option] if option == TEXT else
+                restart + predicted_seconds(plan, option, rate * GUARD_FACTOR) for option in options}
         safe = [option for option in options if slow[option] + later <= plan.time_left]
         if not safe:
             return None   # nothing is surer than keeping

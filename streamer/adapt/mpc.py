@@ -80,9 +80,9 @@ def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
     return first + seconds[1:, -1].sum() <= inp.time_left
 
 
-def probe(inp: PlanInput, window: int = DEFAULT_WINDOW) -> Choice | None:
-    """The smallest level of chunk 0, worth trying where the plan at the estimate says
-    text, or None.
+def probe(inp: PlanInput, estimate: float, safe: np.ndarray, window: int = DEFAULT_WINDOW) -> Choice | None:
+    """The smallest level of chunk 0, worth trying where the plan at ``estimate`` says
+    text, or None; ``safe`` is :func:`guarded`'s answer for chunk 0's options.
 
     Text is irrevocable and measures nothing: once a fade has pulled the estimate down,
     every later chunk would follow it to text although the link may be back. With the
@@ -96,13 +96,10 @@ def probe(inp: PlanInput, window: int = DEFAULT_WINDOW) -> Choice | None:
     if inp.abandon is None:
         return None
     rates = throughputs(inp.history)[-window:]
-    if rates.size:
-        best_rate = max(float(rates.max()), inp.prior_bps or 0.0)
-        estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
-        if estimate is None or not best_rate > estimate:
-            return None
+    if rates.size and not max(float(rates.max()), inp.prior_bps or 0.0) > estimate:
+        return None
     column = probe_level(inp)
-    return column if guarded(inp, window)[column] else None
+    return column if safe[column] else None
 
 
 def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice:
@@ -115,10 +112,11 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
     totals = first_option_costs(seconds, costs, inp.time_left, bins)
     if not np.isfinite(totals).any():   # nothing fits: miss by as little as possible
         return choice_of(fastest(seconds, costs).columns[0], inp.levels)
-    safe = np.where(guarded(inp, window), totals, np.inf)
+    ok = guarded(inp, window)
+    safe = np.where(ok, totals, np.inf)
     best = safe if np.isfinite(safe).any() else totals
     choice = choice_of(int(np.argmin(best)), inp.levels)
     if choice == TEXT:
-        tried = probe(inp, window)
+        tried = probe(inp, estimate, ok, window)
         return choice if tried is None else tried
     return choice

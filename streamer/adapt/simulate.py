@@ -300,8 +300,9 @@ class Simulator:
         link_free = 0.0
         forced: dict[int, tuple[Choice, str]] = {}   # a cancelled chunk's re-request
         cancelled: list[tuple[int, Choice]] = []
-        # the cancel rule's looks at the transfer in flight: (time, (chunk, begin), bytes)
-        marks: list[tuple[float, tuple[int, float], int]] = []
+        # the cancel rule's looks at the transfer in flight, (time, bytes), and which it is
+        marks: list[tuple[float, int]] = []
+        looking_at: tuple[int, float] | None = None   # (chunk, first byte) of that transfer
 
         def received(j: int, now: float) -> float:
             if now >= end[j]:
@@ -393,14 +394,14 @@ class Simulator:
             """The cancel rule on the chunk in flight, as the session applies it: on a switch,
             drop it and everything requested after it, and return when its re-request goes out
             (after the CANCELLED answer, or after a reconnect when the rule aborts)."""
-            nonlocal link_free, last_end, history
+            nonlocal link_free, last_end, history, looking_at
             j = completed
             got = received(j, now)
-            if not marks or marks[0][1] != (j, begin[j]):   # a new transfer: new looks
-                busy_from = max(begin[j], last_end if last_end is not None else begin[j])
-                marks[:] = [(busy_from, (j, begin[j]), 0)]
-            marks.append((now, (j, begin[j]), int(got)))
-            sample = cancel_rule.chunk_rate([(t, b) for t, _, b in marks], est)
+            if looking_at != (j, begin[j]):   # a new transfer: new looks
+                looking_at = (j, begin[j])
+                marks[:] = [(max(begin[j], last_end if last_end is not None else begin[j]), 0)]
+            marks.append((now, int(got)))
+            sample = cancel_rule.chunk_rate(marks, est)
             if sample is None:
                 return None
             rate = sample.bytes / sample.busy_seconds

@@ -69,8 +69,6 @@ from streamer.wire.manifest import Manifest
 
 #: Refetches of one chunk after corrupt sections before giving up on it.
 MAX_CORRUPT_RETRIES = 2
-#: While a chunk is in flight, how often the cancel rule looks at it when no frame
-#: completes (a large section at a low rate can take seconds to arrive).
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
@@ -560,9 +558,10 @@ class _Fetch:
         if not self.s.config.cancels or head is None or head.cancelling or client is None or client.closed:
             return
         now = time.monotonic()
+        received = self._progress(head)
         if not head.marks:
             head.marks.append((self._busy_start(head), 0))
-        head.marks.append((now, self._progress(head)))
+        head.marks.append((now, received))
         _, estimate = self._estimate(now)
         sample = cancel.chunk_rate(head.marks, estimate)
         if sample is None:
@@ -571,7 +570,7 @@ class _Fetch:
                           history=[], prior_bps=None, prior_errors=(),
                           recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
-                                    remaining_bytes=head.expected - self._progress(head),
+                                    remaining_bytes=head.expected - received,
                                     delivered_layers=self.delivery.delivered_layers(head.index))
         switch = cancel.reconsider(plan, in_flight, rate=sample.bytes / sample.busy_seconds, rtt=client.rtt,
                                    reconnect_seconds=self.s.connect_seconds)
