@@ -12,6 +12,9 @@ same code and any failure is reproduced by its bytes alone):
     handshake, with requests outstanding, in the middle of a chunk), fed in pieces:
     only ``RemoteProtocolError``, never one produced by the "internal error" safety
     net, and the connection must then be in ERROR.
+``manifest``, ``text``
+    The stored manifest and the text fallback payload (token ids) parsers
+    (``streamer.tools.fuzz_data`` says what each checks).
 ``bitstream``, ``header``, ``profile``
     The codec's blob decoder, blob header and section parser, and profile parser
     (``streamer.tools.fuzz_codec`` says what each checks).
@@ -20,12 +23,14 @@ The CI tests (tests/test_fuzz_cli.py) run these through hypothesis for tens of
 thousands of cases and replay a corpus; ``kvwire fuzz --minutes N`` loops hypothesis
 (``pip install 'kvwire[fuzz]'``) until the time is up, or with ``--engine atheris``
 (``pip install atheris``) runs libFuzzer, coverage-guided, on one target with the
-codec and wire modules instrumented, and reports the cases run and every failure
-with a reproducer (``--replay HEX``).
+codec, wire and store modules instrumented, starting from valid inputs of the
+target (``seed_inputs``), and reports the cases run and every failure with a
+reproducer (``--replay HEX``).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import struct
@@ -33,12 +38,13 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
-from streamer.tools import fuzz_codec
+from streamer.tools import fuzz_codec, fuzz_data
 from streamer.tools.fuzz_codec import FuzzBug
 
-TARGETS = ("frames", "protocol", "bitstream", "header", "profile")
+TARGETS = ("frames", "protocol", "manifest", "text", "bitstream", "header", "profile")
 
 
 # ------------------------------------------------------------------------ frames
@@ -181,9 +187,67 @@ def check_protocol(data: bytes) -> None:
 
 
 CHECKS: dict[str, Callable[[bytes], None]] = {
-    "frames": check_frames, "protocol": check_protocol, "bitstream": fuzz_codec.check_bitstream,
+    "frames": check_frames, "protocol": check_protocol, "manifest": fuzz_data.check_manifest,
+    "text": fuzz_data.check_text, "bitstream": fuzz_codec.check_bitstream,
     "header": fuzz_codec.check_header, "profile": fuzz_codec.check_profile,
 }
+
+
+# ------------------------------------------------------------------------ seeds
+def _frame(event) -> bytes:
+    from streamer.wire import frames
+
+    _, pieces, _ = frames.encode(event)
+    return b"".join(bytes(p) for p in pieces)
+
+
+def _wire_seeds() -> tuple[list[bytes], list[bytes]]:
+    """(frames a server receives, frames a client receives): one valid frame per kind."""
+    from streamer.wire.events import (Auth, AuthOk, Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close,
+                                      Error, GetProfile, Hello, ManifestData, Open, ProfileData, Request,
+                                      Text, Welcome)
+
+    mac = "ab" * 32
+    to_server = [Hello(versions=(1,), client="fuzz"), Auth(nonce=mac, mac=mac), Open("ctx", 2.5),
+                 GetProfile(_PID), Request(5, 0), Request(6, "text"), Cancel(5), Close()]
+    to_client = [Welcome(1, "fuzz", 1 << 20), AuthOk(mac), ManifestData(fuzz_data.seed_manifest()),
+                 ProfileData(_PID, b"profile", more=True), ChunkBegin(1, 0, total_bytes=5, parts=2),
+                 ChunkPart(1, 0, b"abc"), ChunkPart(1, 1, b"de"), ChunkEnd(1), ChunkEnd(3, cancelled=True),
+                 Text(2, fuzz_data.seed_texts()[0]), Error("not_found", "no such context", fatal=False),
+                 Close()]
+    return [_frame(e) for e in to_server], [_frame(e) for e in to_client]
+
+
+def seed_inputs(target: str) -> list[bytes]:
+    """Valid inputs of ``target`` that a coverage-guided run starts from (so it does not
+    have to discover the JSON schemas and checksums byte by byte)."""
+    if target in ("frames", "protocol"):
+        to_server, to_client = _wire_seeds()
+        if target == "frames":
+            return [b"\x00" + f for f in to_server + to_client] + [b"\x05" + b"".join(to_client)]
+        out = []
+        for i, (name, _) in enumerate(PROTOCOL_STATES):
+            stream = to_server if name.startswith("server") else to_client
+            out += [bytes([i]) + f for f in stream] + [bytes([i]) + b"".join(stream)]
+        return out
+    if target == "manifest":
+        return [b"\x00" + fuzz_data.seed_manifest(), b"\x01"]
+    if target == "text":
+        return [bytes([flags]) + p for p in fuzz_data.seed_texts() for flags in (0, 7)]
+    return [b"\x00", b"\x01", b"\x02"]
+
+
+def write_seeds(target: str, corpus: Path) -> int:
+    """Add ``seed_inputs(target)`` to a corpus directory (named by SHA-1, as libFuzzer
+    names its units); the number added."""
+    corpus.mkdir(parents=True, exist_ok=True)
+    added = 0
+    for data in seed_inputs(target):
+        path = corpus / hashlib.sha1(data).hexdigest()
+        if not path.exists():
+            path.write_bytes(data)
+            added += 1
+    return added
 
 
 # ------------------------------------------------------------------------ hypothesis strategies
@@ -221,6 +285,18 @@ def strategy(target: str):
         both = st.one_of(stream, stream, st.binary(max_size=96))
         return st.tuples(st.binary(min_size=1, max_size=1), st.binary(max_size=8), both).map(
             lambda t: t[0] + (t[1] if target == "protocol" else b"") + t[2])
+    if target == "manifest":
+        edits = st.lists(st.binary(min_size=7, max_size=7), max_size=4).map(lambda e: b"\x01" + b"".join(e))
+        return st.one_of(edits, edits, st.binary(max_size=200).map(lambda b: b"\x00" + b))
+    if target == "text":
+        def damaged(t: tuple[int, bytes, list[tuple[int, int]]]) -> bytes:
+            flags, payload, flips = t
+            out = bytearray(payload)
+            for pos, xor in flips:
+                out[pos % len(out)] ^= xor
+            return bytes([flags]) + bytes(out)
+        return st.tuples(st.integers(0, 7), st.sampled_from(fuzz_data.seed_texts()),
+                         st.lists(st.tuples(st.integers(0, 400), st.integers(1, 255)), max_size=3)).map(damaged)
     if target == "bitstream":
         return st.binary(min_size=3, max_size=40)
     if target in ("header", "profile"):
@@ -301,7 +377,8 @@ def fuzz_for(seconds: float, targets: tuple[str, ...] = TARGETS, *, batch: int =
 
 
 #: modules whose Python code atheris instruments for coverage (the parsers and what they call)
-INSTRUMENTED = ("codec", "streamer.wire", "streamer.tools.fuzz_codec", "safetensors")
+INSTRUMENTED = ("codec", "streamer.wire", "streamer.store.put", "streamer.tools.fuzz_codec",
+                "streamer.tools.fuzz_data", "safetensors")
 
 
 def _instrument(atheris) -> int:
@@ -337,8 +414,10 @@ def fuzz_atheris(seconds: float, target: str, corpus: str | None = None) -> int:
 
     check = CHECKS[target]
     codec.warm_up()
-    for seed in (b"\x00", b"\x01", b"\x02"):  # build the seeds (and compile) before coverage starts
+    for seed in seed_inputs(target):  # build the seeds (and compile) before coverage starts
         check(seed)
+    if corpus:
+        print(f"atheris: {write_seeds(target, Path(corpus))} seed inputs added to {corpus}", file=sys.stderr)
     print(f"atheris: instrumented {_instrument(atheris)} functions", file=sys.stderr)
 
     def one(data: bytes) -> None:
@@ -415,7 +494,7 @@ def register(subparsers, bench_subparsers=None) -> None:
         from streamer.tools import adversarial
 
         adversarial.register(bench_subparsers)
-    fuzz = subparsers.add_parser("fuzz", help="fuzz the frame parser, protocol and bitstream decoder",
+    fuzz = subparsers.add_parser("fuzz", help="fuzz the parsers of untrusted bytes (frames, protocol, manifest, text, codec)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fuzz.add_argument("--minutes", type=float, default=1.0, help="how long to run (default 1)")
     fuzz.add_argument("--target", choices=TARGETS + ("all",), default="all", help="what to fuzz (default all)")
