@@ -108,8 +108,8 @@ def test_abandoning_costs_detection_plus_the_cheaper_way_out() -> None:
 
 
 def test_time_left_counts_at_least_the_round_trip() -> None:
-    assert time_left(1.0, 0, None, 0.01, 0.2) == pytest.approx(0.79)
-    assert time_left(1.0, 500_000, MB, 0.01, 0.0) == pytest.approx(0.5)
+    assert time_left(1.0, 0, None, 0.01) == pytest.approx(0.99)
+    assert time_left(1.0, 500_000, MB, 0.01) == pytest.approx(0.5)
 
 
 def test_mpc_tries_a_level_after_a_fade_only_when_a_slow_chunk_can_be_given_up() -> None:

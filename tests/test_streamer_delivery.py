@@ -117,3 +117,37 @@ async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
         delivery.add_section(0, 0, None, None, b"0,")
         await consumer
     assert texts == [(0, [1, 2, 3])]
+
+
+async def test_a_plain_on_text_recomputes_off_the_event_loop() -> None:
+    """``on_text`` is a prefill: a plain function runs in a worker thread, so the event
+    loop (which carries the later chunks' transfers) keeps running meanwhile; the
+    planners count on that overlap (``adapt.overlap``). Here on_text waits for a flag the
+    loop sets while it runs: on the loop's own thread it could never see it."""
+    import threading
+
+    loop_thread = threading.get_ident()
+    started, flag = threading.Event(), threading.Event()
+    calls: list[tuple] = []
+
+    def on_text(chunk: int, token_ids: list[int]) -> None:
+        started.set()
+        calls.append((chunk, threading.get_ident() != loop_thread, flag.wait(5.0)))
+
+    seen: list[tuple] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = OrderedDelivery(chunks=2, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
+                                   on_text=on_text, on_corrupt=lambda *a: None, executor=pool,
+                                   decode=_decoder(set()))
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, TEXT)
+        delivery.add_text(0, [1, 2, 3])
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        delivery.resolve(1, 0)   # the next chunk lands while chunk 0 is recomputed
+        for layer in range(LAYERS):
+            delivery.add_section(1, layer, None, None, b"1,")
+        flag.set()
+        await consumer
+    assert calls == [(0, True, True)]
+    assert seen == [(1, l) for l in range(LAYERS)]

@@ -75,7 +75,9 @@ class Recorder:
         self.events.append((chunk, layer, k.clone(), v.clone()))
 
     def on_text(self, chunk: int, token_ids: list[int]) -> None:
-        assert self.position == (chunk, 0), f"text for chunk {chunk} at {self.position}"
+        # a chunk may switch to text after some of its layers went out (cancelled to meet
+        # the deadline): the text then supersedes them, as the session documents
+        assert self.position[0] == chunk, f"text for chunk {chunk} at {self.position}"
         self.position = (chunk + 1, 0)
         self.events.append((chunk, TEXT, token_ids))
 

@@ -70,18 +70,22 @@ POLICIES = ["greedy", "mpc", "text", "fixed:0", "fixed:1", "fixed:2", "fixed:3"]
 
 # ---------------------------------------------------------------------- oracle
 def _oracle_timing(sim: Simulator, trace: Trace, choices, start: float) -> float:
-    """Completion of a schedule under the oracle's timing, by scalar Trace calls."""
+    """Completion of a schedule under the oracle's timing, by scalar Trace calls: the link
+    with no gaps, each text chunk recomputed once it is in and the chunk before it is
+    delivered (overlapping later transfers), only the last chunk's decode tail."""
     owd = sim.rtt / 2
     t = owd
-    text_tokens = 0.0
+    done = 0.0
+    last = len(choices) - 1
     for j, c in enumerate(choices):
         size = sim.text_bytes[j] if c == TEXT else sim.sizes[j][c]
         t += trace.time_to_send(8.0 * size, start + t)
         if c == TEXT:
-            text_tokens += sim.tokens[j]
-    last = choices[-1]
-    tail = 0.0 if last == TEXT else sim.decode[-1] / sim.manifest.layers
-    return t + owd + tail + sim.recompute * text_tokens
+            done = max(done, t + owd) + sim.recompute * sim.tokens[j]
+        else:
+            tail = sim.decode[-1] / sim.manifest.layers if j == last else 0.0
+            done = max(done, t + owd + tail)
+    return done
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -267,13 +271,13 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     real_decide = session_mod.decide
 
     def recording(policy, manifest, index, *, time_left, history, prior_bps, prior_errors,
-                  recompute_seconds_per_token, abandon):
+                  recompute_seconds_per_token, abandon, recompute_busy):
         assert abandon is None   # the fetch below runs without the cancel rule
         out = real_decide(policy, manifest, index, time_left=time_left, history=history,
-                          prior_bps=prior_bps, prior_errors=prior_errors,
+                          prior_bps=prior_bps, prior_errors=prior_errors, recompute_busy=recompute_busy,
                           recompute_seconds_per_token=recompute_seconds_per_token)
         recorded.append((index, time_left, tuple(history), prior_bps, tuple(prior_errors),
-                         recompute_seconds_per_token, out))
+                         recompute_seconds_per_token, recompute_busy, out))
         return out
 
     monkeypatch.setattr(session_mod, "decide", recording)
@@ -298,9 +302,9 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     assert len(recorded) >= len(manifest.chunks)
     assert any(h for _, _, h, *_ in recorded), "no throughput history was recorded"
     sim = Simulator(manifest, rtt=0.004, recompute_seconds_per_token=2e-4)
-    for index, time_left, history, prior, prior_errors, recompute, (choice, reason) in recorded:
+    for index, time_left, history, prior, prior_errors, recompute, busy, (choice, reason) in recorded:
         assert recompute == sim.recompute
-        assert sim.decide("mpc", index, time_left=time_left, history=history,
-                          prior_bps=prior, prior_errors=prior_errors) == (choice, reason)
+        assert sim.decide("mpc", index, time_left=time_left, history=history, prior_bps=prior,
+                          prior_errors=prior_errors, recompute_busy=busy) == (choice, reason)
     assert [c.level for c in report.chunks] == [out[0] for *_, out in recorded[:len(report.chunks)]]
     await asyncio.sleep(0)

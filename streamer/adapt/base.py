@@ -75,6 +75,10 @@ class PlanInput:
     prior_errors: Sequence[float] = ()
     #: set when a KV chunk can be abandoned once it proves too slow; None: every request is final
     abandon: Abandon | None = None
+    #: seconds of recompute the caller still owes for earlier chunks sent as text: it runs
+    #: while row 0 and later chunks stream, and row 0 is delivered only after it
+    #: (``adapt.overlap``); ``time_left`` does not have it taken off
+    recompute_busy: float = 0.0
 
     def __post_init__(self) -> None:
         # Shape checks only (cheap, O(chunks)): a mismatch here would otherwise
@@ -92,6 +96,8 @@ class PlanInput:
             raise ValueError(f"prior_bps must be > 0 or None, got {self.prior_bps}")
         if not self.text_penalty >= 0:
             raise ValueError(f"text_penalty must be >= 0, got {self.text_penalty}")
+        if not self.recompute_busy >= 0:
+            raise ValueError(f"recompute_busy must be >= 0, got {self.recompute_busy}")
 
     @property
     def levels(self) -> int:
@@ -112,28 +118,30 @@ def option_costs(inp: PlanInput) -> np.ndarray:
     return np.append(np.asarray(inp.distortion, dtype=np.float64), float(inp.text_penalty))
 
 
-def option_seconds(inp: PlanInput, estimate: float) -> np.ndarray:
-    """Predicted seconds [chunks, levels + 1] of every option of every remaining chunk.
-
-    A level costs its bytes at ``estimate`` bytes/s; text costs its token-id bytes
-    plus the caller's recompute time, counted in series with the transfers (the
-    caller's cost model; if recompute overlaps later transfers this is pessimistic,
-    which only makes text rarer).
-    """
+def link_seconds(inp: PlanInput, estimate: float) -> np.ndarray:
+    """Seconds of link time [chunks, levels + 1] of every option of every remaining chunk
+    at ``estimate`` bytes/s: a level's bytes, or text's token ids (its recompute runs on
+    the caller's compute: :mod:`streamer.adapt.overlap`)."""
     if not estimate > 0:
         raise ValueError(f"estimate must be > 0 bytes/s, got {estimate}")
     sizes = np.asarray(inp.sizes, dtype=np.float64)
-    text = (np.asarray(inp.text_bytes, dtype=np.float64) / estimate
-            + np.asarray(inp.text_seconds, dtype=np.float64))
-    return np.concatenate((sizes / estimate, text[:, None]), axis=1)
+    text = np.asarray(inp.text_bytes, dtype=np.float64)
+    return np.concatenate((sizes, text[:, None]), axis=1) / estimate
+
+
+def option_seconds(inp: PlanInput, estimate: float) -> np.ndarray:
+    """Predicted seconds [chunks, levels + 1] of every option of every remaining chunk,
+    counted in series: :func:`link_seconds`, with text's recompute added to its token
+    ids (an upper bound: recompute may overlap later transfers, ``adapt.overlap``)."""
+    seconds = link_seconds(inp, estimate)
+    seconds[:, -1] += np.asarray(inp.text_seconds, dtype=np.float64)
+    return seconds
 
 
 def predicted_seconds(inp: PlanInput, choice: Choice, estimate: float, chunk: int = 0) -> float:
-    """Predicted seconds for ``choice`` on remaining chunk ``chunk`` at ``estimate`` bytes/s.
-
-    The same cost model the planners use, for callers that log predictions or
-    cancel a transfer predicted to miss the deadline.
-    """
+    """Predicted seconds for ``choice`` on remaining chunk ``chunk`` at ``estimate`` bytes/s,
+    in series (:func:`option_seconds`), for callers that log predictions or cancel a
+    transfer predicted to miss the deadline."""
     if not estimate > 0:
         raise ValueError(f"estimate must be > 0 bytes/s, got {estimate}")
     if choice == TEXT:

@@ -118,13 +118,25 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     """What to switch the chunk in flight to, or None to keep it.
 
     ``plan`` describes the chunk in flight (row 0) and every chunk after it, with
-    ``time_left`` the seconds to the deadline net of recompute already owed; ``rate``
-    is the robust estimate (bytes/s), partial rate of the chunk in flight included;
-    ``reconnect_seconds`` what connecting and opening the context took.
+    ``time_left`` the seconds to the deadline and ``recompute_busy`` the recompute still
+    owed for earlier text chunks; ``rate`` is the robust estimate (bytes/s), partial rate
+    of the chunk in flight included; ``reconnect_seconds`` what connecting and opening
+    the context took.
     """
     if not rate > 0:
         return None
-    later = sum(_cheapest(plan, chunk, rate) for chunk in range(1, len(plan.sizes)))
+    later = range(1, len(plan.sizes))
+    later_series = sum(_cheapest(plan, chunk, rate) for chunk in later)
+    later_levels = sum(min(plan.sizes[chunk]) for chunk in later) / rate
+
+    def finish(link: float, recompute: float = 0.0) -> float:
+        """When the last chunk is delivered if the chunk in flight takes ``link`` more
+        seconds of link time (and ``recompute`` as text): the later chunks at their
+        cheapest in series, or all at levels, streaming while what is owed is
+        recomputed (``adapt.overlap``); whichever is sooner."""
+        done = max(plan.recompute_busy, link) + recompute
+        return min(done + later_series, max(done, link + later_levels))
+
     keep = head.remaining_bytes / rate
     drain = min(head.remaining_bytes, COMMITTED_BYTES + rate * rtt) / rate
     abort = reconnect_seconds < drain
@@ -132,24 +144,31 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     options: list[Choice] = [TEXT]
     if head.delivered_layers == 0:
         options += range(head.level + 1, plan.levels)
-    cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
-    if keep + later <= plan.time_left:
+    text_bytes, text_seconds = plan.text_bytes[0], float(plan.text_seconds[0])
+
+    def switched(option: Choice, at: float) -> float:
+        """:func:`finish` after re-requesting the chunk as ``option``, its bytes at ``at`` bytes/s."""
+        if option == TEXT:
+            return finish(restart + text_bytes / at, text_seconds)
+        return finish(restart + plan.sizes[0][option] / at)
+
+    if finish(keep) <= plan.time_left:
         # keep while a collapse seen at a later look could still be given up for text;
         # past that point only a chunk that would finish even at GUARD_FACTOR of this rate
         noticed = RECONSIDER_S + RECENT_S
-        if (noticed + cost[TEXT] + later <= plan.time_left
-                or keep / GUARD_FACTOR + later <= plan.time_left):
+        if (finish(noticed + restart + text_bytes / rate, text_seconds) <= plan.time_left
+                or finish(keep / GUARD_FACTOR) <= plan.time_left):
             return None
         # at GUARD_FACTOR of the rate: what a level (re-requested) still makes for sure
-        slow = {option: cost[option] if option == TEXT else
-                restart + predicted_seconds(plan, option, rate * GUARD_FACTOR) for option in options}
-        safe = [option for option in options if slow[option] + later <= plan.time_left]
+        safe = [option for option in options
+                if switched(option, rate if option == TEXT else rate * GUARD_FACTOR) <= plan.time_left]
         if not safe:
             return None   # nothing is surer than keeping
         return Switch(min(safe, key=lambda option: _distortion(plan, option)), abort)
-    fitting = [option for option in options if cost[option] + later <= plan.time_left]
+    fitting = [option for option in options if switched(option, rate) <= plan.time_left]
     if fitting:   # this makes the deadline, keeping does not: no gain test needed
         return Switch(min(fitting, key=lambda option: _distortion(plan, option)), abort)
+    cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
     choice = min(options, key=lambda option: cost[option])
     return Switch(choice, abort) if cost[choice] <= (1 - MIN_GAIN) * keep else None
 

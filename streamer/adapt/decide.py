@@ -22,19 +22,20 @@ UNAVAILABLE_BYTES = 1 << 50
 DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN = 1e-4
 
 
-def time_left(until_deadline: float, outstanding_bytes: float, estimate: float | None, rtt: float,
-              recompute_owed: float) -> float:
+def time_left(until_deadline: float, outstanding_bytes: float, estimate: float | None, rtt: float) -> float:
     """Seconds the chunks not yet requested have: the deadline, less the bytes still due on
     earlier requests at ``estimate`` (and at least the new request's round trip: its answer
-    cannot come sooner), less the recompute owed for chunks already sent to text."""
+    cannot come sooner). The recompute owed for chunks already sent to text is not taken
+    off: it overlaps what follows (``PlanInput.recompute_busy``, ``adapt.overlap``)."""
     due = outstanding_bytes / estimate if estimate else 0.0
-    return until_deadline - max(due, rtt) - recompute_owed
+    return until_deadline - max(due, rtt)
 
 
 def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
                recompute_seconds_per_token: float, text_penalty: float = 1.0,
-               prior_errors: Sequence[float] = (), abandon: Abandon | None = None) -> PlanInput:
+               prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
+               recompute_busy: float = 0.0) -> PlanInput:
     """The policy's view of chunks ``first_chunk..`` of a manifest."""
     chunks = manifest.chunks[first_chunk:]
     return PlanInput(
@@ -43,13 +44,13 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
         text_seconds=[recompute_seconds_per_token * (c.end - c.start) for c in chunks],
         distortion=list(manifest.level_distortion),
         time_left=time_left, history=list(history), prior_bps=prior_bps, text_penalty=text_penalty,
-        prior_errors=tuple(prior_errors), abandon=abandon)
+        prior_errors=tuple(prior_errors), abandon=abandon, recompute_busy=recompute_busy)
 
 
 def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: float,
            history: Sequence[Observation], prior_bps: float | None,
            recompute_seconds_per_token: float, prior_errors: Sequence[float] = (),
-           abandon: Abandon | None = None) -> tuple[Choice, str | None]:
+           abandon: Abandon | None = None, recompute_busy: float = 0.0) -> tuple[Choice, str | None]:
     """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
 
     Once the deadline has passed nothing fetched can make it, so the rest goes to
@@ -59,6 +60,7 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
         return TEXT, "deadline passed"
     choice = policy(plan_input(manifest, first_chunk, time_left=time_left, history=history,
                                prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
+                               recompute_busy=recompute_busy,
                                recompute_seconds_per_token=recompute_seconds_per_token))
     if choice != TEXT and manifest.chunks[first_chunk].sizes[choice] == 0:
         raise ValueError(f"policy chose level {choice}, which chunk {first_chunk} was not stored at")

@@ -20,7 +20,9 @@ def greedy(inp: PlanInput) -> Choice:
     estimate = last_sample(inp.history, inp.prior_bps)
     if estimate is None:
         return probe_level(inp)
-    share = inp.time_left / len(inp.sizes)
+    # CacheGen counts recompute in series: what the caller still owes comes off the time
+    left = inp.time_left - inp.recompute_busy
+    share = left / len(inp.sizes)
     fits = np.asarray(inp.sizes[0], dtype=np.float64) / estimate <= share
     if fits.any():
         return int(np.argmax(fits))  # first True = lowest index = best level
@@ -28,6 +30,6 @@ def greedy(inp: PlanInput) -> Choice:
         return TEXT
     # CacheGen's rule falls back to text when no level fits; do so whenever text can
     # still make the deadline, and send the smallest level only when nothing can
-    if predicted_seconds(inp, TEXT, estimate) <= inp.time_left:
+    if predicted_seconds(inp, TEXT, estimate) <= left:
         return TEXT
     return probe_level(inp)

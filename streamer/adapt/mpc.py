@@ -3,25 +3,28 @@ whose first step is guarded against the link falling to its worst recent rate.
 
 robustMPC (Yin et al., SIGCOMM'15) plans a few chunks ahead with guessed sizes; here
 every chunk's size at every level is known, so the plan covers the whole rest of the
-fetch exactly (:func:`streamer.adapt.plan.solve`) and only the throughput is predicted
+fetch exactly (:func:`streamer.adapt.overlap.solve`: a knapsack over the deadline, with
+text recomputed while later chunks stream) and only the throughput is predicted
 (:func:`streamer.adapt.estimator.robust_estimate`: calibrated, not worst-case). Only the
 first chunk's choice is used: the plan is redone before every chunk with the newest
 measurements (receding horizon).
 
 Two rules come from what a plan at one rate cannot see:
 
-* **Text last.** Sending a chunk as text is irrevocable and teaches nothing about the
-  link (token ids are a few kB), while a KV chunk is a measurement. When a plan needs
-  some text, text is therefore placed as late as possible (its cost grows by a
-  negligible amount per position earlier), so the decision can be redone with more
-  information before it is taken.
+* **Text last, unless in front pays.** Sending a chunk as text is irrevocable and
+  teaches nothing about the link (token ids are a few kB), while a KV chunk is a
+  measurement. When a plan needs some text, text is therefore placed as late as possible
+  (its cost grows by a negligible amount per position earlier), so the decision can be
+  redone with more information before it is taken; only a plan that needs its text in
+  front, where its recompute hides behind the later transfers, puts it there.
 * **A guarded first step.** A requested chunk cannot be taken back. Its option must
   leave the rest of the fetch able to finish as text even if this chunk arrives at the
   *guard* rate (:func:`streamer.adapt.estimator.guard_estimate`: the worst recent
   shortfall on this peer). Among the options that pass, the one starting the cheapest
   plan is taken; if none passes, the plan's own choice.
 
-Text costs ``text_penalty`` plus its token bytes and recompute seconds; with the
+Text costs ``text_penalty`` plus its token bytes and recompute seconds (``adapt.overlap``
+says when these overlap the transfers); with the
 default penalty (as bad as losing the chunk) the plan takes it only when no plan of
 levels fits the deadline. When no plan fits at all, the fastest plan's first choice is
 returned, to miss the deadline by as little as possible.
@@ -30,11 +33,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamer.adapt.base import (TEXT, Choice, PlanInput, choice_of, option_costs, option_seconds,
-                                 probe_level)
+from streamer.adapt import overlap
+from streamer.adapt.base import (TEXT, Choice, PlanInput, choice_of, link_seconds, option_costs,
+                                 option_seconds, probe_level)
 from streamer.adapt.cancel import abandon_seconds
 from streamer.adapt.estimator import DEFAULT_WINDOW, guard_estimate, robust_estimate, throughputs
-from streamer.adapt.plan import DEFAULT_BINS, Plan, fastest, first_option_costs, solve
+from streamer.adapt.plan import DEFAULT_BINS, Plan, fastest
 
 #: Extra cost of text per position earlier in the plan: far below any level's distortion
 #: step, so it only breaks ties between plans that differ in where their text goes.
@@ -59,7 +63,8 @@ def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,
     estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
     if estimate is None:
         return None
-    return solve(option_seconds(inp, estimate), plan_costs(inp), inp.time_left, bins)
+    return overlap.solve(link_seconds(inp, estimate), inp.text_seconds, plan_costs(inp), inp.time_left,
+                         inp.recompute_busy, bins)
 
 
 def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
@@ -72,12 +77,15 @@ def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
     """
     rate = guard_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
     assert rate is not None  # only called with information
-    seconds = option_seconds(inp, rate)
-    first = seconds[0].copy()
+    link, recompute = link_seconds(inp, rate), np.asarray(inp.text_seconds, dtype=np.float64)
+    # chunk 0 is delivered once its bytes are in (as text: once recomputed), and not
+    # before the recompute already owed (adapt.overlap); the rest as text then in series
+    first = np.maximum(link[0], inp.recompute_busy)
+    first[-1] += recompute[0]
     if inp.abandon is not None:
-        bail = abandon_seconds(rate, inp.abandon.rtt, inp.abandon.reconnect_seconds) + first[-1]
-        first[:-1] = np.minimum(first[:-1], bail)
-    return first + seconds[1:, -1].sum() <= inp.time_left
+        given_up = abandon_seconds(rate, inp.abandon.rtt, inp.abandon.reconnect_seconds) + link[0, -1]
+        first[:-1] = np.minimum(first[:-1], max(given_up, inp.recompute_busy) + recompute[0])
+    return first + (link[1:, -1] + recompute[1:]).sum() <= inp.time_left
 
 
 def probe(inp: PlanInput, estimate: float, safe: np.ndarray, window: int = DEFAULT_WINDOW) -> Choice | None:
@@ -108,10 +116,11 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
     estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
     if estimate is None:
         return probe_level(inp)
-    seconds, costs = option_seconds(inp, estimate), plan_costs(inp)
-    totals = first_option_costs(seconds, costs, inp.time_left, bins)
+    costs = plan_costs(inp)
+    totals = overlap.first_option_costs(link_seconds(inp, estimate), inp.text_seconds, costs,
+                                        inp.time_left, inp.recompute_busy, bins)
     if not np.isfinite(totals).any():   # nothing fits: miss by as little as possible
-        return choice_of(fastest(seconds, costs).columns[0], inp.levels)
+        return choice_of(fastest(option_seconds(inp, estimate), costs).columns[0], inp.levels)
     ok = guarded(inp, window)
     safe = np.where(ok, totals, np.inf)
     best = safe if np.isfinite(safe).any() else totals

@@ -37,7 +37,7 @@ class Plan:
     feasible: bool     # fits the budget (with times rounded up to whole bins)
 
 
-def _validate(seconds: ArrayLike, costs: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+def validate(seconds: ArrayLike, costs: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     t = np.asarray(seconds, dtype=np.float64)
     if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise ValueError(f"seconds must be a non-empty [chunks, options] matrix, got {t.shape}")
@@ -61,13 +61,13 @@ def fastest(seconds: ArrayLike, costs: ArrayLike) -> Plan:
     Chunks are independent once the budget is ignored, so it is a per-row choice.
     ``feasible`` is False: this is what to do when nothing fits.
     """
-    t, c = _validate(seconds, costs)
+    t, c = validate(seconds, costs)
     quickest = t == t.min(axis=1, keepdims=True)
     columns = np.argmin(np.where(quickest, c, np.inf), axis=1)
     return _totals(t, c, columns, feasible=False)
 
 
-def _bins_needed(t: np.ndarray, budget: float, bins: int) -> np.ndarray:
+def bins_needed(t: np.ndarray, budget: float, bins: int) -> np.ndarray:
     """Whole bins per option, rounded up; anything over the budget is capped at bins + 1
     ("does not fit"), which also keeps inf out of the integer cast. A budget so small
     that a bin's width underflows to 0 leaves only instant options."""
@@ -76,7 +76,7 @@ def _bins_needed(t: np.ndarray, budget: float, bins: int) -> np.ndarray:
         return np.where(t == 0, 0, np.minimum(np.ceil(t / width), bins + 1)).astype(np.intp)
 
 
-def _value_table(c: np.ndarray, need: np.ndarray, bins: int, first: int) -> np.ndarray:
+def value_table(c: np.ndarray, need: np.ndarray, bins: int, first: int) -> np.ndarray:
     """best[i, e] = least cost of chunks i.. (for i >= first) with e bins already used.
 
     Padding each row with inf past ``bins`` makes "over budget" an ordinary lookup.
@@ -102,26 +102,28 @@ def solve(seconds: ArrayLike, costs: ArrayLike, budget: float,
     """
     if bins < 1:
         raise ValueError(f"bins must be >= 1, got {bins}")
-    t, c = _validate(seconds, costs)
+    t, c = validate(seconds, costs)
     free = t == 0
     if budget == 0 and free.any(axis=1).all():
         # Only instant options fit a zero budget (no bins to discretize into).
         return _totals(t, c, np.argmin(np.where(free, c, np.inf), axis=1), feasible=True)
     if not budget > 0:
         return fastest(t, c)
-    need = _bins_needed(t, budget, bins)
-    best = _value_table(c, need, bins, first=0)
+    need = bins_needed(t, budget, bins)
+    best = value_table(c, need, bins, first=0)
     if not np.isfinite(best[0, 0]):
         return fastest(t, c)
-    # Walk forward from 0 bins used, redoing each chunk's minimum at the one state
-    # reached (cheaper than storing an argmin for every state).
-    chunks = t.shape[0]
-    columns = np.empty(chunks, dtype=np.intp)
-    spent = 0
-    for i in range(chunks):
-        columns[i] = np.argmin(c[i] + best[i + 1, spent + need[i]])
-        spent += need[i, columns[i]]
-    return _totals(t, c, columns, feasible=True)
+    return _totals(t, c, walk(c, need, best, first=0, spent=0), feasible=True)
+
+
+def walk(c: np.ndarray, need: np.ndarray, best: np.ndarray, first: int, spent: int) -> np.ndarray:
+    """The columns of rows ``first..`` from ``spent`` bins used: forward, redoing each
+    chunk's minimum at the one state reached (cheaper than storing an argmin for every state)."""
+    columns = np.empty(c.shape[0] - first, dtype=np.intp)
+    for i in range(first, c.shape[0]):
+        columns[i - first] = np.argmin(c[i] + best[i + 1, spent + need[i]])
+        spent += need[i, columns[i - first]]
+    return columns
 
 
 def first_option_costs(seconds: ArrayLike, costs: ArrayLike, budget: float,
@@ -131,9 +133,9 @@ def first_option_costs(seconds: ArrayLike, costs: ArrayLike, budget: float,
     against a constraint the plan itself does not know (see ``adapt.mpc``)."""
     if bins < 1:
         raise ValueError(f"bins must be >= 1, got {bins}")
-    t, c = _validate(seconds, costs)
+    t, c = validate(seconds, costs)
     if not budget > 0:
         return np.full(t.shape[1], np.inf)
-    need = _bins_needed(t, budget, bins)
-    best = _value_table(c, need, bins, first=1)
+    need = bins_needed(t, budget, bins)
+    best = value_table(c, need, bins, first=1)
     return c[0] + best[1, need[0]]

@@ -28,7 +28,8 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   ``max(request + rtt, previous chunk's end)`` (here the first byte) to the last byte;
   at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived.
   ``time_left`` is ``adapt.decide.time_left``: ``slo - now - max(outstanding / estimate,
-  rtt)`` minus the recompute seconds of the chunks already sent to text; the prior is the caller's (the session's
+  rtt)``, and the recompute still owed (``PlanInput.recompute_busy``) is that of the text
+  chunks not yet delivered, as the session counts it; the prior is the caller's (the session's
   per-server prior is the previous fetch's robust estimate: :attr:`SimResult.next_prior`).
 * **Cancel** (mpc by default, as in the session: ``cancel=``). While a KV chunk arrives,
   ``adapt.cancel.reconsider`` runs every ``RECONSIDER_S`` on the same inputs the session
@@ -39,27 +40,32 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   behind the abandoned one is re-decided, text ones included (the session keeps a text
   request already sent; re-deciding it with the same information gives text again
   unless the estimate rose).
-* **After the link.** Decoding is ordered and pipelined with the transfer: a KV chunk
-  is decoded by ``max(arrival + decode / layers, previous done + decode)`` (its
-  layers decode as they land; only the last layer's share is left after the last
-  byte unless the decoder is the bottleneck). Text chunks are recomputed after the
-  fetch, in series (the policies' own cost model): ``completion = finish +
-  recompute_seconds_per_token * text tokens``. A fetch meets its SLO when
-  ``completion <= slo``.
+* **After the link** (``adapt.overlap``'s model). Delivery is ordered and pipelined with
+  the transfer: a KV chunk is delivered at ``max(arrival + decode / layers, previous
+  done + decode)`` (its layers decode as they land; only the last layer's share is left
+  after the last byte unless the decoder is the bottleneck); a text chunk is recomputed
+  on the caller's compute once its token ids are in and the chunk before it is
+  delivered, ``max(arrival, previous done) + recompute_seconds_per_token * tokens``,
+  while the link carries the chunks after it. A fetch meets its SLO when its last
+  chunk is delivered by ``slo``.
 
 The oracle (:func:`oracle`) knows the true trace in advance and minimises the
 policies' own objective (sum of each chunk's level distortion from the manifest,
 ``text_penalty`` per text chunk) subject to the deadline, by an exact dynamic
-program over chunks whose states are the Pareto-optimal (link free time, cost) pairs
-per number of recomputed tokens (no time discretisation). Its timing is the link
-with no idle gaps (requests sent ahead, as the oracle can) and only the last chunk's
-decode tail, which is never later than the simulator's timing of the same schedule,
-so the oracle's cost is a true lower bound on every policy that met the deadline. The
-oracle never cancels: knowing the trace, it never starts a transfer it would abandon,
-and an abandoned transfer only spends link time, so cancel cannot beat it either.
+program over chunks (no time discretisation). Its timing is the link with no idle
+gaps (requests sent ahead, as the oracle can), recompute overlapped as above, and only
+the last chunk's decode tail, which is never later than the simulator's timing of the
+same schedule, so the oracle's cost is a true lower bound on every policy that met the
+deadline. With ``R`` the recompute seconds of the text chunks so far, the last chunk
+is delivered at ``R_total + max(0, max_i(arrival_i - R_before_i))``, so its states are,
+per number of recomputed tokens, the Pareto-optimal (link free time, that running
+maximum, cost) triples. The oracle never cancels: knowing the trace, it never starts a
+transfer it would abandon, and an abandoned transfer only spends link time, so cancel
+cannot beat it either.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,6 +106,7 @@ class Decision:
     estimate: float | None
     choice: Choice
     reason: str | None
+    recompute_busy: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,8 @@ class SimResult:
     chunks: list[ChunkTiming]
     decisions: list[Decision]
     history: list[Observation]
-    finish: float          # last chunk delivered (what the session reports as total_seconds)
-    recompute: float       # seconds of text-chunk recompute after the fetch
+    finish: float          # last chunk delivered, text recomputed (the session's total_seconds)
+    recompute: float       # seconds of text-chunk recompute (overlapping the transfers)
     slo: float
     cost: float            # the policies' objective: distortion per level + TEXT_PENALTY per text
     text_chunks: int
@@ -139,8 +146,8 @@ class SimResult:
 
     @property
     def completion(self) -> float:
-        """KV of the whole context ready: fetch, decode, then recompute of text chunks."""
-        return self.finish + self.recompute
+        """KV of the whole context ready: every chunk fetched and decoded, or recomputed."""
+        return self.finish
 
     @property
     def met(self) -> bool:
@@ -232,14 +239,14 @@ class Simulator:
     # ------------------------------------------------------------------ decisions
     def decide(self, policy: str | Policy, chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
-               prior_errors: Sequence[float] = (), abandon: Abandon | None = None
-               ) -> tuple[Choice, str | None]:
+               prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
+               recompute_busy: float = 0.0) -> tuple[Choice, str | None]:
         """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
         context's manifest and recompute cost (the session calls the same function)."""
         fn, _ = _as_policy(policy)
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
                       prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
-                      recompute_seconds_per_token=self.recompute)
+                      recompute_busy=recompute_busy, recompute_seconds_per_token=self.recompute)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
         return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]
@@ -266,9 +273,7 @@ class Simulator:
         ``schedule`` replays fixed choices instead of asking the policy (e.g. the
         oracle's schedule), with the same timing model and no cancel. ``prior_bps`` and
         ``prior_errors`` are the peer's memory from earlier fetches
-        (:attr:`SimResult.next_prior`, :attr:`SimResult.next_errors`). As in the session,
-        ``time_left`` excludes the recompute seconds of chunks already sent to text (here
-        every one of them is still pending: recompute runs after the transfers).
+        (:attr:`SimResult.next_prior`, :attr:`SimResult.next_errors`).
         ``cancel`` runs the cancel rule on the chunk in flight as the session does (None:
         the session's default for the policy, :func:`streamer.adapt.cancel.cancels_by_default`).
         """
@@ -340,9 +345,25 @@ class Simulator:
         def outstanding(now: float) -> float:
             return sum(nbytes[j] - received(j, now) for j in range(completed, len(end)))
 
-        def recompute_before(index: int) -> float:
-            """Recompute seconds owed for the chunks before ``index`` sent as text."""
-            return self.recompute * float(sum(self.tokens[j] for j in range(index) if is_text[j]))
+        def delivered(count: int) -> list[float]:
+            """When each of the first ``count`` requested chunks is delivered (ordered: a
+            KV chunk decoded, a text chunk recomputed after the chunk before it)."""
+            out, done = [], 0.0
+            for j in range(count):
+                if is_text[j]:
+                    done = max(end[j], done) + self.recompute * float(self.tokens[j])
+                else:
+                    dec = float(self.decode[j])
+                    done = max(end[j] + dec / layers, done + dec)
+                out.append(done)
+            return out
+
+        def recompute_owed(index: int, now: float) -> float:
+            """Recompute seconds of the chunks before ``index`` sent as text and not yet
+            delivered at ``now``, each counted whole (what the session sees)."""
+            done = delivered(index)
+            return self.recompute * float(sum(self.tokens[j] for j in range(index)
+                                              if is_text[j] and done[j] > now))
 
         def crossing(now: float, limit: float) -> float:
             """Earliest time >= now when the bytes still due drop to ``limit``.
@@ -367,7 +388,8 @@ class Simulator:
 
         def request(index: int, now: float, hist: list[Observation], est: float | None) -> None:
             nonlocal link_free
-            left = time_left(slo - now, outstanding(now), est, rtt, recompute_before(index))
+            left = time_left(slo - now, outstanding(now), est, rtt)
+            busy = recompute_owed(index, now)
             if index in forced:
                 choice, reason = forced.pop(index)
             elif schedule is not None:
@@ -376,8 +398,9 @@ class Simulator:
             else:
                 choice, reason = decide(fn, self.manifest, index, time_left=left, history=hist,
                                         prior_bps=prior_bps, prior_errors=prior_errors,
-                                        recompute_seconds_per_token=self.recompute, abandon=abandon)
-            decisions.append(Decision(index, now, left, tuple(hist), prior_bps, est, choice, reason))
+                                        recompute_seconds_per_token=self.recompute, abandon=abandon,
+                                        recompute_busy=busy)
+            decisions.append(Decision(index, now, left, tuple(hist), prior_bps, est, choice, reason, busy))
             size = self._bytes_of(index, choice)
             s = max(now + owd, link_free)
             e = s + trace.time_to_send(8.0 * size, start + s)
@@ -405,8 +428,9 @@ class Simulator:
             if sample is None:
                 return None
             rate = sample.bytes / sample.busy_seconds
-            plan = plan_input(self.manifest, j, time_left=slo - now - recompute_before(j), history=(),
-                              prior_bps=None, recompute_seconds_per_token=self.recompute)
+            plan = plan_input(self.manifest, j, time_left=slo - now, history=(), prior_bps=None,
+                              recompute_seconds_per_token=self.recompute,
+                              recompute_busy=recompute_owed(j, now))
             head = cancel_rule.InFlight(level=int(choices[j]), remaining_bytes=int(nbytes[j] - got),
                                         delivered_layers=int(layers * got / nbytes[j]))
             switch = cancel_rule.reconsider(plan, head, rate=rate, rtt=rtt,
@@ -468,16 +492,10 @@ class Simulator:
             raise RuntimeError(f"simulated fetch did not finish in {_MAX_STEPS_PER_CHUNK * n} steps")
         complete_until(math.inf)
 
-        done = 0.0
-        timings: list[ChunkTiming] = []
-        for j in range(n):
-            if is_text[j]:
-                done = max(end[j], done)
-            else:
-                dec = float(self.decode[j])
-                done = max(end[j] + dec / layers, done + dec)
-            timings.append(ChunkTiming(j, choices[j], nbytes[j], requested[j], begin[j], end[j],
-                                       done, busy_of[j]))
+        done_at = delivered(n)
+        timings = [ChunkTiming(j, choices[j], nbytes[j], requested[j], begin[j], end[j], done_at[j], busy_of[j])
+                   for j in range(n)]
+        done = done_at[-1]
         text_tokens = float(sum(self.tokens[j] for j in range(n) if is_text[j]))
         memory = estimator.remember(history, prior_errors)
         return SimResult(choices=choices, chunks=timings, decisions=decisions, history=history,
@@ -535,6 +553,31 @@ def _pareto(t: np.ndarray, c: np.ndarray) -> np.ndarray:
     return order[cs < best_before - 1e-15]
 
 
+def _pareto3(t: np.ndarray, m: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Indices of the points not dominated in (t, m, c), lower is better in all three.
+
+    In order of t, a point is dominated iff an earlier one has m and c no greater; the
+    earlier points' (m, c) staircase (c falling as m grows) answers that by bisection.
+    """
+    order = np.lexsort((c, m, t))
+    steps_m: list[float] = []
+    steps_c: list[float] = []
+    kept = []
+    for i in order:
+        mi, ci = float(m[i]), float(c[i])
+        at = bisect.bisect_right(steps_m, mi)
+        if at and steps_c[at - 1] <= ci + 1e-15:
+            continue
+        kept.append(i)
+        # the new step replaces those it dominates in (m, c): from ``at`` on, while c >= ci
+        stop = at
+        while stop < len(steps_m) and steps_c[stop] >= ci:
+            stop += 1
+        steps_m[at:stop] = [mi]
+        steps_c[at:stop] = [ci]
+    return np.asarray(kept, dtype=np.intp)
+
+
 def _oracle(sim: Simulator, link: _Link, *, slo: float, start: float) -> OracleResult:
     n = len(sim.sizes)
     L = sim.manifest.levels
@@ -548,8 +591,10 @@ def _oracle(sim: Simulator, link: _Link, *, slo: float, start: float) -> OracleR
     rate = sim.recompute
 
     def run(deadline: float | None):
-        # states: link-free time T (sender clock), cost C, text tokens K, parent, column
+        # states: link-free time T (sender clock), M = max over chunks so far of (delivery
+        # lower bound - recompute before it), cost C, text tokens K; parent, column
         T = np.array([owd])
+        M = np.array([0.0])
         C = np.array([0.0])
         K = np.array([0], dtype=np.int64)
         parents: list[np.ndarray] = []
@@ -561,30 +606,31 @@ def _oracle(sim: Simulator, link: _Link, *, slo: float, start: float) -> OracleR
             nt = (T[:, None] + link.time_to_send(size[i][opts][None, :], start + T[:, None])).ravel()
             nc = (C[:, None] + costs[opts][None, :]).ravel()
             is_text = (opts == L)
+            ready = nt + owd + np.tile(np.where(is_text | (i < n - 1), 0.0, tail[i]), S)
+            nm = np.maximum(np.repeat(M, opts.size), ready - rate * np.repeat(K, opts.size))
             nk = (K[:, None] + np.where(is_text, tokens[i], 0)[None, :]).ravel()
             par = np.repeat(np.arange(S), opts.size)
             col = np.tile(opts, S)
             ok = np.isfinite(nt)
             if deadline is not None:
-                # times only grow: a state already late (even without a decode tail) is dead
-                ok &= nt + owd + rate * nk <= deadline + EPS
+                # both terms only grow: a state already late is dead
+                ok &= rate * nk + nm <= deadline + EPS
             idx = np.flatnonzero(ok)
             if idx.size == 0:
                 return None
             keep_all = []
             for k in np.unique(nk[idx]):
                 sel = idx[nk[idx] == k]
-                if deadline is None:  # fastest: only time matters within a token group
-                    keep_all.append(sel[[int(np.argmin(nt[sel]))]])
+                if deadline is None:  # fastest: only times matter
+                    keep_all.append(sel[_pareto(nt[sel], nm[sel])])
                 else:
-                    keep_all.append(sel[_pareto(nt[sel], nc[sel])])
+                    keep_all.append(sel[_pareto3(nt[sel], nm[sel], nc[sel])])
             keep = np.concatenate(keep_all)
             explored += keep.size
-            T, C, K = nt[keep], nc[keep], nk[keep]
+            T, M, C, K = nt[keep], nm[keep], nc[keep], nk[keep]
             parents.append(par[keep])
             columns.append(col[keep])
-        last_col = columns[-1]
-        finish = T + owd + np.where(last_col == L, 0.0, tail[-1]) + rate * K
+        finish = rate * K + np.maximum(M, 0.0)
         return T, C, K, finish, parents, columns, explored
 
     out = run(slo)

@@ -6,7 +6,9 @@ overlaps with receiving. A single consumer task walks chunks 0..n-1 and, within 
 chunk, layers 0..L-1, awaiting each decode in turn and calling ``on_layer`` — or
 ``on_text`` for a chunk the session resolved as text. Because only that task
 calls the callbacks, order and exactly-once hold by construction, whatever the
-network does (refetches after a reset or a corrupt section just refill slots).
+network does (refetches after a reset or a corrupt section just refill slots). A
+plain-function ``on_text`` runs in a worker thread, so the later chunks keep arriving
+while the caller recomputes (an async one must not block the loop either).
 
 A chunk may switch to text after some of its layers went out (its sections stayed
 corrupt, or the session cancelled it to meet the deadline): the consumer then gets
@@ -179,7 +181,7 @@ class OrderedDelivery:
                         state.text = self._loop.create_future()
                     token_ids = await state.text
                     if self._on_text is not None:
-                        await _call(self._on_text, index, token_ids)
+                        await _call(self._on_text, index, token_ids, off_loop=True)
                     break
                 if await self._deliver_layers(index, state):
                     break
@@ -231,7 +233,13 @@ def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: cod
     return k, v, time.perf_counter() - start
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> None:
-    result = fn(*args)
+async def _call(fn: Callable[..., Any], *args: Any, off_loop: bool = False) -> None:
+    """Call a consumer callback, sync or async. ``off_loop``: a plain function runs in a
+    worker thread (``on_text`` is a prefill, and the transfers of the later chunks run
+    on this event loop meanwhile: the planners count on that overlap, ``adapt.overlap``)."""
+    if off_loop and not inspect.iscoroutinefunction(fn):
+        result = await asyncio.to_thread(fn, *args)
+    else:
+        result = fn(*args)
     if inspect.isawaitable(result):
         await result

@@ -533,15 +533,17 @@ class _Fetch:
         client = self.s._client
         rtt = client.rtt if client is not None else 0.0
         history, estimate = self._estimate(now)
-        left = time_left(self.deadline - now, self._outstanding_bytes(), estimate, rtt, self._pending_recompute())
+        left = time_left(self.deadline - now, self._outstanding_bytes(), estimate, rtt)
         abandon = Abandon(rtt, self.s.connect_seconds) if self.s.config.cancels else None
         choice, reason = decide(self.s._policy, self.manifest, index, time_left=left, history=history,
                                 prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
+                                recompute_busy=self._pending_recompute(),
                                 recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
         return choice, reason, left, estimate
 
     def _pending_recompute(self) -> float:
-        """Seconds the caller will still spend recomputing chunks already sent as text."""
+        """Seconds the caller will still spend recomputing chunks already sent as text (each
+        not yet delivered counted whole): it overlaps the transfers (``adapt.overlap``)."""
         per_token = self.s.config.recompute_seconds_per_token
         return sum(per_token * self.manifest.chunks[c.index].tokens
                    for c in self.chunks if c.choice == TEXT and not self.delivery.is_done(c.index))
@@ -566,8 +568,8 @@ class _Fetch:
         sample = cancel.chunk_rate(head.marks, estimate)
         if sample is None:
             return
-        plan = plan_input(self.manifest, head.index, time_left=self.deadline - now - self._pending_recompute(),
-                          history=[], prior_bps=None, prior_errors=(),
+        plan = plan_input(self.manifest, head.index, time_left=self.deadline - now, history=[],
+                          prior_bps=None, prior_errors=(), recompute_busy=self._pending_recompute(),
                           recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - received,
