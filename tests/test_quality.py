@@ -77,22 +77,62 @@ def test_bench_quality_json_decoder(llama_dir, tmp_path, capsys):
                   "--levels", "0", "4", "--plot", str(png)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"config", "levels", "reference", "rows"}
-    assert doc["config"]["kind"] == "decoder" and doc["config"]["context_tokens"] == 64
+    config = doc["config"]
+    assert config["kind"] == "decoder" and config["context_tokens"] == 64
+    # two windows from each kind of text, each named with its kind
+    assert config["texts"] == [{"name": "GPL-3", "kind": "legal prose", "windows": 2},
+                               {"name": "python-reference", "kind": "technical docs", "windows": 2}]
+    assert config["windows"] == 4 and config["scored_tokens_per_window"] == 31
     assert len(doc["levels"]) == len(codec.DEFAULT_TARGETS)
-    assert doc["reference"]["perplexity"] > 1 and doc["reference"]["scored_tokens"] == 2 * 31
+    assert doc["reference"]["perplexity"] > 1 and doc["reference"]["scored_tokens"] == 4 * 31
     rows = doc["rows"]
-    assert [(r["method"], r["level"]) for r in rows] == [("fp16", None), ("int8", None), ("kvwire", 0),
-                                                          ("kvwire", 4)]
+    assert [(r["method"], r["level"]) for r in rows] == [("fp16", None), ("int8", None), ("cachegen", None),
+                                                          ("kvwire", 0), ("kvwire", 4)]
     for row in rows:
         assert len(row["attention_error"]) == 2
         assert 0 <= row["top1_agreement"] <= 1 and row["perplexity"] > 1
         assert row["cosine"] is None
-    fp16, _, best, worst = rows
+        assert [w["text"] for w in row["windows"]] == ["GPL-3"] * 2 + ["python-reference"] * 2
+        changes = [w["perplexity_change"] for w in row["windows"]]
+        assert min(changes) - 1e-12 <= row["perplexity_change"] <= max(changes) + 1e-12
+    fp16, _, cachegen, best, worst = rows
     assert fp16["bits_per_element"] == 16 and fp16["top1_agreement"] == 1.0
+    assert 0 < cachegen["bits_per_element"] < 16 and cachegen["target_distortion"] is None
+    assert best["target_distortion"] < worst["target_distortion"]
     assert best["bits_per_element"] > worst["bits_per_element"]
     assert best["distortion"] < worst["distortion"]
     assert best["attention_error_mean"] < worst["attention_error_mean"]
     assert png.stat().st_size > 1000
+
+
+def test_bench_quality_table_names_the_texts_and_the_spread():
+    """The decoder table: texts named with their kind, per row the pooled perplexity change,
+    its range across windows, the level's target; 30 layers' errors stay in the JSON."""
+    from streamer.model.quality import QualityReport, QualityRow
+    from streamer.tools.bench_quality import render
+
+    def row(method, level, change, spread, target=None):
+        windows = [{"text": "GPL-3", "perplexity_change": spread[0], "top1_agreement": 0.99},
+                   {"text": "python-reference", "perplexity_change": spread[1], "top1_agreement": 0.97}]
+        return QualityRow(method, level, 4.0, 1e-3, [0.01] * 30, 0.01, perplexity=10.0, perplexity_change=change,
+                          top1_agreement=0.98, rotary=level is not None, target_distortion=target, windows=windows)
+
+    config = {"model": "m", "kind": "decoder", "kv_shape": [30, 3, 64], "windows": 2, "window_tokens": 3073,
+              "context_tokens": 1024, "scored_tokens_per_window": 2048, "profile_id": "p",
+              "calibration_tokens": 2048, "calibration_seconds": 1.0, "seconds": 2.0,
+              "texts": [{"name": "GPL-3", "kind": "legal prose", "windows": 1},
+                        {"name": "python-reference", "kind": "technical docs", "windows": 1}]}
+    report = QualityReport(config, [], {"perplexity": 10.0, "scored_tokens": 4096},
+                           [row("cachegen", None, 0.02, (0.01, 0.03)), row("kvwire", 1, -0.001, (-0.004, 0.002), 1e-3)])
+    text = render(report)
+    assert "GPL-3 (legal prose, 1 windows), python-reference (technical docs, 1 windows)" in text
+    assert "2048 scored continuation tokens" in text
+    lines = text.splitlines()
+    cachegen = next(line for line in lines if line.startswith("cachegen"))
+    kvwire = next(line for line in lines if line.startswith("kvwire+rope"))
+    assert "+2.00%" in cachegen and "+1.00..+3.00" in cachegen
+    assert "-0.10%" in kvwire and "-0.40..+0.20" in kvwire and "1.0e-03" in kvwire and "0.970" in kvwire
+    assert "1.0e-02 1.0e-02" not in text   # 30 per-layer errors are not listed
 
 
 @pytest.mark.model

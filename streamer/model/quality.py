@@ -18,8 +18,14 @@ has not been calibrated on:
   the perplexity of a continuation run after the decoded context KV vs after the
   original one, and the top-1 agreement of their next-token predictions.
 
-The profile is calibrated on ``hf.CALIBRATION_TEXTS``; windows of
-``hf.MEASURE_TEXT`` are measured. The table and plot are in ``streamer.tools.bench_quality``.
+The profile is calibrated on ``hf.CALIBRATION_TEXTS``; windows of texts of more than one
+kind that ship with the OS or Python (``MEASURE_SOURCES``: the GPL-3 text, legal prose;
+Python's language reference, technical docs) are measured, each window named by its text,
+and every row reports the spread of its perplexity change and top-1 agreement across
+windows as well as the pooled figure (a change of a fraction of a percent is within the
+noise of one short window). Besides fp16 and int8, a CacheGen-style baseline
+(``codec.baselines.cachegen``) is measured at its entropy-coded size. The table and plot
+are in ``streamer.tools.bench_quality``.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -52,6 +58,9 @@ class QualityRow:
     perplexity_change: float | None = None   # relative to the original KV's perplexity
     top1_agreement: float | None = None      # next-token argmax equal to the original KV's
     rotary: bool | None = None       # kvwire: whether the profile removes RoPE from the keys
+    target_distortion: float | None = None   # kvwire: the level's MSE/var target
+    #: per measured window: its text, and (decoders) its perplexity change and top-1 agreement
+    windows: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +138,8 @@ class _Window:
     meta: list[dict]
     embedding: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    source: str = ""                  # the measured text it comes from
+    reference_nll: float = 0.0        # decoders: the continuation's NLL after the original KV
 
 
 class _Accumulator:
@@ -144,13 +155,15 @@ class _Accumulator:
         self.scored = 0
         self.agree = 0
         self.predicted = 0
+        self.windows: list[dict] = []
 
     def add(self, window: _Window, decoded: torch.Tensor, nbytes: int, model) -> None:
         x, y = window.kv.double(), decoded.double()
         self.bits += 8.0 * nbytes
         self.elements += x.numel()
-        self.err2 += float(((y - x) ** 2).sum())
-        self.var += float(((x - x.mean(dim=2, keepdim=True)) ** 2).sum())
+        err2, var = float(((y - x) ** 2).sum()), float(((x - x.mean(dim=2, keepdim=True)) ** 2).sum())
+        self.err2 += err2
+        self.var += var
         for layer, reference in enumerate(window.attention):
             meta = window.meta[layer]
             out = hf.attention_output(window.queries[layer], decoded[layer, 0], decoded[layer, 1],
@@ -160,19 +173,26 @@ class _Accumulator:
         if window.embedding is not None:
             embedding = hf.sentence_embedding(model, window.ids, decoded)
             self.cosines.append(float(window.embedding @ embedding))
+        per_window: dict = {"text": window.source, "distortion": err2 / var if var else 0.0}
         if window.logits is not None:
             logits = hf.continuation_logits(model, decoded, window.continuation)
             nll, count = _nll(logits, window.continuation)
+            agree = int((logits.argmax(-1) == window.logits.argmax(-1)).sum())
             self.nll += nll
             self.scored += count
-            self.agree += int((logits.argmax(-1) == window.logits.argmax(-1)).sum())
+            self.agree += agree
             self.predicted += logits.shape[0]
+            if count:
+                per_window["perplexity_change"] = math.exp((nll - window.reference_nll) / count) - 1.0
+            per_window["top1_agreement"] = agree / logits.shape[0]
+        self.windows.append(per_window)
 
     def row(self, method: str, level: int | None, reference_ppl: float | None) -> QualityRow:
         errors = [math.sqrt(e / r) if r > 0 else 0.0 for e, r in zip(self.att_err2, self.att_ref2)]
         row = QualityRow(method=method, level=level, bits_per_element=self.bits / self.elements,
                          distortion=self.err2 / self.var if self.var else 0.0,
-                         attention_error=errors, attention_error_mean=sum(errors) / len(errors))
+                         attention_error=errors, attention_error_mean=sum(errors) / len(errors),
+                         windows=self.windows)
         if self.cosines:
             row.cosine = sum(self.cosines) / len(self.cosines)
             row.cosine_min = min(self.cosines)
@@ -193,17 +213,50 @@ def _nll(logits: torch.Tensor, continuation: Sequence[int]) -> tuple[float, int]
     return float(-logp.gather(1, targets.unsqueeze(1)).sum()), len(targets)
 
 
+def python_reference() -> str:
+    """Python's language reference as ``pydoc`` shows it (``pydoc_data.topics``, which ships
+    with Python): technical documentation, unlike the license texts calibrated on."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+#: Measured texts by name: (kind, reader). All ship with Debian or with Python.
+MEASURE_SOURCES: dict[str, tuple[str, Callable[[], str]]] = {
+    "GPL-3": ("legal prose", lambda: hf.read_text([hf.MEASURE_TEXT])),
+    "python-reference": ("technical docs", python_reference),
+}
+DEFAULT_TEXTS = tuple(MEASURE_SOURCES)
+
+
+def measure_source(name: str) -> tuple[str, str]:
+    """(kind, text) of a ``MEASURE_SOURCES`` name, or of a text file given by its path."""
+    if name in MEASURE_SOURCES:
+        kind, read = MEASURE_SOURCES[name]
+        return kind, read()
+    return "file", hf.read_text([Path(name)])
+
+
+#: Decoders: by default each window is a 1024-token context and a continuation of which
+#: 2048 tokens are scored (its first token's prediction belongs to the context, not run
+#: again): short continuations leave perplexity changes of a fraction of a percent in the noise.
+DECODER_CONTEXT_TOKENS = 1024
+DECODER_CONTINUATION_TOKENS = 2049
+ENCODER_WINDOW_TOKENS = 512
+
+
 def measure_windows(token_ids: Sequence[int], count: int, size: int) -> list[list[int]]:
-    """``count`` windows of ``size`` tokens spread evenly over the text."""
+    """``count`` windows of ``size`` tokens spread evenly over the text, the first at its
+    start and the last at its end (they overlap only where the text is too short)."""
     ids = list(token_ids)
     if len(ids) < size:
         raise ValueError(f"the measured text has {len(ids)} tokens, fewer than one window of {size}")
-    starts = range(0, len(ids) - size + 1)
-    stride = max(len(starts) // max(count, 1), 1)
-    return [ids[s:s + size] for s in list(starts)[::stride][:count]]
+    last = len(ids) - size
+    starts = sorted({round(i * last / (count - 1)) for i in range(count)}) if count > 1 else [0]
+    return [ids[s:s + size] for s in starts]
 
 
-def _prepare(model, tokenizer, window_ids: list[int], context_tokens: int | None) -> _Window:
+def _prepare(model, tokenizer, window_ids: list[int], context_tokens: int | None, source: str) -> _Window:
     decoder = hf.is_decoder(model)
     if decoder:
         context_tokens = context_tokens or (len(window_ids) * 3) // 4
@@ -214,25 +267,33 @@ def _prepare(model, tokenizer, window_ids: list[int], context_tokens: int | None
     queries, meta = hf.queries(model, ids)
     attention = [hf.attention_output(queries[l], kv[l, 0], kv[l, 1], scaling=meta[l]["scaling"],
                                      causal=meta[l]["causal"]) for l in range(kv.shape[0])]
-    window = _Window(ids, continuation, kv, attention, queries, meta)
+    window = _Window(ids, continuation, kv, attention, queries, meta, source=source)
     if decoder:
         if continuation:
             window.logits = hf.continuation_logits(model, kv, continuation)
+            window.reference_nll = _nll(window.logits, continuation)[0]
     else:
         window.embedding = hf.sentence_embedding(model, ids)
     return window
 
 
+#: The baselines by method name (CacheGen's design at its default bins, costed at its entropy).
+_BASELINES = {"fp16": baselines.raw_fp16, "int8": baselines.int8, "cachegen": baselines.cachegen}
+
+
 def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_tokens: int = 8192,
-        windows: int = 6, window_tokens: int = 512, context_tokens: int | None = None,
+        windows: int = 6, window_tokens: int | None = None, context_tokens: int | None = None,
         levels: Sequence[int] | None = None, baselines_too: bool = True,
         calibration_text: Sequence[Path] = hf.CALIBRATION_TEXTS,
-        measure_text: Sequence[Path] = (hf.MEASURE_TEXT,), model_name: str = "",
+        texts: Sequence[str] | None = None, model_name: str = "",
         rotary: str = "auto") -> QualityReport:
-    """Measure every level of ``profile`` (calibrated here when None) on the measure text.
+    """Measure every level of ``profile`` (calibrated here when None) on ``windows`` windows
+    of each of ``texts`` (``MEASURE_SOURCES`` names or text files; default DEFAULT_TEXTS).
 
-    ``rotary`` (when calibrating): "auto" follows ROTARY_DEFAULT, "on"/"off" force RoPE
-    removal from the keys, "both" measures a profile of each kind side by side.
+    ``window_tokens`` defaults to 512 for an encoder; for a decoder to ``context_tokens``
+    (default 1024) plus a 2048-token scored continuation. ``rotary`` (when calibrating):
+    "auto" follows ROTARY_DEFAULT, "on"/"off" force RoPE removal from the keys, "both"
+    measures a profile of each kind side by side.
     """
     if rotary not in ROTARY_MODES:
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
@@ -248,9 +309,14 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
     else:
         profiles = [profile]
     profile = profiles[0]
-    measure_ids = hf.tokenize(tokenizer, hf.read_text(measure_text))
-    prepared = [_prepare(model, tokenizer, w, context_tokens)
-                for w in measure_windows(measure_ids, windows, window_tokens)]
+    if decoder and window_tokens is None:
+        context_tokens = context_tokens or DECODER_CONTEXT_TOKENS
+        window_tokens = context_tokens + DECODER_CONTINUATION_TOKENS
+    window_tokens = window_tokens or ENCODER_WINDOW_TOKENS
+    sources = {name: measure_source(name) for name in (texts or DEFAULT_TEXTS)}
+    prepared = [_prepare(model, tokenizer, w, context_tokens, name)
+                for name, (_, text) in sources.items()
+                for w in measure_windows(hf.tokenize(tokenizer, text), windows, window_tokens)]
     layers = prepared[0].kv.shape[0]
     reference_ppl = None
     reference: dict = {}
@@ -271,11 +337,13 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
                 "context_tokens": len(prepared[0].ids) if decoder else None,
                 "profile_ids": [p.id for p in profiles], "rotary": rotary,
                 "calibration_text": [str(p) for p in calibration_text],
-                "measure_text": [str(p) for p in measure_text]},
+                "texts": [{"name": name, "kind": kind, "windows": sum(w.source == name for w in prepared)}
+                          for name, (kind, _) in sources.items()],
+                "scored_tokens_per_window": len(prepared[0].continuation) - 1 if decoder else None},
         levels=profile_levels(profile), reference=reference)
     methods: list[tuple[str, int | None, codec.Profile | None]] = []
     if baselines_too:
-        methods += [("fp16", None, None), ("int8", None, None)]
+        methods += [("fp16", None, None), ("int8", None, None), ("cachegen", None, None)]
     methods += [("kvwire", lv, p) for p in profiles
                 for lv in (range(len(p.targets)) if levels is None else levels)]
     for method, level, prof in methods:
@@ -285,11 +353,13 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
                 blob = codec.encode(w.kv, level, prof)  # each window's context starts at position 0
                 decoded, nbytes = codec.decode(blob, prof).float(), len(blob)
             else:
-                encoded = baselines.raw_fp16(w.kv) if method == "fp16" else baselines.int8(w.kv)
+                encoded = _BASELINES[method](w.kv)
                 decoded, nbytes = encoded.reconstruction, encoded.nbytes
             acc.add(w, decoded, nbytes, model)
         row = acc.row(method, level, reference_ppl)
         row.rotary = None if prof is None else prof.rotary is not None
+        if prof is not None and level is not None:
+            row.target_distortion = prof.targets[level]
         report.rows.append(row)
     report.config["seconds"] = round(time.perf_counter() - started, 2)
     return report

@@ -18,31 +18,51 @@ def _label(row) -> str:
     return row.method + ("+rope" if row.rotary else "")
 
 
+def _spread(row, key: str) -> tuple[float, float] | None:
+    """(min, max) of a per-window figure across the measured windows, None without one."""
+    values = [w[key] for w in row.windows if w.get(key) is not None]
+    return (min(values), max(values)) if values else None
+
+
+#: Per-layer attention errors are listed only for models this shallow (the JSON has them all).
+_PER_LAYER_COLUMNS = 8
+
+
 def render(report: QualityReport) -> str:
     c = report.config
     decoder = c["kind"] == "decoder"
+    texts = ", ".join(f"{t['name']} ({t['kind']}, {t['windows']} windows)" for t in c["texts"])
     lines = [f"kvwire bench quality: {c['model']} ({c['kind']}, KV layers x heads x head_dim "
              f"{'x'.join(map(str, c['kv_shape']))}), {c['windows']} windows of {c['window_tokens']} tokens"
-             + (f" ({c['context_tokens']} context + continuation)" if decoder else "")
-             + f", profile {c['profile_id']} calibrated on {c['calibration_tokens']} other tokens"
-             f" in {c['calibration_seconds']} s; {c['seconds']} s in all", ""]
-    end = (f"{'ppl':>9}{'ppl chg':>9}{'top-1':>8}" if decoder else f"{'cosine':>10}{'min cos':>10}")
-    lines.append(f"{'method':<12}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'attn err':>10}   "
-                 f"{'attention error per layer':<34}{end}")
+             + (f" ({c['context_tokens']} context, {c['scored_tokens_per_window']} scored continuation tokens)"
+                if decoder else "")
+             + f" from {texts}; profile {c['profile_id']} calibrated on {c['calibration_tokens']} tokens of "
+             f"other text in {c['calibration_seconds']} s; {c['seconds']} s in all", ""]
+    per_layer = len(report.rows[0].attention_error) <= _PER_LAYER_COLUMNS if report.rows else False
+    end = (f"{'ppl':>9}{'ppl chg':>9}{'windows min..max':>18}{'top-1':>8}{'min':>7}" if decoder
+           else f"{'cosine':>10}{'min cos':>10}")
+    lines.append(f"{'method':<14}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'target':>9}{'attn err':>10}   "
+                 + (f"{'attention error per layer':<34}" if per_layer else "") + end)
     for r in report.rows:
-        per_layer = " ".join(f"{e:.1e}" for e in r.attention_error)
+        layers = f"{' '.join(f'{e:.1e}' for e in r.attention_error):<34}" if per_layer else ""
         if decoder:
-            tail = (f"{_fmt(r.perplexity, '.3f'):>9}{_fmt(None if r.perplexity_change is None else 100 * r.perplexity_change, '+.2f'):>8}%"
-                    f"{_fmt(r.top1_agreement, '.4f'):>8}")
+            change = None if r.perplexity_change is None else 100 * r.perplexity_change
+            spread = _spread(r, "perplexity_change")
+            low = _spread(r, "top1_agreement")
+            tail = (f"{_fmt(r.perplexity, '.3f'):>9}{_fmt(change, '+.2f'):>8}%"
+                    + (f"{100 * spread[0]:>+9.2f}..{100 * spread[1]:<+7.2f}" if spread else f"{'-':>18}")
+                    + f"{_fmt(r.top1_agreement, '.4f'):>8}{_fmt(low and low[0], '.3f'):>7}")
         else:
             tail = f"{_fmt(r.cosine, '.6f'):>10}{_fmt(r.cosine_min, '.6f'):>10}"
-        lines.append(f"{_label(r):<12}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
-                     f"{r.attention_error_mean:>10.2e}   {per_layer:<34}{tail}")
+        lines.append(f"{_label(r):<14}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
+                     f"{_fmt(r.target_distortion, '.1e'):>9}{r.attention_error_mean:>10.2e}   {layers}{tail}")
     if decoder and report.reference.get("perplexity"):
         lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
-                     f"{report.reference['scored_tokens']} tokens")
+                     f"{report.reference['scored_tokens']} tokens; ppl chg pooled over all windows, "
+                     "min..max across windows (%); top-1 pooled, min across windows")
     lines.append("attn err: ||A_hat - A||_F / ||A||_F of softmax(QK^T/sqrt(d))V with the model's own "
-                 "queries (mean over layers; per layer alongside).")
+                 "queries (mean over layers" + ("; per layer alongside)." if per_layer else "; per layer in --json).")
+                 + " cachegen: CacheGen's design (groups of 10, 8-bit anchors, binned deltas) at its entropy.")
     return "\n".join(lines)
 
 
@@ -55,27 +75,32 @@ def plot(report: QualityReport, path: Path) -> None:
     decoder = report.config["kind"] == "decoder"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"kvwire": dict(marker="o", linestyle="-"), "kvwire+rope": dict(marker="D", linestyle="--"),
-              "fp16": dict(marker="s", linestyle="none"), "int8": dict(marker="^", linestyle="none")}
+              "fp16": dict(marker="s", linestyle="none"), "int8": dict(marker="^", linestyle="none"),
+              "cachegen": dict(marker="v", linestyle="none")}
     for method, style in styles.items():
         rows = sorted((r for r in report.rows if _label(r) == method), key=lambda r: r.bits_per_element)
         if not rows:
             continue
         bits = [r.bits_per_element for r in rows]
         axes[0].plot(bits, [max(r.attention_error_mean, 1e-9) for r in rows], label=method, **style)
-        if decoder:
-            y = [max(1.0 - (r.top1_agreement or 0.0), 1e-6) for r in rows]
+        if decoder:   # perplexity change, bars spanning its range across windows
+            y = [100 * (r.perplexity_change or 0.0) for r in rows]
+            spreads = [_spread(r, "perplexity_change") or (r.perplexity_change or 0.0,) * 2 for r in rows]
+            bars = [[v - 100 * lo for v, (lo, _) in zip(y, spreads)], [100 * hi - v for v, (_, hi) in zip(y, spreads)]]
+            axes[1].errorbar(bits, y, yerr=bars, label=method, capsize=3, **style)
         else:
-            y = [max(1.0 - (r.cosine or 0.0), 1e-9) for r in rows]
-        axes[1].plot(bits, y, label=method, **style)
+            axes[1].plot(bits, [max(1.0 - (r.cosine or 0.0), 1e-9) for r in rows], label=method, **style)
         for r in rows:
             if r.level is not None:
                 axes[0].annotate(f"L{r.level}", (r.bits_per_element, max(r.attention_error_mean, 1e-9)),
                                  fontsize=7, xytext=(3, 3), textcoords="offset points")
     axes[0].set_ylabel("attention-output relative error (mean over layers)")
-    axes[1].set_ylabel("1 - top-1 agreement" if decoder else "1 - embedding cosine")
+    axes[1].set_ylabel("continuation perplexity change, % (range across windows)" if decoder
+                       else "1 - embedding cosine")
     for ax in axes:
         ax.set_xlabel("bits per element")
-        ax.set_yscale("log")
+        if ax is axes[0] or not decoder:
+            ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"kvwire quality vs rate: {report.config['model']}")

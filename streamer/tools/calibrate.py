@@ -75,7 +75,8 @@ def _bench_quality(args: argparse.Namespace) -> int:
         bench_quality.main(args.model, as_json=args.json, plot_path=None if args.no_plot else args.plot,
                            profile_path=args.profile, calibration_tokens=args.calibration_tokens,
                            windows=args.windows, window_tokens=args.window_tokens,
-                           context_tokens=args.context_tokens, levels=args.levels, rotary=args.rotary)
+                           context_tokens=args.context_tokens, levels=args.levels, rotary=args.rotary,
+                           texts=args.texts)
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"kvwire bench quality: {exc}", file=sys.stderr)
         return 2
@@ -115,21 +116,28 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
 
     q = bench_subparsers.add_parser(
         "quality", help="per level: KV distortion, attention-output error per layer, end-task proxy",
-        description="Calibrate on the Apache/MPL/GFDL texts, measure windows of the GPL-3 text: per codec "
-                    "level distortion, attention-output relative error per layer (the model's own queries), "
-                    "embedding cosine (encoders) or perplexity change and top-1 agreement (decoders); "
-                    "write a PNG of quality vs bits per element.")
+        description="Calibrate on the Apache/MPL/GFDL texts, measure windows of other texts (legal prose: "
+                    "GPL-3; technical docs: Python's language reference): per codec level, int8, a "
+                    "CacheGen-style baseline and fp16, the distortion, attention-output relative error per "
+                    "layer (the model's own queries), embedding cosine (encoders) or perplexity change and "
+                    "top-1 agreement, pooled and their range across windows (decoders); write a PNG of "
+                    "quality vs bits per element.")
     q.add_argument("--model", default="minilm",
                    help="'minilm' (default), 'smollm2', or a local model directory or .gguf file "
                         "(a causal LM gets perplexity and top-1 agreement)")
     q.add_argument("--profile", default=None, help="use this profile instead of calibrating one")
     q.add_argument("--calibration-tokens", type=_positive, default=DEFAULT_CALIBRATION_TOKENS,
                    help=f"tokens of other text the profile is fitted on (default {DEFAULT_CALIBRATION_TOKENS})")
-    q.add_argument("--windows", type=_positive, default=6, help="measured windows (default 6)")
-    q.add_argument("--window-tokens", type=_positive, default=512, help="tokens per window (default 512)")
+    q.add_argument("--texts", nargs="+", default=None, metavar="TEXT",
+                   help="measured texts: GPL-3, python-reference (streamer.model.quality.MEASURE_SOURCES) "
+                        "or text files (default: both of those)")
+    q.add_argument("--windows", type=_positive, default=6, help="measured windows per text (default 6)")
+    q.add_argument("--window-tokens", type=_positive, default=None,
+                   help="tokens per window (default: 512; decoders: the context and 2049 continuation "
+                        "tokens, 2048 of them scored)")
     q.add_argument("--context-tokens", type=_positive, default=None,
                    help="decoders: context tokens per window, the rest is the scored continuation "
-                        "(default 3/4 of the window)")
+                        "(default 1024, or 3/4 of --window-tokens when that is given)")
     q.add_argument("--levels", type=int, nargs="+", default=None, help="levels to measure (default all)")
     q.add_argument("--rotary", choices=("auto", "on", "off", "both"), default="auto",
                    help="profiles that remove RoPE from the keys: 'auto' (the calibrate default), 'on', "
