@@ -176,7 +176,7 @@ class _Accumulator:
         per_window: dict = {"text": window.source, "distortion": err2 / var if var else 0.0}
         if window.logits is not None:
             logits = hf.continuation_logits(model, decoded, window.continuation)
-            nll, count = _nll(logits, window.continuation)
+            nll, count = continuation_nll(logits, window.continuation)
             agree = int((logits.argmax(-1) == window.logits.argmax(-1)).sum())
             self.nll += nll
             self.scored += count
@@ -204,7 +204,7 @@ class _Accumulator:
         return row
 
 
-def _nll(logits: torch.Tensor, continuation: Sequence[int]) -> tuple[float, int]:
+def continuation_nll(logits: torch.Tensor, continuation: Sequence[int]) -> tuple[float, int]:
     """Summed negative log-likelihood of continuation[1:] (logits[i] predicts token i + 1)."""
     if len(continuation) < 2:
         return 0.0, 0
@@ -271,7 +271,7 @@ def _prepare(model, tokenizer, window_ids: list[int], context_tokens: int | None
     if decoder:
         if continuation:
             window.logits = hf.continuation_logits(model, kv, continuation)
-            window.reference_nll = _nll(window.logits, continuation)[0]
+            window.reference_nll = continuation_nll(window.logits, continuation)[0]
     else:
         window.embedding = hf.sentence_embedding(model, ids)
     return window
@@ -324,7 +324,7 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         nll = scored = 0
         for w in prepared:
             if w.logits is not None:
-                a, b = _nll(w.logits, w.continuation)
+                a, b = continuation_nll(w.logits, w.continuation)
                 nll, scored = nll + a, scored + b
         reference_ppl = math.exp(nll / scored) if scored else None
         reference = {"perplexity": reference_ppl, "scored_tokens": scored}

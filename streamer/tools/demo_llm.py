@@ -102,11 +102,11 @@ def answer_scores(model, kv, ids: Sequence[int], answer: Sequence[int]):
     """(perplexity of ``answer`` after the prompt whose KV is ``kv``, logits predicting
     each answer token): the prompt's last token is run again over the others' KV."""
     from streamer.model import hf
-    from streamer.model.quality import _nll
+    from streamer.model.quality import continuation_nll
 
     fed = [int(ids[-1])] + list(answer)
     logits = hf.continuation_logits(model, kv[:, :, :-1], fed)
-    nll, count = _nll(logits, fed)
+    nll, count = continuation_nll(logits, fed)
     return math.exp(nll / count), logits[:-1]
 
 
