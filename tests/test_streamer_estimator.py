@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamer.adapt.estimator import (ERROR_QUANTILE, MIN_SAMPLE_BYTES, error_factor, harmonic_mean,
-                                      last_sample, log_errors, pool_sample, robust_estimate,
-                                      throughputs)
+from streamer.adapt.estimator import (ERROR_QUANTILE, MIN_SAMPLE_BYTES, SCENARIO_QUANTILES, error_factor,
+                                      harmonic_mean, last_sample, log_errors, pool_sample,
+                                      rate_scenarios, robust_estimate, throughputs)
 from streamer.adapt.base import Observation
 
 observations = st.builds(
@@ -140,3 +140,18 @@ def test_small_transfers_pool_into_one_sample() -> None:
         (Observation(MIN_SAMPLE_BYTES, 1.0), Observation(10, 0.1))
     # no busy time: nothing learned
     assert pool_sample(None, small, 0.0) == (None, None)
+
+
+def test_rate_scenarios_spread_with_the_peers_errors_and_not_without() -> None:
+    steady = [Observation(10_000_000, 1.0)] * 6
+    assert rate_scenarios([]).size == 0
+    assert np.unique(rate_scenarios(steady)).tolist() == pytest.approx([10_000_000.0])   # errors all 0
+    assert rate_scenarios([], prior=5e6).tolist() == [5e6]    # nothing measured: the prior
+    # a peer that fell to a third of its prediction in 2 fetches out of 10
+    errors = [0.0] * 8 + [math.log(1 / 3)] * 2
+    rates = rate_scenarios(steady, prior_errors=errors)
+    assert len(rates) == len(SCENARIO_QUANTILES)
+    assert np.all(np.diff(rates) >= 0) and rates[0] < 0.5 * rates[-1]
+    # the central scenario is the robust estimate; none is above the fast estimate
+    assert rates[list(SCENARIO_QUANTILES).index(0.5)] == pytest.approx(robust_estimate(steady, prior_errors=errors))
+    assert rates.max() <= 10_000_000.0 + 1e-6

@@ -197,6 +197,18 @@ def test_text_goes_last_when_a_plan_needs_some() -> None:
     assert mpc(inp) == 3
 
 
+def test_an_erratic_peer_gets_a_more_cautious_first_step_than_a_steady_one() -> None:
+    """Same samples, same budget: at the central rate level 1 for all eight chunks just
+    fits (the plain plan takes it); a peer that fell to a third of its prediction in 2
+    fetches out of 10 risks text at the end with it, and mpc steps down now instead."""
+    link = [Observation(10_000_000, 1.0)] * 6             # 10 MB/s
+    steady = _ladder(8, 3.3, link)                         # 8 x 4 MB at 10 MB/s: 3.2 s
+    assert mpc(steady) == 1
+    erratic = _ladder(8, 3.3, link, prior_errors=[0.0] * 8 + [np.log(1 / 3)] * 2)
+    assert mpc_plan(erratic).columns[0] == 1              # the central plan alone would not see it
+    assert mpc(erratic) in (2, 3)
+
+
 def test_the_guard_refuses_a_chunk_that_a_relapse_would_make_miss() -> None:
     """After a recent shortfall to a tenth, a big first chunk that would fit at the estimate
     but not at the guard rate is not requested."""

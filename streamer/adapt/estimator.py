@@ -20,7 +20,8 @@ planned at what it usually delivers. A drop that lasts must not wait for five sa
 to outweigh the old ones, so the estimate is the lower of that slow one and the harmonic
 mean of the last two samples (as dash.js plans at the lower of a fast and a slow
 average): a level shift is believed at once, a single fade for two chunks. Risk is not
-folded into this estimate: the planner guards its first step separately
+folded into this estimate: the planner weighs its first step over the rates at several
+quantiles of the same errors (:func:`rate_scenarios`) and guards it separately
 (:func:`guard_estimate`, ``adapt.mpc``).
 """
 from __future__ import annotations
@@ -47,6 +48,9 @@ ERROR_WINDOW = 20
 #: central estimate; lower quantiles, measured on the committed traces, made the plans
 #: give up more KV for text than they saved in deadlines).
 ERROR_QUANTILE = 0.5
+#: The quantiles of the recent log prediction errors a planner weighs its choice at
+#: (:func:`rate_scenarios`): the central one is the robust estimate's.
+SCENARIO_QUANTILES = (0.05, 0.15, 0.3, 0.5, 0.7)
 #: The guard assumes the link may fall to this share of its mean, or only to its worst
 #: recent shortfall when the peer's errors show it steadier than that.
 GUARD_FACTOR = 0.5
@@ -162,6 +166,29 @@ def robust_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW
     slow = mean if factor is None else mean * factor
     fast = harmonic_mean(history, FAST_WINDOW, prior)
     return min(slow, fast)
+
+
+def rate_scenarios(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
+                   prior: float | None = None, prior_errors: Sequence[float] = (),
+                   quantiles: Sequence[float] = SCENARIO_QUANTILES) -> np.ndarray:
+    """Rates the link may run at for the rest of the fetch, one per quantile of the recent
+    log prediction errors (each capped at 1, and at the fast estimate, as
+    :func:`robust_estimate` is); equally likely by construction. Just the robust estimate
+    while there are no errors to spread it; empty with no information at all.
+
+    What a planner weighs a choice against when overestimating the link costs far more
+    than underestimating it (a text chunk against a level step).
+    """
+    mean = harmonic_mean(history, window, prior)
+    if mean is None:
+        return np.empty(0)
+    fast = harmonic_mean(history, FAST_WINDOW, prior)
+    errors = recent_errors(history, prior_errors, window)
+    errors = errors[np.isfinite(errors)]
+    if errors.size == 0:
+        return np.array([min(mean, fast)])
+    factors = np.exp(np.minimum(0.0, np.quantile(errors, quantiles)))
+    return np.minimum(mean * factors, fast)
 
 
 @dataclass(frozen=True)

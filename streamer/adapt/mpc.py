@@ -9,8 +9,14 @@ text recomputed while later chunks stream) and only the throughput is predicted
 first chunk's choice is used: the plan is redone before every chunk with the newest
 measurements (receding horizon).
 
-Two rules come from what a plan at one rate cannot see:
+Three rules come from what a plan at one rate cannot see:
 
+* **Weighed over the rates this peer has shown.** A plan at one central rate fills the
+  budget exactly, so a link a little slower than predicted turns the last chunks into
+  text: each first option is scored by the mean, over rates at several quantiles of
+  the peer's recent prediction errors (:func:`streamer.adapt.estimator.rate_scenarios`),
+  of the cheapest plan it starts (:func:`expected_costs`). A steady peer has one rate
+  and gets the plain plan; an erratic one buys a little caution where text would be dear.
 * **Text last, unless in front pays.** Sending a chunk as text is irrevocable and
   teaches nothing about the link (token ids are a few kB), while a KV chunk is a
   measurement. When a plan needs some text, text is therefore placed as late as possible
@@ -20,14 +26,14 @@ Two rules come from what a plan at one rate cannot see:
 * **A guarded first step.** A requested chunk cannot be taken back. Its option must
   leave the rest of the fetch able to finish as text even if this chunk arrives at the
   *guard* rate (:func:`streamer.adapt.estimator.guard_estimate`: the worst recent
-  shortfall on this peer). Among the options that pass, the one starting the cheapest
-  plan is taken; if none passes, the plan's own choice.
+  shortfall on this peer). Among the options that pass, the one with the least expected
+  cost is taken; if none passes, the least expected cost over all.
 
 Text costs ``text_penalty`` plus its token bytes and recompute seconds (``adapt.overlap``
 says when these overlap the transfers); with the
 default penalty (as bad as losing the chunk) the plan takes it only when no plan of
-levels fits the deadline. When no plan fits at all, the fastest plan's first choice is
-returned, to miss the deadline by as little as possible.
+levels fits the deadline. When no plan fits at any of the rates, the fastest plan's first
+choice is returned, to miss the deadline by as little as possible.
 """
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ from streamer.adapt import overlap
 from streamer.adapt.base import (TEXT, Choice, PlanInput, choice_of, link_seconds, option_costs,
                                  option_seconds, probe_level)
 from streamer.adapt.cancel import abandon_seconds
-from streamer.adapt.estimator import DEFAULT_WINDOW, guard_estimate, robust_estimate, throughputs
+from streamer.adapt.estimator import (DEFAULT_WINDOW, guard_estimate, rate_scenarios, robust_estimate,
+                                      throughputs)
 from streamer.adapt.plan import DEFAULT_BINS, Plan, fastest
 
 #: Extra cost of text per position earlier in the plan: far below any level's distortion
@@ -65,6 +72,31 @@ def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,
         return None
     return overlap.solve(link_seconds(inp, estimate), inp.text_seconds, plan_costs(inp), inp.time_left,
                          inp.recompute_busy, bins)
+
+
+def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WINDOW,
+                   bins: int = DEFAULT_BINS) -> np.ndarray:
+    """For each option of chunk 0, the mean over the rate scenarios
+    (``estimator.rate_scenarios``) of the cheapest plan starting with it; a scenario in
+    which it starts no plan that fits counts as every chunk lost and one more; inf for an
+    option that fits in no scenario.
+
+    Planning at one central rate fills the budget exactly, so a link a little slower than
+    predicted turns the last chunks into text, which costs far more than the level steps
+    that a little caution costs; weighing every option over the rates this peer has shown
+    buys that caution where the link is erratic, and none where it is steady.
+    """
+    miss = inp.text_penalty * len(inp.sizes) + 1.0
+    rates, weights = np.unique(rate_scenarios(inp.history, window, inp.prior_bps, inp.prior_errors),
+                               return_counts=True)
+    total = np.zeros(inp.levels + 1)
+    fits = np.zeros(inp.levels + 1, dtype=bool)
+    for rate, weight in zip(rates, weights):
+        first = overlap.first_option_costs(link_seconds(inp, float(rate)), inp.text_seconds, costs,
+                                           inp.time_left, inp.recompute_busy, bins)
+        fits |= np.isfinite(first)
+        total += weight * np.where(np.isfinite(first), first, miss)
+    return np.where(fits, total / weights.sum(), np.inf)
 
 
 def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
@@ -117,8 +149,7 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
     if estimate is None:
         return probe_level(inp)
     costs = plan_costs(inp)
-    totals = overlap.first_option_costs(link_seconds(inp, estimate), inp.text_seconds, costs,
-                                        inp.time_left, inp.recompute_busy, bins)
+    totals = expected_costs(inp, costs, window, bins)
     if not np.isfinite(totals).any():   # nothing fits: miss by as little as possible
         return choice_of(fastest(option_seconds(inp, estimate), costs).columns[0], inp.levels)
     ok = guarded(inp, window)
