@@ -36,8 +36,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-from streamer.adapt.plan import (DEFAULT_BINS, Plan, bins_needed, validate, value_table, walk,
-                                 fastest)
+from streamer.adapt.plan import DEFAULT_BINS, Plan, bins_needed, fastest, validate, value_table, walk
+from streamer.adapt.plan import solve as solve_series
 
 
 def finish(link: Sequence[float], recompute: Sequence[float], busy: float = 0.0) -> float:
@@ -51,13 +51,13 @@ def finish(link: Sequence[float], recompute: Sequence[float], busy: float = 0.0)
 
 
 def _tables(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float, busy: float,
-            bins: int):
+            bins: int, series: bool = True):
     """The series knapsack and the level-only one, and each text prefix's cost and bins.
 
     Returns (t, c, r, series, levels, prefix) where ``series`` is (need, best) over a
-    budget of ``budget - busy`` (or None when that is not positive), ``levels`` is
-    (costs with text barred, need, best) over ``budget``, and ``prefix[q]`` the least
-    total cost of ``q`` text chunks followed by levels only (inf where that misses).
+    budget of ``budget - busy`` (None when that is not positive, or not asked for),
+    ``levels`` is (costs with text barred, need, best) over ``budget``, and ``prefix[q]``
+    the least total cost of ``q`` text chunks followed by levels only (inf where that misses).
     """
     if bins < 1:
         raise ValueError(f"bins must be >= 1, got {bins}")
@@ -68,12 +68,10 @@ def _tables(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: flo
     r = np.asarray(recompute, dtype=np.float64)
     if r.shape != (chunks,) or np.isnan(r).any() or (r < 0).any():
         raise ValueError(f"recompute needs one value >= 0 per chunk ({chunks}), got shape {r.shape}")
-    series = None
-    if budget - busy > 0:
-        serial = t.copy()
-        serial[:, -1] += r
-        need = bins_needed(serial, budget - busy, bins)
-        series = (need, value_table(c, need, bins, first=0))
+    table = None
+    if series and budget - busy > 0:
+        need = bins_needed(_serial(t, r), budget - busy, bins)
+        table = (need, value_table(c, need, bins, first=0))
     prefix = np.full(chunks + 1, np.inf)
     levels = None
     if budget > 0:
@@ -90,7 +88,14 @@ def _tables(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: flo
                 done = max(done, arrived[q - 1]) + r[q - 1]
             if done <= budget and spent[q] <= bins:
                 prefix[q] = paid[q] + best[q, spent[q]]
-    return t, c, r, series, levels, prefix
+    return t, c, r, table, levels, prefix
+
+
+def _serial(t: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Each option's time counted in series: text's recompute added to its token ids."""
+    serial = t.copy()
+    serial[:, -1] += r
+    return serial
 
 
 def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float, busy: float = 0.0,
@@ -103,20 +108,19 @@ def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float
     plan's :func:`finish`. Ties go to the series shape (text as late as the costs put it).
     A budget of zero or less fits nothing.
     """
-    t, c, r, series, levels, prefix = _tables(link, recompute, costs, budget, busy, bins)
-    series_cost = series[1][0, 0] if series is not None else np.inf
+    t, c, r, _, levels, prefix = _tables(link, recompute, costs, budget, busy, bins, series=False)
+    serial = _serial(t, r)
+    series = solve_series(serial, c, budget - busy, bins) if budget - busy > 0 else None
     q = int(np.argmin(prefix))
-    if not np.isfinite(min(series_cost, prefix[q])):
-        serial = t.copy()
-        serial[:, -1] += r
-        return fastest(serial, c)
-    if series_cost <= prefix[q]:
-        columns = walk(c, series[0], series[1], first=0, spent=0)
-    else:
+    if series is not None and series.feasible and series.cost <= prefix[q]:
+        columns = np.array(series.columns, dtype=np.intp)
+    elif np.isfinite(prefix[q]):
         barred, need, best = levels
         text = t.shape[1] - 1
         columns = np.concatenate((np.full(q, text, dtype=np.intp),
                                   walk(barred, need, best, first=q, spent=int(need[:q, -1].sum()))))
+    else:
+        return fastest(serial, c)
     rows = np.arange(t.shape[0])
     is_text = columns == t.shape[1] - 1
     return Plan(tuple(int(j) for j in columns), float(c[rows, columns].sum()),

@@ -12,8 +12,9 @@ than any plan whose exact time is at most ``budget - chunks * budget / bins``
 (rounding up costs at most one bin per chunk). The plan is recomputed before every
 chunk, so that slack shrinks as the fetch proceeds.
 
-The solver takes a plain ``[chunks, options]`` time matrix and cost matrix, so an
-offline oracle can reuse it with its own per-chunk times.
+The solver takes a plain ``[chunks, options]`` time matrix and cost matrix;
+:mod:`streamer.adapt.overlap` builds its plans from it and from its pieces (the value
+table, the walk), with text recomputed while later chunks stream.
 """
 from __future__ import annotations
 
@@ -124,18 +125,3 @@ def walk(c: np.ndarray, need: np.ndarray, best: np.ndarray, first: int, spent: i
         columns[i - first] = np.argmin(c[i] + best[i + 1, spent + need[i]])
         spent += need[i, columns[i - first]]
     return columns
-
-
-def first_option_costs(seconds: ArrayLike, costs: ArrayLike, budget: float,
-                       bins: int = DEFAULT_BINS) -> np.ndarray:
-    """For each option of chunk 0, the least total cost of a plan that starts with it and
-    fits ``budget`` (inf where none does): what a policy needs to weigh its first choice
-    against a constraint the plan itself does not know (see ``adapt.mpc``)."""
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    t, c = validate(seconds, costs)
-    if not budget > 0:
-        return np.full(t.shape[1], np.inf)
-    need = bins_needed(t, budget, bins)
-    best = value_table(c, need, bins, first=1)
-    return c[0] + best[1, need[0]]
