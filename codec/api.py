@@ -64,7 +64,7 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
     if not raw:
         try:
             lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1])
-        except layer_codec.ValuesOutOfRange:
+        except layer_codec.NotCodable:
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
     if lanes is None or len(lanes) >= raw_size:
@@ -283,7 +283,7 @@ def _check_section(header: BlobHeader, profile: Profile, slot: int, layer: int,
     sink_bytes, rest = container.split_section(section, header, layer)
     if header.is_raw(layer):
         return sink_bytes, rest
-    return sink_bytes, layer_codec.parse_lanes(profile, slot, layer, header.coded_tokens, rest)
+    return sink_bytes, layer_codec.parse_lanes(profile, slot, layer, header.coded_tokens, rest, header.version)
 
 
 def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _Checked,
@@ -344,11 +344,26 @@ def decode(blob: bytes | memoryview, profile: Profile | None = None,
     return out
 
 
+def _section_lanes(blob: bytes | memoryview, header: BlobHeader, layer: int) -> int | None:
+    """The lane count a section's lane table states (0 for a raw section; None when its
+    first bytes are not in ``blob``): n_lanes is the first u32 after the sinks in every
+    version. Not checked against the section's CRC: inspect reports, decode verifies."""
+    if header.is_raw(layer):
+        return 0
+    at = header.section_offset(layer) + header.sink_size
+    if len(blob) < at + 4 or header.sections[layer][0] < header.sink_size + 4:
+        return None
+    return int.from_bytes(bytes(blob[at:at + 4]), "little")
+
+
 def inspect(blob: bytes | memoryview) -> dict:
-    """Shape, dtype, level, profile id and the byte size of every section of a blob."""
+    """Shape, dtype, level, profile id, the byte size of every section of a blob, and its
+    independent rANS lanes (``lanes``: the total, None while a coded section is missing;
+    ``sections["lanes"]``: per layer)."""
     header = container.parse_header(blob)
     layers = [length for length, _ in header.sections]
     elements = header.layers * 2 * header.tokens * header.heads * header.head_dim
+    lanes = [_section_lanes(blob, header, layer) for layer in range(header.layers)]
     return {
         "format_version": header.version,
         "shape": list(header.shape),
@@ -360,11 +375,13 @@ def inspect(blob: bytes | memoryview) -> dict:
         "start": header.start,
         "total_bytes": header.total_size,
         "bits_per_element": 8.0 * header.total_size / elements,
+        "lanes": None if None in lanes else sum(lanes),
         "sections": {
             "header": header.size - len(header.embedded_profile or b""),
             "embedded_profile": len(header.embedded_profile or b""),
             "layers": layers,
             "raw_layers": [layer for layer in range(header.layers) if header.is_raw(layer)],
+            "lanes": lanes,
         },
         "complete": len(blob) >= header.total_size,
     }

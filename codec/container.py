@@ -19,9 +19,10 @@ from .errors import CorruptBitstream
 from .rotary import MAX_POSITION  # token positions are u32: start + tokens <= 2^32
 
 MAGIC = b"KVWB"
-FORMAT_VERSION = 3
-#: Version 2 blobs (no start position: start = 0) are still read.
-READABLE_VERSIONS = (2, 3)
+FORMAT_VERSION = 4
+#: Version 2 blobs (no start position: start = 0) and version 3 ones (lanes of whole rows,
+#: u32 word counts: layer_codec reads both lane tables) are still read.
+READABLE_VERSIONS = (2, 3, 4)
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")
 #: Version 3: the absolute position of the blob's first token, right after the fixed header.
 START = struct.Struct("<I")
@@ -33,7 +34,7 @@ _KNOWN_FLAGS = FLAG_EMBEDDED_PROFILE
 MODE_CODED = 0
 MODE_RAW = 1
 _MODES = (MODE_CODED, MODE_RAW)
-_LANE_COUNT = 4  # u32 n_lanes: the least a coded section holds after its sinks
+_LANE_COUNT = 4  # u32 n_lanes (every version): the least a coded section holds after its sinks
 
 # Limits (FORMAT.md, "Limits"): every size a reader takes from untrusted bytes is
 # checked against one of these before anything is allocated from it.

@@ -1,17 +1,20 @@
 """One layer's K and V <-> the rANS lane payload of its section.
 
 Glue between the pure pieces: transform (torch), quantizer and coder (numba),
-and the lane layout. A lane holds ``rows_per_lane`` consecutive components of K
-or of V (never both), chosen so each stream carries at least ``LANE_SYMBOLS``
-values: one 4-byte final state per lane is then < 1% of the payload even for
-short chunks, while long chunks still get one lane per component (the most
-parallelism the GPU decoder can use).
+and the lane layout (FORMAT.md, "Rows and lanes"). A lane is either ``rows_per_lane``
+whole rows of K or of V (never both), or one ``piece`` of one row: ``piece``
+consecutive tokens starting at an anchor. The encoder picks the shape per layer
+so each lane carries about ``LANE_BITS`` ideal bits: its 6 bytes of lane table
+and the ~3 bytes a rANS flush wastes then stay ~2% of the payload, and a
+chunk gets as many lanes as that budget allows (tens of thousands for a
+Llama-3-8B-shaped 1536-token chunk: one GPU thread each).
 """
 from __future__ import annotations
 
+import math
 import struct
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -20,13 +23,29 @@ from . import entropy, parallel, rans, transform
 from .errors import CorruptBitstream
 from .profile import Profile
 
-LANE_SYMBOLS = 4096
-_U32 = struct.Struct("<I")
+#: ideal bits the encoder aims to put in one lane (FORMAT.md, "The encoder's choice")
+LANE_BITS = 2560
+#: most values one lane may hold, so its word count fits the u16 lane table entry: each
+#: value takes at most MAX_STEPS_PER_VALUE coder steps and each step at most one word
+MAX_LANE_VALUES = 0xFFFF // rans.MAX_STEPS_PER_VALUE
+#: version 4's lane table head: n_lanes, piece (0: whole rows), rows_per_lane
+LANE_HEAD = struct.Struct("<IHH")
+#: versions 2 and 3: n_lanes only; lanes of whole rows, at least LEGACY_LANE_VALUES values each
+LEGACY_LANE_HEAD = struct.Struct("<I")
+LEGACY_LANE_VALUES = 4096
 
 
-class ValuesOutOfRange(ValueError):
-    """A layer's values are too far from the profile's mean to quantize at this level
-    (the encoder then sends the layer raw)."""
+class NotCodable(ValueError):
+    """A layer the lanes cannot carry at this level (the encoder then sends it raw)."""
+
+
+class ValuesOutOfRange(NotCodable):
+    """A layer's values are too far from the profile's mean to quantize at this level."""
+
+
+class RowsTooLong(NotCodable):
+    """Rows too long for one lane that cannot be cut into pieces starting at anchors
+    (a profile whose delta group exceeds MAX_LANE_VALUES, for chunks longer than that)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,7 @@ class CoderTables:
     freq: np.ndarray
     cdf: np.ndarray
     lut: np.ndarray
+    cost: np.ndarray        # f64 [classes, ALPHABET]: entropy.symbol_cost_bits
     value_bits: np.ndarray  # f64 [classes, PROB_BITS + 1]: rans.min_value_bits
 
 
@@ -46,6 +66,7 @@ def coder_tables(profile: Profile) -> CoderTables:
     if tables is None:
         tables = CoderTables(freq=profile.tables, cdf=entropy.cumulative(profile.tables),
                              lut=entropy.slot_lookup(profile.tables),
+                             cost=entropy.symbol_cost_bits(profile.tables),
                              value_bits=rans.min_value_bits(profile.tables))
         _coder_tables[profile] = tables
     return tables
@@ -53,32 +74,72 @@ def coder_tables(profile: Profile) -> CoderTables:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Row parameters and lane boundaries of one layer at one level."""
+    """Row parameters and lane shape of one layer at one level."""
 
     kept: tuple[int, int]
     step: np.ndarray       # f32 [R]
     group: np.ndarray      # i32 [R]
     table: np.ndarray      # u8 [R, 2]
     shift: np.ndarray      # u8 [R, 2]
-    lane_rows: np.ndarray  # i64 [lanes + 1]
+    tokens: int            # coded tokens N: the length of a row
+    rows_per_lane: int = 1
+    piece: int = 0         # tokens per piece; 0 (as built) means whole rows, i.e. N
 
     @property
     def rows(self) -> int:
         return int(self.step.shape[0])
 
     @property
+    def piece_tokens(self) -> int:
+        """Tokens per piece: N when lanes hold whole rows."""
+        return self.piece or max(self.tokens, 1)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces per row (one, possibly empty, when lanes hold whole rows)."""
+        return max(1, -(-self.tokens // self.piece_tokens))
+
+    @property
     def lanes(self) -> int:
-        return int(self.lane_rows.shape[0] - 1)
+        """FORMAT.md: (ceil(kept_K / G) + ceil(kept_V / G)) * ceil(N / piece)."""
+        return sum(-(-k // self.rows_per_lane) for k in self.kept) * self.pieces
 
+    def with_lanes(self, rows_per_lane: int, piece: int) -> "LayerPlan":
+        return replace(self, rows_per_lane=rows_per_lane, piece=piece)
 
-def rows_per_lane(coded_tokens: int) -> int:
-    return max(1, -(-LANE_SYMBOLS // max(coded_tokens, 1)))
+    def delta_step(self) -> int:
+        """Least common multiple of the delta groups of the coded rows (1 without any):
+        a piece must be a multiple of it to start at an anchor in every row."""
+        groups = [int(self.group[0 if kv == 0 else self.kept[0]]) for kv in range(2) if self.kept[kv]]
+        return math.lcm(1, *(g for g in groups if g > 0))
+
+    def shape_error(self) -> str | None:
+        """Why this lane shape is not one FORMAT.md allows, else None."""
+        if self.rows_per_lane < 1:
+            return "rows_per_lane must be >= 1"
+        if self.piece == 0:
+            if self.rows_per_lane * self.tokens > MAX_LANE_VALUES:
+                return (f"lanes of {self.rows_per_lane} rows x {self.tokens} tokens pass "
+                        f"{MAX_LANE_VALUES} values")
+            return None
+        if self.rows_per_lane != 1:
+            return "a lane of pieces holds one row"
+        if not self.piece < self.tokens or self.piece > MAX_LANE_VALUES:
+            return f"piece of {self.piece} tokens not in [1, min(N - 1, {MAX_LANE_VALUES})] for N = {self.tokens}"
+        if self.piece % self.delta_step():
+            return f"piece of {self.piece} tokens does not start at anchors (delta groups {self.delta_step()})"
+        return None
+
+    def spans(self) -> np.ndarray:
+        """i64 [lanes, 4]: each lane's first row, end row, first token, end token."""
+        out = np.empty((self.lanes, 4), dtype=np.int64)
+        rans.lane_spans(self.kept[0], self.rows, self.rows_per_lane, self.piece_tokens, self.tokens, out)
+        return out
 
 
 def plan_layer(profile: Profile, slot: int, layer: int, coded_tokens: int) -> LayerPlan:
+    """The layer's rows, one lane per whole row until a lane shape is chosen or read."""
     kept = (int(profile.kept[slot, layer, 0]), int(profile.kept[slot, layer, 1]))
-    per_lane = rows_per_lane(coded_tokens)
-    starts = list(range(0, kept[0], per_lane)) + list(range(kept[0], kept[0] + kept[1], per_lane))
     return LayerPlan(
         kept=kept,
         step=np.concatenate([np.full(kept[kv], profile.steps[slot, layer, kv], dtype=np.float32)
@@ -92,8 +153,32 @@ def plan_layer(profile: Profile, slot: int, layer: int, coded_tokens: int) -> La
             [profile.table[slot, layer, kv, :, : kept[kv]].T for kv in range(2)])),
         shift=np.ascontiguousarray(np.concatenate(
             [profile.shift[slot, layer, kv, :, : kept[kv]].T for kv in range(2)])),
-        lane_rows=np.array(starts + [kept[0] + kept[1]], dtype=np.int64),
+        tokens=coded_tokens,
     )
+
+
+def shape_lanes(plan: LayerPlan, row_bits: np.ndarray) -> LayerPlan:
+    """The encoder's lane shape (FORMAT.md, "The encoder's choice"): about LANE_BITS ideal
+    bits per lane; whole rows when a row holds fewer, else each row cut into the nearest
+    number of equal pieces, each a multiple of the delta step and at most MAX_LANE_VALUES.
+
+    Raises RowsTooLong when rows longer than MAX_LANE_VALUES cannot be cut at anchors.
+    """
+    tokens = plan.tokens
+    total = float(row_bits.sum())
+    target = MAX_LANE_VALUES if total <= 0 else \
+        int(min(MAX_LANE_VALUES, max(1.0, LANE_BITS * plan.rows * tokens / total)))
+    if tokens <= target:
+        return plan.with_lanes(target // max(tokens, 1), 0)
+    step = plan.delta_step()
+    pieces = max(round(tokens / target), -(-tokens // MAX_LANE_VALUES))
+    piece = -(-(-(-tokens // pieces)) // step) * step  # ceil(N / pieces), rounded up to the step
+    if pieces > 1 and piece < tokens and piece <= MAX_LANE_VALUES:
+        return plan.with_lanes(1, piece)
+    if tokens <= MAX_LANE_VALUES:
+        return plan.with_lanes(1, 0)
+    raise RowsTooLong(f"rows of {tokens} tokens with delta groups of {step} cannot be cut into "
+                      f"lanes of at most {MAX_LANE_VALUES} values")
 
 
 def _basis(profile: Profile, layer: int, kv: int, kept: int) -> torch.Tensor | None:
@@ -104,9 +189,10 @@ def _basis(profile: Profile, layer: int, kv: int, kept: int) -> torch.Tensor | N
 
 def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor
                    ) -> tuple[LayerPlan, np.ndarray, np.ndarray]:
-    """(plan, quantized rows [R, T] int32, rANS symbols per row) of one layer.
+    """(plan, quantized rows [R, T] int32, ideal coded bits per row) of one layer.
 
-    k and v are float32 [coded_tokens, C].
+    k and v are float32 [coded_tokens, C]. The plan's lane shape is not chosen yet
+    (``shape_lanes`` does, from the bits).
     """
     plan = plan_layer(profile, slot, layer, k.shape[0])
     coef = torch.cat([
@@ -114,45 +200,47 @@ def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: 
         for kv, x in enumerate((k, v))
     ]).numpy()
     q = np.empty(coef.shape, dtype=np.int32)
-    symbols = np.empty(plan.rows, dtype=np.int64)
+    row_bits = np.empty(plan.rows, dtype=np.float64)
+    tables = coder_tables(profile)
     if parallel.launch(rans.quantize_rows, coef, plan.step, plan.group, plan.table, plan.shift,
-                       coder_tables(profile).freq, q, symbols) != rans.OK:
+                       tables.freq, tables.cost, q, row_bits) != rans.OK:
         raise ValuesOutOfRange(f"layer {layer}: KV values too large to quantize at this level "
                                f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
-    return plan, q, symbols
+    return plan, q, row_bits
 
 
 def ideal_layer_bits(profile: Profile, plan: LayerPlan, q: np.ndarray) -> float:
     """Bits a perfect entropy coder would need for ``q`` under the profile's tables."""
+    tables = coder_tables(profile)
     return float(parallel.launch(rans.ideal_bits, q, plan.group, plan.table, plan.shift,
-                                 coder_tables(profile).freq).sum())
+                                 tables.freq, tables.cost).sum())
 
 
 def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
     """Lane payload of one layer: k and v are float32 [coded_tokens, C]."""
-    plan, q, symbols = quantize_layer(profile, slot, layer, k, v)
-    return pack_lanes(profile, plan, q, symbols)
+    plan, q, row_bits = quantize_layer(profile, slot, layer, k, v)
+    return pack_lanes(profile, shape_lanes(plan, row_bits), q)
 
 
-def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray, symbols: np.ndarray) -> bytes:
-    """rANS-code quantized rows into the lane payload (lane count, lengths, states, words)."""
+def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray) -> bytes:
+    """rANS-code quantized rows into the version 4 lane payload (FORMAT.md, "Rows and lanes")."""
     tables = coder_tables(profile)
-    per_row = np.concatenate([[0], np.cumsum(symbols)])
-    region_end = per_row[plan.lane_rows[1:]].astype(np.int64)  # one word per symbol at most
+    spans = plan.spans()
+    values = (spans[:, 1] - spans[:, 0]) * (spans[:, 3] - spans[:, 2])
+    region_end = np.cumsum(rans.MAX_STEPS_PER_VALUE * values)  # each coder step writes <= 1 word
     words = np.empty(int(region_end[-1]) if plan.lanes else 0, dtype=np.uint16)
     first = np.empty(plan.lanes, dtype=np.int64)
     states = np.empty(plan.lanes, dtype=np.uint32)
     parallel.launch(rans.encode_lanes, q, plan.group, plan.table, plan.shift, tables.freq, tables.cdf,
-                    plan.lane_rows, region_end, words, first, states)
-    counts = (region_end - first).astype(np.uint32)
-    keep = np.zeros(words.shape[0], dtype=bool)
-    for lane in range(plan.lanes):
-        keep[first[lane]: region_end[lane]] = True
-    return b"".join((_U32.pack(plan.lanes), counts.astype("<u4").tobytes(),
-                     states.astype("<u4").tobytes(), words[keep].astype("<u2").tobytes()))
+                    plan.kept[0], plan.rows_per_lane, plan.piece_tokens, region_end, words, first, states)
+    counts = region_end - first  # <= 4 * MAX_LANE_VALUES < 2**16 words
+    packed_start = np.cumsum(counts) - counts
+    used = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(first - packed_start, counts)
+    return b"".join((LANE_HEAD.pack(plan.lanes, plan.piece, plan.rows_per_lane), states.astype("<u4").tobytes(),
+                     counts.astype("<u2").tobytes(), words[used].astype("<u2").tobytes()))
 
 
-def min_lane_words(profile: Profile, plan: LayerPlan, coded_tokens: int) -> np.ndarray:
+def min_lane_words(profile: Profile, plan: LayerPlan) -> np.ndarray:
     """Fewest words each lane of a valid stream can hold (FORMAT.md, "Limits").
 
     What ties a header's token count to the bytes present: every decoded value
@@ -161,12 +249,14 @@ def min_lane_words(profile: Profile, plan: LayerPlan, coded_tokens: int) -> np.n
     """
     if plan.lanes == 0:
         return np.zeros(0, dtype=np.int64)
-    groups = plan.group.astype(np.int64)
-    anchors = np.where(groups > 0, -(-coded_tokens // np.maximum(groups, 1)), coded_tokens)
-    counts = np.stack([anchors, coded_tokens - anchors], axis=1)               # [R, kind]
-    bits = coder_tables(profile).value_bits[plan.table, plan.shift]             # [R, kind]
-    lane_bits = np.add.reduceat((counts * bits).sum(axis=1), plan.lane_rows[:-1])  # lanes are never empty
-    return rans.min_lane_words(lane_bits)
+    first_row, _, first_token, end_token = plan.spans().T
+    tokens = end_token - first_token
+    groups = plan.group[first_row].astype(np.int64)  # one group per lane: lanes never mix K and V
+    anchors = np.where(groups > 0, -(-tokens // np.maximum(groups, 1)), tokens)  # pieces start at anchors
+    value_bits = coder_tables(profile).value_bits[plan.table, plan.shift]       # [R, kind]
+    # whole rows: a lane's rows are consecutive and lanes cover them in order; pieces: one row each
+    per_lane = np.add.reduceat(value_bits, first_row, axis=0) if plan.pieces == 1 else value_bits[first_row]
+    return rans.min_lane_words(anchors * per_lane[:, 0] + (tokens - anchors) * per_lane[:, 1])
 
 
 @dataclass(frozen=True)
@@ -179,24 +269,46 @@ class LanePayload:
     words: np.ndarray       # u16 [sum of word counts]
 
 
-def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int,
-                payload: memoryview) -> LanePayload:
-    """Split a lane payload into its parts, checking every length against the plan."""
-    plan = plan_layer(profile, slot, layer, coded_tokens)
-    if len(payload) < _U32.size:
+def _lane_table(plan: LayerPlan, layer: int, payload: memoryview, version: int
+                ) -> tuple[LayerPlan, int, str, str]:
+    """(plan with the payload's lane shape, lane table offset, state dtype, word count
+    dtype), the shape checked against FORMAT.md before the lane count is compared with it.
+    Versions 2 and 3 have no shape fields: whole rows, G = ceil(4096 / N), u32 counts."""
+    if version >= 4:
+        if len(payload) < LANE_HEAD.size:
+            raise CorruptBitstream(f"layer {layer}: lane table truncated")
+        _, piece, rows_per_lane = LANE_HEAD.unpack_from(payload, 0)
+        plan = plan.with_lanes(rows_per_lane, piece)
+        error = plan.shape_error()
+        if error:
+            raise CorruptBitstream(f"layer {layer}: impossible lane shape: {error}")
+        return plan, LANE_HEAD.size, "<u4", "<u2"
+    if len(payload) < LEGACY_LANE_HEAD.size:
         raise CorruptBitstream(f"layer {layer}: lane table truncated")
-    (lanes,) = _U32.unpack_from(payload, 0)
+    return plan.with_lanes(-(-LEGACY_LANE_VALUES // max(plan.tokens, 1)), 0), LEGACY_LANE_HEAD.size, "<u4", "<u4"
+
+
+def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int, payload: memoryview,
+                version: int) -> LanePayload:
+    """Split a lane payload of a blob of format ``version`` into its parts, checking
+    every length against the plan before sizing anything from it."""
+    plan, offset, state_type, count_type = _lane_table(plan_layer(profile, slot, layer, coded_tokens), layer,
+                                                       memoryview(payload), version)
+    (lanes,) = LEGACY_LANE_HEAD.unpack_from(payload, 0)
     if lanes != plan.lanes:
         raise CorruptBitstream(f"layer {layer}: {lanes} lanes, profile and shape imply {plan.lanes}")
-    table_end = _U32.size + 8 * lanes
+    state_size, count_size = np.dtype(state_type).itemsize, np.dtype(count_type).itemsize
+    table_end = offset + (state_size + count_size) * lanes
     if len(payload) < table_end:
         raise CorruptBitstream(f"layer {layer}: lane table truncated")
-    counts = np.frombuffer(payload, dtype="<u4", count=lanes, offset=_U32.size).astype(np.int64)
-    states = np.frombuffer(payload, dtype="<u4", count=lanes, offset=_U32.size + 4 * lanes)
+    states_at, counts_at = (offset, offset + state_size * lanes) if version >= 4 else \
+        (offset + count_size * lanes, offset)
+    counts = np.frombuffer(payload, dtype=count_type, count=lanes, offset=counts_at).astype(np.int64)
+    states = np.frombuffer(payload, dtype=state_type, count=lanes, offset=states_at)
     lane_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     if table_end + 2 * int(lane_start[-1]) != len(payload):
         raise CorruptBitstream(f"layer {layer}: lane lengths disagree with the section size")
-    least = min_lane_words(profile, plan, coded_tokens)
+    least = min_lane_words(profile, plan)
     short = np.flatnonzero(counts < least)
     if short.size:  # checked before the caller sizes anything from the token count
         lane = int(short[0])
@@ -215,9 +327,9 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
     plan = lanes.plan
     coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
     tables = coder_tables(profile)
-    status = parallel.launch(rans.decode_lanes, lanes.words, lanes.lane_start, lanes.states, plan.lane_rows,
-                             plan.step, plan.group, plan.table, plan.shift, tables.freq, tables.cdf,
-                             tables.lut, coef)
+    status = parallel.launch(rans.decode_lanes, lanes.words, lanes.lane_start, lanes.states, plan.kept[0],
+                             plan.rows_per_lane, plan.piece_tokens, plan.step, plan.group, plan.table,
+                             plan.shift, tables.freq, tables.cdf, tables.lut, coef)
     if status != rans.OK:
         raise CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {status})")
     return coef

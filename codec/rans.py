@@ -9,9 +9,11 @@ Coder parameters (written down in FORMAT.md, mirrored by the CUDA decoder):
   a multiply and an add: no division and no bit loop.
 
 A *row* is one transformed component (of K or V) over the chunk's coded tokens;
-a *lane* is a run of consecutive rows coded into one stream with one state. Lanes
-are independent, so they decode in parallel (``prange`` here, one thread per lane
-on the GPU). Per value the stream holds, in decode order:
+a *lane* is one stream with one state: a run of ``rows_per_lane`` consecutive
+whole rows, or one ``piece`` of ``piece`` consecutive tokens of one row (FORMAT.md,
+"Rows and lanes"; :func:`lane_span` maps a lane to its rows and tokens). Lanes are
+independent, so they decode in parallel (``prange`` here, one thread per lane on
+the GPU). Per value the stream holds, in decode order:
 
 * the symbol ``(q >> shift) + ZERO_SYMBOL`` under the row's table, then
   ``shift`` raw low bits as one uniform symbol, or
@@ -19,7 +21,8 @@ on the GPU). Per value the stream holds, in decode order:
 
 Delta rows (CacheGen's anchor/delta option) code every ``group``-th token
 directly (the anchor) and the others as the difference to the *reconstructed*
-anchor, each kind with its own table and shift.
+anchor, each kind with its own table and shift. A piece starts at a multiple of
+its row's group, i.e. at an anchor, so it needs nothing from the piece before.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ SLOT_MASK = np.int64(PROB_SCALE - 1)
 ESCAPE_CHUNKS = 3
 #: |q| must stay below this so zigzag(q) fits the 36 escape bits with room to spare
 MAX_ABS_Q = 1 << 30
+#: Most coder steps (each emits at most one word) one value takes: an escape and its chunks.
+MAX_STEPS_PER_VALUE = 1 + ESCAPE_CHUNKS
 
 #: Most a state's log2 can grow per word read: (x << 16 | w) < (x + 1) * 2**16, and a
 #: state about to be refilled is >= 16 (a symbol step leaves it >= f * 16).
@@ -89,13 +94,47 @@ def _symbol_kind(t, group):
     return 0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens):
+    """(first row, end row, first token, end token) of ``lane`` (FORMAT.md, "Rows and lanes").
+
+    K's lanes come first, then V's; inside each, lanes run piece by piece, and within
+    a piece over groups of ``rows_per_lane`` rows (the CUDA kernel's twin: lane_span
+    in kernels/rans_decode.cu).
+    """
+    pieces = max(1, (tokens + piece - 1) // piece)
+    groups_k = (kept_k + rows_per_lane - 1) // rows_per_lane
+    base = 0
+    count = kept_k
+    groups = groups_k
+    j = lane
+    if lane >= groups_k * pieces:
+        base = kept_k
+        count = rows - kept_k
+        groups = (count + rows_per_lane - 1) // rows_per_lane
+        j = lane - groups_k * pieces
+    first = base + (j % groups) * rows_per_lane
+    t0 = (j // groups) * piece
+    return first, min(first + rows_per_lane, base + count), t0, min(t0 + piece, tokens)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _value_bits(v, b, tab, freq, cost):
+    """Ideal bits of value ``v`` with ``b`` low bits under table ``tab`` (cost: -log2 p)."""
+    idx = (v >> b) + ZERO_SYMBOL
+    if idx >= 0 and idx < ESCAPE and freq[tab, idx] > 0:
+        return cost[tab, idx] + b
+    return cost[tab, ESCAPE] + PROB_BITS * ESCAPE_CHUNKS
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def quantize_rows(coef, step, group, table, shift, freq, q_out, rans_symbols):
-    """Quantize rows of coefficients to integers; count the rANS symbols per row.
+def quantize_rows(coef, step, group, table, shift, freq, cost, q_out, row_bits):
+    """Quantize rows of coefficients to integers; the ideal coded bits of each row.
 
     ``coef`` is float32 [R, T]; delta values are taken against the anchor as the
     decoder will rebuild it (float32 ``q * step``), so errors never accumulate.
-    Returns OK, or OVERFLOW when a value exceeds the representable range.
+    ``cost`` is ``entropy.symbol_cost_bits`` of the tables. Returns OK, or OVERFLOW
+    when a value exceeds the representable range.
     """
     rows, tokens = coef.shape
     status = np.zeros(max(rows, 1), dtype=np.int32)  # a layer may keep no rows at all
@@ -103,7 +142,7 @@ def quantize_rows(coef, step, group, table, shift, freq, q_out, rans_symbols):
         s = step[r]
         g = group[r]
         anchor = np.float32(0.0)
-        count = 0
+        total = 0.0
         for t in range(tokens):
             kind = _symbol_kind(t, g)
             value = coef[r, t]
@@ -117,13 +156,8 @@ def quantize_rows(coef, step, group, table, shift, freq, q_out, rans_symbols):
             q_out[r, t] = v
             if g > 0 and kind == 0:
                 anchor = np.float32(v) * s
-            b = np.int64(shift[r, kind])
-            idx = (v >> b) + ZERO_SYMBOL
-            if idx >= 0 and idx < ESCAPE and freq[table[r, kind], idx] > 0:
-                count += 2 if b > 0 else 1
-            else:
-                count += 1 + ESCAPE_CHUNKS
-        rans_symbols[r] = count
+            total += _value_bits(v, np.int64(shift[r, kind]), table[r, kind], freq, cost)
+        row_bits[r] = total
     return status.max()
 
 
@@ -139,21 +173,22 @@ def _put(x, start, f, words, pos):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def encode_lanes(q, group, table, shift, freq, cdf, lane_rows, region_end, words,
+def encode_lanes(q, group, table, shift, freq, cdf, kept_k, rows_per_lane, piece, region_end, words,
                  first_word, final_state):
     """rANS-encode every lane; lane i writes its words downwards ending at region_end[i].
 
     Encoding runs backwards over the lane's values so the decoder reads forwards;
     writing words downwards leaves them in read order at ``words[first_word[i]:region_end[i]]``.
     """
-    n_lanes = lane_rows.shape[0] - 1
-    tokens = q.shape[1]
+    n_lanes = final_state.shape[0]
+    rows, tokens = q.shape
     for lane in prange(n_lanes):
+        r0, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
         x = STATE_LOW
         pos = region_end[lane] - 1
-        for r in range(lane_rows[lane + 1] - 1, lane_rows[lane] - 1, -1):
+        for r in range(r1 - 1, r0 - 1, -1):
             g = group[r]
-            for t in range(tokens - 1, -1, -1):
+            for t in range(t1 - 1, t0 - 1, -1):
                 kind = _symbol_kind(t, g)
                 v = np.int64(q[r, t])
                 b = np.int64(shift[r, kind])
@@ -196,30 +231,31 @@ def _get_uniform(x, bits, words, pos, end):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def decode_lanes(words, lane_word_start, final_state, lane_rows, step, group, table, shift,
-                 freq, cdf, lut, out):
+def decode_lanes(words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, group, table,
+                 shift, freq, cdf, lut, out):
     """Decode every lane into dequantized float32 coefficients ``out`` [R, T].
 
     Never reads outside a lane's words; returns OK or the first error code seen
     (the caller turns any non-OK status into CorruptBitstream).
     """
-    n_lanes = lane_rows.shape[0] - 1
-    tokens = out.shape[1]
+    n_lanes = final_state.shape[0]
+    rows, tokens = out.shape
     status = np.zeros(max(n_lanes, 1), dtype=np.int32)  # a layer may have no lanes at all
     for lane in prange(n_lanes):
+        r0, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
         x = np.int64(final_state[lane])
         pos = lane_word_start[lane]
         end = lane_word_start[lane + 1]
         err = OK
         if x < STATE_LOW:
             err = BAD_FINAL
-        for r in range(lane_rows[lane], lane_rows[lane + 1]):
+        for r in range(r0, r1):
             if err != OK:
                 break
             s = step[r]
             g = group[r]
             anchor = np.float32(0.0)
-            for t in range(tokens):
+            for t in range(t0, t1):
                 kind = _symbol_kind(t, g)
                 tab = table[r, kind]
                 slot = x & SLOT_MASK
@@ -256,7 +292,7 @@ def decode_lanes(words, lane_word_start, final_state, lane_rows, step, group, ta
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def ideal_bits(q, group, table, shift, freq):
+def ideal_bits(q, group, table, shift, freq, cost):
     """Information content (bits) of the coded values under the tables, per row.
 
     What a perfect entropy coder would spend: the benchmark compares the real
@@ -268,13 +304,18 @@ def ideal_bits(q, group, table, shift, freq):
         total = 0.0
         for t in range(tokens):
             kind = _symbol_kind(t, group[r])
-            v = np.int64(q[r, t])
-            b = np.int64(shift[r, kind])
-            tab = table[r, kind]
-            idx = (v >> b) + ZERO_SYMBOL
-            if idx >= 0 and idx < ESCAPE and freq[tab, idx] > 0:
-                total += PROB_BITS - np.log2(np.float64(freq[tab, idx])) + b
-            else:
-                total += PROB_BITS - np.log2(np.float64(freq[tab, ESCAPE])) + PROB_BITS * ESCAPE_CHUNKS
+            total += _value_bits(np.int64(q[r, t]), np.int64(shift[r, kind]), table[r, kind], freq, cost)
         bits[r] = total
     return bits
+
+
+@njit(cache=True, nogil=True)
+def lane_spans(kept_k, rows, rows_per_lane, piece, tokens, out):
+    """``out[lane] = lane_span(lane, ...)`` for every lane: what the host needs to size
+    lanes (encoder regions, the reader's lane minimum) from the one mapping."""
+    for lane in range(out.shape[0]):
+        r0, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
+        out[lane, 0] = r0
+        out[lane, 1] = r1
+        out[lane, 2] = t0
+        out[lane, 3] = t1

@@ -36,7 +36,7 @@ from .synthetic import synthetic_kv
 log = logging.getLogger("kvwire.codec")
 
 #: the numba kernels of the encode and decode paths (``rans.ideal_bits`` is benchmark-only)
-KERNELS = ("quantize_rows", "encode_lanes", "decode_lanes")
+KERNELS = ("quantize_rows", "lane_spans", "encode_lanes", "decode_lanes")
 
 _LAYERS, _HEADS, _HEAD_DIM, _SINKS, _TOKENS = 2, 2, 4, 4, 68
 

@@ -114,11 +114,11 @@ class GpuDecoder:
         if header.is_raw(layer):  # the tokens verbatim: no kernel, only the copy
             plan, inputs = None, {"raw": self._upload(np.frombuffer(payload, dtype=np.uint8))}
         else:
-            lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, payload)
+            lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, payload, header.version)
             plan = lanes.plan
             inputs = {name: self._upload(array) for name, array in (
                 ("words", lanes.words.view(np.int16)), ("lane_start", lanes.lane_start),
-                ("states", lanes.states.view(np.int32)), ("lane_rows", plan.lane_rows), ("step", plan.step),
+                ("states", lanes.states.view(np.int32)), ("step", plan.step),
                 ("group", plan.group), ("table", plan.table), ("shift", plan.shift))}
         copied = torch.cuda.Event()
         copied.record(self._torch_copy)
@@ -142,8 +142,9 @@ class GpuDecoder:
         if plan.lanes:
             ptr = lambda t: np.uintp(t.data_ptr())  # noqa: E731
             i = staged.inputs
-            self._kernel(ptr(i["words"]), ptr(i["lane_start"]), ptr(i["states"]), ptr(i["lane_rows"]),
-                         np.int32(plan.lanes), ptr(i["step"]), ptr(i["group"]), ptr(i["table"]),
+            self._kernel(ptr(i["words"]), ptr(i["lane_start"]), ptr(i["states"]), np.int32(plan.lanes),
+                         np.int32(plan.kept[0]), np.int32(plan.rows_per_lane), np.int32(plan.piece_tokens),
+                         ptr(i["step"]), ptr(i["group"]), ptr(i["table"]),
                          ptr(i["shift"]), ptr(tables.freq), ptr(tables.cdf), ptr(tables.lut),
                          np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
                          block=(THREADS_PER_BLOCK, 1, 1),

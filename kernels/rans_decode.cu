@@ -1,12 +1,15 @@
 // rANS lane decoder: the GPU twin of codec/rans.py:decode_lanes (see codec/FORMAT.md).
 //
-// One thread decodes one lane (a run of rows of one layer's K or V). Each decoded value is
-// dequantized in float32 with explicit round-to-nearest multiply and add (no FMA
-// contraction), so the coefficients are bit-identical to the CPU decoder's.
+// One thread decodes one lane: a run of whole rows of one layer's K or V, or one piece (a
+// run of tokens starting at an anchor) of one row (FORMAT.md, "Rows and lanes"; lane_span below is
+// the twin of codec/rans.py:lane_span). Each decoded value is dequantized in float32 with
+// explicit round-to-nearest multiply and add (no FMA contraction), so the coefficients are
+// bit-identical to the CPU decoder's.
 //
-// Output layout is token-major, out[t * rows + r], so the threads of a warp (consecutive
-// lanes, one row each for long chunks) write consecutive addresses, and the result is the
-// [tokens, rows] operand of the inverse-transform GEMM without a transpose.
+// Output layout is token-major, out[t * rows + r]. Lanes run piece by piece and, within a
+// piece, row by row, so the threads of a warp (consecutive lanes: the same piece of
+// consecutive rows) write consecutive addresses, and the result is the [tokens, rows]
+// operand of the inverse-transform GEMM without a transpose.
 #include <stdint.h>
 
 #define PROB_BITS 12
@@ -46,12 +49,41 @@ __device__ __forceinline__ uint32_t get_uniform(LaneCursor& c, int bits) {
     return value;
 }
 
+struct LaneSpan {
+    int r0, r1;  // rows [r0, r1)
+    int t0, t1;  // tokens [t0, t1)
+};
+
+// Rows and tokens of a lane: K's lanes then V's; inside each, piece by piece, and within a
+// piece over groups of rows_per_lane rows.
+__device__ __forceinline__ LaneSpan lane_span(int lane, int kept_k, int rows, int rows_per_lane, int piece,
+                                              int tokens) {
+    int pieces = (tokens + piece - 1) / piece;
+    if (pieces < 1) pieces = 1;
+    const int groups_k = (kept_k + rows_per_lane - 1) / rows_per_lane;
+    int base = 0, count = kept_k, groups = groups_k, j = lane;
+    if (lane >= groups_k * pieces) {
+        base = kept_k;
+        count = rows - kept_k;
+        groups = (count + rows_per_lane - 1) / rows_per_lane;
+        j = lane - groups_k * pieces;
+    }
+    LaneSpan s;
+    s.r0 = base + (j % groups) * rows_per_lane;
+    s.r1 = s.r0 + rows_per_lane < base + count ? s.r0 + rows_per_lane : base + count;
+    s.t0 = (j / groups) * piece;
+    s.t1 = s.t0 + piece < tokens ? s.t0 + piece : tokens;
+    return s;
+}
+
 extern "C" __global__ void rans_decode_lanes(
     const uint16_t* __restrict__ words,
     const long long* __restrict__ lane_word_start,  // [n_lanes + 1]
     const uint32_t* __restrict__ final_state,       // [n_lanes]
-    const long long* __restrict__ lane_rows,        // [n_lanes + 1]
     int n_lanes,
+    int kept_k,                                     // K rows; V's follow
+    int rows_per_lane,                              // G
+    int piece,                                      // tokens per piece (N: whole rows)
     const float* __restrict__ step,                 // [rows]
     const int* __restrict__ group,                  // [rows]
     const uint8_t* __restrict__ table,              // [rows, 2]
@@ -72,11 +104,12 @@ extern "C" __global__ void rans_decode_lanes(
     c.end = lane_word_start[lane + 1];
     c.words = words;
     int err = c.x < STATE_LOW ? BAD_FINAL : OK;
-    for (long long r = lane_rows[lane]; r < lane_rows[lane + 1] && err == OK; ++r) {
+    const LaneSpan span = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens);
+    for (int r = span.r0; r < span.r1 && err == OK; ++r) {
         const float s = step[r];
         const int g = group[r];
-        float anchor = 0.0f;
-        for (int t = 0; t < tokens; ++t) {
+        float anchor = 0.0f;  // a lane's tokens start at an anchor
+        for (int t = span.t0; t < span.t1; ++t) {
             const int kind = (g > 0 && t % g != 0) ? 1 : 0;
             const int tab = table[2 * r + kind];
             const uint32_t slot = (uint32_t)(c.x & SLOT_MASK);

@@ -11,6 +11,10 @@ Files in tests/data/:
   positions ROTARY_START..) at DEFAULT_LEVEL, start ROTARY_START, with ``rotary_profile()``
   (the golden profile plus ROTARY: keys coded without RoPE)
 * ``golden_decoded_rotary.npy``: what the rotary blob decodes to (float16 values)
+* ``golden_blob_pieces.bin``: ``golden_input(tokens=PIECES_TOKENS)`` at PIECES_LEVEL with the
+  golden profile: rows long enough to be cut into pieces (FORMAT.md, "Rows and lanes")
+* ``golden_blob_v3.bin``: golden_blob.bin as format version 3 wrote it (kept, not
+  regenerated: version 4 readers still read version 3; its lanes are whole rows)
 
 The tests check that (a) the committed blobs decode, with the committed profile, to the
 committed tensors (to float32 GEMM rounding, as FORMAT.md allows) and to the formula
@@ -51,14 +55,18 @@ EMBEDDED_FILE = DATA / "golden_blob_embedded.bin"
 DECODED_FILE = DATA / "golden_decoded.npy"
 DECODED_EMBEDDED_FILE = DATA / "golden_decoded_embedded.npy"
 ROTARY_FILE = DATA / "golden_blob_rotary.bin"
+PIECES_FILE = DATA / "golden_blob_pieces.bin"
+V3_FILE = DATA / "golden_blob_v3.bin"
 DECODED_ROTARY_FILE = DATA / "golden_decoded_rotary.npy"
 REGEN = os.environ.get("KVWIRE_REGEN_GOLDEN") == "1"
 
-SHAPE = (2, 2, 300, 2, 8)  # layers, K/V, tokens, heads, head_dim: 2 lanes per K/V
+SHAPE = (2, 2, 300, 2, 8)  # layers, K/V, tokens, heads, head_dim: several lanes per K/V
 LEVEL = codec.DEFAULT_LEVEL
 EMBEDDED_LEVEL = 3
 ROTARY = codec.Rotary(head_dim=8, dim=8, theta=10000.0)
 ROTARY_START = 1000
+PIECES_TOKENS = 900
+PIECES_LEVEL = 2
 
 
 def golden_input(phase: float = 0.0, tokens: int = SHAPE[2], dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -109,6 +117,7 @@ def _regenerate() -> None:
     blob = codec.encode(rotary_input(), LEVEL, rotary, start=ROTARY_START)
     ROTARY_FILE.write_bytes(blob)
     np.save(DECODED_ROTARY_FILE, codec.decode(blob, rotary).numpy())
+    PIECES_FILE.write_bytes(codec.encode(golden_input(tokens=PIECES_TOKENS), PIECES_LEVEL, profile))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +125,7 @@ def golden():
     if REGEN:
         _regenerate()
     missing = [p.name for p in (PROFILE_FILE, BLOB_FILE, EMBEDDED_FILE, DECODED_FILE, DECODED_EMBEDDED_FILE,
-                                ROTARY_FILE, DECODED_ROTARY_FILE) if not p.is_file()]
+                                ROTARY_FILE, DECODED_ROTARY_FILE, PIECES_FILE, V3_FILE) if not p.is_file()]
     if missing:
         pytest.fail(f"golden files missing: {missing}; regenerate with KVWIRE_REGEN_GOLDEN=1")
     return {
@@ -127,6 +136,8 @@ def golden():
         "decoded_embedded": torch.from_numpy(np.load(DECODED_EMBEDDED_FILE)).view(torch.bfloat16),
         "rotary": ROTARY_FILE.read_bytes(),
         "decoded_rotary": torch.from_numpy(np.load(DECODED_ROTARY_FILE)).float(),
+        "pieces": PIECES_FILE.read_bytes(),
+        "v3": V3_FILE.read_bytes(),
     }
 
 
@@ -157,6 +168,25 @@ def test_golden_rotary_blob_decodes(golden):
     x = rotary_input()
     assert torch.equal(out[:, :, :4], x[:, :, :4])
     assert _distortion(x, out, 4) <= 1.6 * profile.targets[LEVEL]
+
+
+def test_golden_pieces_blob_decodes(golden):
+    """Rows cut into pieces decode, token by token, to what whole-row lanes give: the
+    first 300 tokens of the long blob are the golden blob's tokens (same formula)."""
+    profile = golden["profile"]
+    out = codec.decode(golden["pieces"], profile)
+    x = golden_input(tokens=PIECES_TOKENS)
+    assert out.shape == (2, 2, PIECES_TOKENS, 2, 8)
+    assert _distortion(x, out, 4) <= 1.6 * profile.targets[PIECES_LEVEL]
+    short = codec.decode(codec.encode(golden_input(), PIECES_LEVEL, profile), profile)
+    assert float((out[:, :, :SHAPE[2]].float() - short.float()).abs().max()) <= 2 * float(short.float().abs().max()) * 2 ** -10
+
+
+def test_golden_v3_blob_still_decodes(golden):
+    """FORMAT.md "Versioning": version 3 lanes (whole rows, u32 counts) are still read."""
+    assert codec.parse_header(golden["v3"]).version == 3
+    out = codec.decode(golden["v3"], golden["profile"])
+    torch.testing.assert_close(out.float(), golden["decoded"], rtol=2e-3, atol=2e-3)
 
 
 def test_golden_embedded_blob_decodes(golden):
@@ -205,6 +235,11 @@ def test_golden_rotary_reencodes_bit_exact(golden):
     assert blob == golden["rotary"], "bitstream (or the RoPE removal) changed"
 
 
+def test_golden_pieces_reencodes_bit_exact(golden):
+    blob = codec.encode(golden_input(tokens=PIECES_TOKENS), PIECES_LEVEL, golden["profile"])
+    assert blob == golden["pieces"], "bitstream (or the encoder's lane shape) changed"
+
+
 def test_golden_embedded_reencodes_bit_exact(golden):
     blob = codec.encode(golden_input(dtype=torch.bfloat16), EMBEDDED_LEVEL)
     assert blob == golden["embedded"], "bitstream (or embedded profile fitting) changed"
@@ -220,50 +255,70 @@ def test_golden_profile_file_is_stable(golden):
 
 
 # ------------------------------------------------------------------ FORMAT.md conformance
+def _lane_table(section: bytes, sink_len: int, kept: tuple[int, int], coded: int, groups: tuple[int, int]
+                ) -> tuple[int, int, int]:
+    """(n_lanes, rows_per_lane, pieces) of a version 4 coded section, by FORMAT.md alone."""
+    n_lanes, piece, per_lane = struct.unpack_from("<IHH", section, sink_len)
+    assert per_lane >= 1
+    if piece == 0:
+        assert per_lane * coded <= 16383
+        pieces = 1
+    else:
+        assert per_lane == 1 and 1 <= piece < coded and piece <= 16383
+        assert all(piece % g == 0 for g, k in zip(groups, kept) if g and k)
+        pieces = math.ceil(coded / piece)
+    assert n_lanes == (math.ceil(kept[0] / per_lane) + math.ceil(kept[1] / per_lane)) * pieces
+    states = struct.unpack_from(f"<{n_lanes}I", section, sink_len + 8)
+    counts = struct.unpack_from(f"<{n_lanes}H", section, sink_len + 8 + 4 * n_lanes)
+    assert all(2 ** 16 <= s < 2 ** 32 for s in states)
+    assert sink_len + 8 + 6 * n_lanes + 2 * sum(counts) == len(section)
+    return n_lanes, per_lane, pieces
+
+
 def test_blob_layout_matches_format_md(golden):
-    """Read the golden blob with nothing but FORMAT.md."""
-    blob, profile = golden["blob"], golden["profile"]
-    (magic, version, dtype, level, flags, layers, heads, head_dim, sinks, tokens, pid,
-     embedded_len) = struct.unpack_from("<4sBBBBHHHHI8sI", blob, 0)
-    assert magic == b"KVWB" and version == 3
-    (start,) = struct.unpack_from("<I", blob, 32)
-    assert start == 0
-    assert dtype == 1  # float16
-    assert level == LEVEL and flags == 0 and embedded_len == 0
-    assert (layers, tokens, heads, head_dim) == (SHAPE[0], SHAPE[2], SHAPE[3], SHAPE[4])
-    assert sinks == 4
-    assert pid.hex() == profile.id
-    header_len = 32 + 4 + 9 * layers + embedded_len + 4
-    assert codec.header_length(blob[:32]) == header_len
-    (crc,) = struct.unpack_from("<I", blob, header_len - 4)
-    assert crc == zlib.crc32(blob[:header_len - 4])
-    x = golden_input()
-    channels = heads * head_dim
-    coded = tokens - sinks
-    per_lane = max(1, math.ceil(4096 / coded))
-    pos = header_len
-    lanes_seen = []
-    for l in range(layers):
-        length, section_crc, mode = struct.unpack_from("<IIB", blob, 36 + 9 * l)
-        section = blob[pos:pos + length]
-        assert zlib.crc32(section) == section_crc
-        assert mode == 0  # rANS lanes
-        # sinks: K[0:S] then V[0:S], raw little-endian fp16
-        sink_len = 2 * sinks * channels * 2
-        expected_sinks = x[l, :, :sinks].contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
-        assert section[:sink_len] == expected_sinks
-        (n_lanes,) = struct.unpack_from("<I", section, sink_len)
-        kept_k, kept_v = (int(profile.kept[level, l, kv]) for kv in range(2))
-        assert n_lanes == math.ceil(kept_k / per_lane) + math.ceil(kept_v / per_lane)
-        counts = struct.unpack_from(f"<{n_lanes}I", section, sink_len + 4)
-        states = struct.unpack_from(f"<{n_lanes}I", section, sink_len + 4 + 4 * n_lanes)
-        assert all(2 ** 16 <= s < 2 ** 32 for s in states)
-        assert sink_len + 4 + 8 * n_lanes + 2 * sum(counts) == length
-        lanes_seen.append(n_lanes)
-        pos += length
-    assert pos == len(blob)
-    # the golden exercises a K or V split over several lanes (rows > G)
-    assert max(lanes_seen) > 2, lanes_seen
+    """Read the golden blobs with nothing but FORMAT.md."""
+    profile = golden["profile"]
+    shapes = []
+    for name in ("blob", "pieces"):
+        blob = golden[name]
+        (magic, version, dtype, level, flags, layers, heads, head_dim, sinks, tokens, pid,
+         embedded_len) = struct.unpack_from("<4sBBBBHHHHI8sI", blob, 0)
+        assert magic == b"KVWB" and version == 4
+        (start,) = struct.unpack_from("<I", blob, 32)
+        assert start == 0
+        assert dtype == 1  # float16
+        assert flags == 0 and embedded_len == 0
+        assert (layers, heads, head_dim) == (SHAPE[0], SHAPE[3], SHAPE[4])
+        assert sinks == 4
+        assert pid.hex() == profile.id
+        header_len = 32 + 4 + 9 * layers + embedded_len + 4
+        assert codec.header_length(blob[:32]) == header_len
+        (crc,) = struct.unpack_from("<I", blob, header_len - 4)
+        assert crc == zlib.crc32(blob[:header_len - 4])
+        x = golden_input(tokens=tokens)
+        channels = heads * head_dim
+        pos = header_len
+        lanes = []
+        for l in range(layers):
+            length, section_crc, mode = struct.unpack_from("<IIB", blob, 36 + 9 * l)
+            section = blob[pos:pos + length]
+            assert zlib.crc32(section) == section_crc
+            assert mode == 0  # rANS lanes
+            # sinks: K[0:S] then V[0:S], raw little-endian fp16
+            sink_len = 2 * sinks * channels * 2
+            expected_sinks = x[l, :, :sinks].contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
+            assert section[:sink_len] == expected_sinks
+            kept = tuple(int(profile.kept[level, l, kv]) for kv in range(2))
+            groups = tuple(int(profile.delta_group[l, kv]) for kv in range(2))
+            n_lanes, per_lane, pieces = _lane_table(section, sink_len, kept, tokens - sinks, groups)
+            shapes.append((name, per_lane, pieces))
+            lanes.append(n_lanes)
+            pos += length
+        assert pos == len(blob)
+        assert codec.inspect(blob)["sections"]["lanes"] == lanes
+    # the goldens exercise lanes of several whole rows and rows cut into pieces
+    assert any(name == "blob" and per_lane > 1 for name, per_lane, _ in shapes), shapes
+    assert all(name == "blob" or pieces > 1 for name, _, pieces in shapes), shapes
 
 
 def test_embedded_blob_layout_matches_format_md(golden):

@@ -11,6 +11,7 @@ What rejecting them costs (seconds, peak RSS) is measured in a subprocess by
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,9 +59,10 @@ def test_embedded_profile_must_be_identity(small_profile) -> None:
 # ------------------------------------------------------------------ finding 2: size claims
 def test_blob_claiming_many_tokens_over_few_words_is_corrupt(small_profile) -> None:
     """2^21 tokens, 8 words: the lane minimum (FORMAT.md, Limits) refuses it, by name,
-    for the whole-blob, layer-by-layer and section decoders alike."""
+    for the whole-blob, layer-by-layer and section decoders alike. (In version 4 the
+    lane table alone ties T to bytes a little: 6 bytes per 16383 tokens of a row.)"""
     blob, profile = HOSTILE["blob_claiming_2^21_tokens"][0]()
-    assert len(blob) < 200
+    assert len(blob) < 4096
     with pytest.raises(codec.CorruptBitstream, match="too few for 2097152 tokens"):
         codec.decode(blob, profile)
     with pytest.raises(codec.CorruptBitstream, match="too few"):
@@ -157,8 +159,72 @@ def test_raw_section_by_hand_decodes_to_its_bytes(small_profile) -> None:
 def test_old_format_version_is_refused_by_name(small_profile) -> None:
     blob = hand_blob(tokens=8, heads=1, head_dim=2, sections=[lane_payload(2, 0)], profile_id=small_profile.id,
                      version=1)
-    with pytest.raises(codec.CorruptBitstream, match="unsupported blob format version 1 .*reads 2, 3"):
+    with pytest.raises(codec.CorruptBitstream, match="unsupported blob format version 1 .*reads 2, 3, 4"):
         codec.decode(blob, small_profile)
+
+
+# ------------------------------------------------------------------ version 4 lane tables (issue #16)
+def _lane_blob(profile, tokens: int, payload: bytes) -> bytes:
+    return hand_blob(tokens=tokens, heads=1, head_dim=2, sections=[payload], profile_id=profile.id, dtype=3, level=1)
+
+
+@pytest.fixture(scope="module")
+def delta_profile() -> codec.Profile:
+    """Delta group 10 on K and V, so pieces must be multiples of 10."""
+    gen = torch.Generator().manual_seed(1)
+    return codec.calibrate([torch.randn(1, 2, 64, 1, 2, generator=gen)], sink_tokens=0, delta="always")
+
+
+@pytest.mark.parametrize("piece,rows_per_lane,tokens,message", [
+    (0, 0, 40, "rows_per_lane must be >= 1"),
+    (0, 410, 40, "lanes of 410 rows x 40 tokens pass 16383 values"),
+    (0, 1, 20000, "lanes of 1 rows x 20000 tokens pass 16383 values"),   # rows too long: must be cut
+    (20, 2, 40, "a lane of pieces holds one row"),
+    (40, 1, 40, "piece of 40 tokens not in"),                             # a piece must cut
+    (16390, 1, 20000, "piece of 16390 tokens not in"),                   # past 16383 values
+    (15, 1, 40, "does not start at anchors"),                             # not a multiple of 10
+])
+def test_impossible_lane_shapes_are_corrupt(delta_profile, piece, rows_per_lane, tokens, message) -> None:
+    """FORMAT.md "Rows and lanes": the shape is checked before n_lanes is compared with it."""
+    blob = _lane_blob(delta_profile, tokens, lane_payload(4, 0, piece, rows_per_lane))
+    with pytest.raises(codec.CorruptBitstream, match="impossible lane shape: .*" + message):
+        codec.decode(blob, delta_profile)
+
+
+def test_lane_count_must_follow_from_the_shape(delta_profile) -> None:
+    kept = int(delta_profile.kept[1, 0].sum())
+    lanes = kept * 4  # pieces of 10 tokens over 40
+    with pytest.raises(codec.CorruptBitstream, match=f"{lanes + 1} lanes, profile and shape imply {lanes}"):
+        codec.decode(_lane_blob(delta_profile, 40, lane_payload(lanes + 1, 0, 10)), delta_profile)
+    # the right count, but the table is cut: refused before any array is sized from it
+    cut = lane_payload(lanes, 0, 10)[:-3]
+    with pytest.raises(codec.CorruptBitstream, match="lane table truncated"):
+        codec.decode(_lane_blob(delta_profile, 40, cut), delta_profile)
+    with pytest.raises(codec.CorruptBitstream, match="lane table truncated"):
+        codec.decode(_lane_blob(delta_profile, 40, struct.pack("<I", lanes)), delta_profile)
+    # the right count and shape, word counts adding up to more than the words present
+    payload = bytearray(lane_payload(lanes, 3, 10))
+    with pytest.raises(codec.CorruptBitstream, match="lane lengths disagree"):
+        codec.decode(_lane_blob(delta_profile, 40, bytes(payload[:-2])), delta_profile)
+
+
+def test_a_blob_of_pieces_decodes_like_one_of_whole_rows(delta_profile) -> None:
+    """The same quantized values in another valid lane shape decode to the same tensor:
+    the shape is the stream's layout, never its meaning."""
+    from codec.profile import split_tokens
+
+    kv = torch.randn(1, 2, 40, 1, 2, generator=torch.Generator().manual_seed(4))
+    body = split_tokens(kv, 0)[0]
+    plan, q, _ = layer_codec.quantize_layer(delta_profile, 1, 0, body[0], body[1])
+    outs = []
+    for rows_per_lane, piece in ((1, 0), (2, 0), (1, 10), (1, 30)):
+        shaped = plan.with_lanes(rows_per_lane, piece)
+        assert shaped.shape_error() is None
+        blob = _lane_blob(delta_profile, 40, layer_codec.pack_lanes(delta_profile, shaped, q))
+        assert codec.inspect(blob)["lanes"] == shaped.lanes
+        outs.append(codec.decode(blob, delta_profile))
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert torch.equal(outs[0], codec.decode(codec.encode(kv, 1, delta_profile), delta_profile))
 
 
 # ------------------------------------------------------------------ the lane minimum is sound
@@ -177,9 +243,10 @@ def test_lane_minimum_never_refuses_a_valid_stream(tokens, channels, level, delt
     for layer in range(header.layers):
         if header.is_raw(layer):
             continue
-        lanes = layer_codec.parse_lanes(profile, level, layer, tokens, container.section(blob, header, layer))
+        lanes = layer_codec.parse_lanes(profile, level, layer, tokens, container.section(blob, header, layer),
+                                        header.version)
         counts = np.diff(lanes.lane_start)
-        assert (counts >= layer_codec.min_lane_words(profile, lanes.plan, tokens)).all()
+        assert (counts >= layer_codec.min_lane_words(profile, lanes.plan)).all()
     codec.decode(blob, profile)
 
 
@@ -188,8 +255,10 @@ def test_lane_minimum_is_close_on_calibrated_data(codec_make_kv) -> None:
     profile = codec.calibrate([codec_make_kv(1, tokens=2000)], sink_tokens=0)
     blob = codec.encode(codec_make_kv(2, tokens=2000), 1, profile)
     header = codec.parse_header(blob)
-    lanes = layer_codec.parse_lanes(profile, 1, 0, header.coded_tokens, container.section(blob, header, 0))
-    least = layer_codec.min_lane_words(profile, lanes.plan, header.coded_tokens).sum()
+    lanes = layer_codec.parse_lanes(profile, 1, 0, header.coded_tokens, container.section(blob, header, 0),
+                                    header.version)
+    assert lanes.plan.pieces > 1  # 2000 tokens: rows are cut into pieces
+    least = layer_codec.min_lane_words(profile, lanes.plan).sum()
     assert least > 0.4 * np.diff(lanes.lane_start).sum()  # ~0.65 (FORMAT.md)
 
 
@@ -221,12 +290,27 @@ def test_hand_blob_agrees_with_the_encoder(small_profile) -> None:
     again = hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
                       profile_id=small_profile.id, dtype=3, sinks=0)
     assert again == blob
-    assert struct.unpack_from("<B", blob, 4)[0] == container.FORMAT_VERSION == 3
+    assert struct.unpack_from("<B", blob, 4)[0] == container.FORMAT_VERSION == 4
     moved = codec.encode(kv, 0, small_profile, start=7)
     assert hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
                      profile_id=small_profile.id, dtype=3, sinks=0, start=7) == moved
-    # a version 2 blob (no start field) still reads, at start 0
-    old = hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
-                    profile_id=small_profile.id, dtype=3, sinks=0, version=2)
-    assert codec.parse_header(old).start == 0
-    assert torch.equal(codec.decode(old, small_profile), codec.decode(blob, small_profile))
+
+
+def test_version_2_and_3_blobs_still_read() -> None:
+    """FORMAT.md "Versioning": the committed version 3 golden blob (lanes of whole rows,
+    u32 counts) decodes; as version 2 (no start field) it reads at start 0, the same."""
+    data = Path(__file__).parent / "data"
+    profile = codec.Profile.load(data / "golden_profile.safetensors")
+    v3 = (data / "golden_blob_v3.bin").read_bytes()
+    header = codec.parse_header(v3)
+    assert header.version == 3
+    expected = torch.from_numpy(np.load(data / "golden_decoded.npy"))
+    out = codec.decode(v3, profile)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-3, atol=2e-3)
+    sections = [bytes(container.section(v3, header, l)) for l in range(header.layers)]
+    v2 = hand_blob(tokens=header.tokens, heads=header.heads, head_dim=header.head_dim, sections=sections,
+                   modes=list(header.modes), profile_id=profile.id, level=header.level, sinks=header.sink_tokens,
+                   version=2)
+    assert codec.parse_header(v2).start == 0
+    assert torch.equal(codec.decode(v2, profile), out)
+    assert codec.inspect(v3)["sections"]["lanes"] == [3, 3]  # ceil(kept / 14) for K and V

@@ -433,16 +433,22 @@ def test_inspect(codec_profile, codec_test_kv):
     assert info["sink_tokens"] == 4
     assert info["total_bytes"] == len(blob)
     assert info["complete"] is True
-    assert info["format_version"] == 3
+    assert info["format_version"] == 4
     assert info["start"] == 0
     sections = info["sections"]
     assert len(sections["layers"]) == kv.shape[0]
     assert sections["raw_layers"] == []
     assert sections["header"] + sections["embedded_profile"] + sum(sections["layers"]) == len(blob)
     assert info["bits_per_element"] == pytest.approx(8 * len(blob) / kv.numel())
+    # independent lanes: each coded section's n_lanes (the lane table's first u32)
+    header = codec.parse_header(blob)
+    assert sections["lanes"] == [int.from_bytes(blob[header.section_offset(l) + header.sink_size:][:4], "little")
+                                 for l in range(kv.shape[0])]
+    assert info["lanes"] == sum(sections["lanes"]) > 0
     # a prefix holding just the header can be inspected, and says it is incomplete
     partial = codec.inspect(blob[:codec.header_length(blob) + 10])
     assert partial["complete"] is False and partial["total_bytes"] == len(blob)
+    assert partial["lanes"] is None and partial["sections"]["lanes"][-1] is None
 
 
 def test_decode_cpu_device_spellings(codec_profile, codec_test_kv):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -47,17 +48,18 @@ def _ptr(array: np.ndarray) -> ctypes.c_void_p:
     return array.ctypes.data_as(ctypes.c_void_p)
 
 
-def _host_decode(fn, profile, slot, layer, coded_tokens, payload):
-    lanes = layer_codec.parse_lanes(profile, slot, layer, coded_tokens, payload)
+def _host_decode(fn, profile, slot, layer, coded_tokens, payload, version=container.FORMAT_VERSION):
+    lanes = layer_codec.parse_lanes(profile, slot, layer, coded_tokens, payload, version)
     plan = lanes.plan
     tables = layer_codec.coder_tables(profile)
-    arrays = [np.ascontiguousarray(a) for a in (lanes.words, lanes.lane_start, lanes.states, plan.lane_rows,
+    arrays = [np.ascontiguousarray(a) for a in (lanes.words, lanes.lane_start, lanes.states,
                                                 plan.step, plan.group, plan.table, plan.shift,
                                                 tables.freq, tables.cdf, tables.lut)]
     out = np.full((coded_tokens, plan.rows), np.nan, dtype=np.float32)
     status = np.full(max(plan.lanes, 1), -1, dtype=np.int32)
-    fn(*[_ptr(a) for a in arrays[:4]], ctypes.c_int(plan.lanes), *[_ptr(a) for a in arrays[4:]],
-       ctypes.c_int(coded_tokens), ctypes.c_int(plan.rows), _ptr(out), _ptr(status))
+    fn(*[_ptr(a) for a in arrays[:3]], *map(ctypes.c_int, (plan.lanes, plan.kept[0], plan.rows_per_lane,
+                                                          plan.piece_tokens)),
+       *[_ptr(a) for a in arrays[3:]], ctypes.c_int(coded_tokens), ctypes.c_int(plan.rows), _ptr(out), _ptr(status))
     return out, status[: plan.lanes]
 
 
@@ -66,6 +68,20 @@ def _layer_payloads(blob: bytes):
     for layer in range(header.layers):
         assert not header.is_raw(layer)
         yield header, layer, container.section(blob, header, layer)[header.sink_size:]
+
+
+def _assert_kernel_matches(fn, profile, level, blob) -> list[int]:
+    """Every layer of ``blob`` through the host-compiled kernel and the numba decoder:
+    the same floats, every lane OK; the lane shapes seen as (rows_per_lane, pieces)."""
+    shapes = []
+    for header, layer, payload in _layer_payloads(blob):
+        lanes = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version)
+        expected = layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens)
+        got, status = _host_decode(fn, profile, level, layer, header.coded_tokens, payload, header.version)
+        assert (status == rans.OK).all()
+        np.testing.assert_array_equal(got.T, expected)
+        shapes.append((lanes.plan.rows_per_lane, lanes.plan.pieces))
+    return shapes
 
 
 def _kv(seed: int, tokens: int = 120) -> torch.Tensor:
@@ -79,14 +95,43 @@ def test_host_compiled_kernel_matches_cpu_decoder_bit_for_bit(host_kernel, delta
     profile = codec.calibrate([_kv(1)], delta=delta)
     kv = _kv(2)
     kv[0, 1, 50] *= 400.0  # far outside the calibrated range: escapes
+    shapes = []
+    for level in range(len(profile.levels)):
+        shapes += _assert_kernel_matches(host_kernel, profile, level, codec.encode(kv, level, profile))
+    assert any(g > 1 for g, _ in shapes)  # lanes of several whole rows
+
+
+@pytest.mark.parametrize("delta", ["never", "always"])
+@pytest.mark.parametrize("tokens", [1, 7, 1234])
+def test_host_compiled_kernel_decodes_pieces_and_odd_shapes(host_kernel, delta: str, tokens: int) -> None:
+    """Rows cut into pieces (a last piece shorter than the rest), odd head shapes, every level."""
+    gen = torch.Generator().manual_seed(11)
+    profile = codec.calibrate([torch.randn(2, 2, 300, 3, 5, generator=gen)], delta=delta)
+    kv = torch.randn(2, 2, tokens + 4, 3, 5, generator=gen)
+    kv[1, 0, -1] *= 300.0  # escapes
+    shapes = []
     for level in range(len(profile.levels)):
         blob = codec.encode(kv, level, profile)
-        for header, layer, payload in _layer_payloads(blob):
-            lanes = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload)
-            expected = layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens)
-            got, status = _host_decode(host_kernel, profile, level, layer, header.coded_tokens, payload)
-            assert (status == rans.OK).all()
-            np.testing.assert_array_equal(got.T, expected)
+        if any(codec.parse_header(blob).is_raw(l) for l in range(2)):
+            continue
+        shapes += _assert_kernel_matches(host_kernel, profile, level, blob)
+    assert shapes
+    if tokens == 1234:
+        assert any(pieces > 1 for _, pieces in shapes)
+        pieces = [layer_codec.parse_lanes(profile, 0, 0, tokens, p, 4).plan
+                  for _, _, p in _layer_payloads(codec.encode(kv, 0, profile))]
+        assert all(tokens % plan.piece_tokens for plan in pieces if plan.pieces > 1)  # a short last piece
+        if delta == "always":
+            assert all(plan.piece_tokens % 10 == 0 for plan in pieces)
+
+
+def test_host_compiled_kernel_reads_version_3_lanes(host_kernel) -> None:
+    """The committed version 3 golden blob: whole-row lanes of G = ceil(4096 / N) rows."""
+    data = Path(__file__).parent / "data"
+    profile = codec.Profile.load(data / "golden_profile.safetensors")
+    blob = (data / "golden_blob_v3.bin").read_bytes()
+    assert codec.parse_header(blob).version == 3
+    assert {g for g, _ in _assert_kernel_matches(host_kernel, profile, codec.DEFAULT_LEVEL, blob)} == {14}
 
 
 def test_host_compiled_kernel_flags_corrupt_lanes(host_kernel) -> None:
@@ -96,10 +141,17 @@ def test_host_compiled_kernel_flags_corrupt_lanes(host_kernel) -> None:
     damaged = bytearray(payload)
     damaged[-7] ^= 0x5A  # inside the last lane's words
     _, status = _host_decode(host_kernel, profile, 1, layer, header.coded_tokens, memoryview(bytes(damaged)))
-    lanes = layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, memoryview(bytes(damaged)))
+    lanes = layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, memoryview(bytes(damaged)), 4)
     with pytest.raises(codec.CorruptBitstream):
         layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens)
     assert (status != rans.OK).any()
+    # a damaged final state: only that lane is flagged
+    good = layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, payload, 4)
+    assert good.plan.lanes > 1
+    forged = bytearray(payload)
+    struct.pack_into("<I", forged, layer_codec.LANE_HEAD.size + 4, 0xFFFF)  # lane 1's state < 2^16
+    _, status = _host_decode(host_kernel, profile, 1, layer, header.coded_tokens, memoryview(bytes(forged)))
+    assert list(np.flatnonzero(status != rans.OK)) == [1]
 
 
 def test_cuda_device_without_gpu_says_what_is_missing() -> None:
@@ -202,3 +254,54 @@ def test_pipeline_stops_at_the_first_failure_in_order() -> None:
     assert results == [0, 1]
     with pytest.raises(ValueError, match="depth"):
         list(pipelined(range(3), lambda i: i, lambda i: i, depth=0))
+
+
+# ------------------------------------------------------------------ occupancy (bench_gpu --dry-run)
+def test_occupancy_arithmetic_on_an_h200() -> None:
+    from kernels import occupancy
+
+    h200 = occupancy.H200
+    light = occupancy.Resources(registers=32, shared_bytes=0)
+    assert occupancy.resident_threads_per_sm(h200, light, 128) == 2048
+    assert occupancy.resident_threads_per_sm(h200, occupancy.Resources(64, 0), 128) == 1024
+    # 255 registers round up to 8192 per warp: 2 blocks of 4 warps
+    assert occupancy.resident_threads_per_sm(h200, occupancy.Resources(255, 0), 128) == 256
+    assert occupancy.resident_threads_per_sm(h200, occupancy.Resources(32, 100 << 10), 128) == 256
+    few = occupancy.fill(h200, light, 128, lanes=640)       # issue #16: a version 3 layer
+    assert few["threads_per_sm"] == 5 and few["fraction_of_device"] < 0.01
+    full = occupancy.fill(h200, light, 128, lanes=132 * 2048 * 2)
+    assert full["threads_per_sm"] == 2048 and full["fraction_of_device"] == 1.0 and full["waves"] == 2
+
+
+def test_resource_usage_is_parsed_from_nvcc_output() -> None:
+    from kernels import occupancy
+
+    text = ("ptxas info    : Compiling entry function 'rans_decode_lanes' for 'sm_90'\n"
+            "ptxas info    : Used 40 registers, used 0 barriers, 1024 bytes smem, 424 bytes cmem[0]\n")
+    assert occupancy.parse_resource_usage(text) == occupancy.Resources(40, 1024)
+    assert occupancy.parse_resource_usage("ptxas info    : Used 32 registers, used 0 barriers") \
+        == occupancy.Resources(32, 0)
+    with pytest.raises(ValueError, match="no register count"):
+        occupancy.parse_resource_usage("nvcc: error")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_lane_kernel_resources_leave_an_sm_full() -> None:
+    """One thread per lane only pays if the kernel is light enough for 2048 threads per SM."""
+    from kernels import occupancy
+
+    resources = occupancy.kernel_resources(KERNELS / "rans_decode.cu")
+    assert 0 < resources.registers <= 32 and resources.shared_bytes == 0
+    assert occupancy.resident_threads_per_sm(occupancy.H200, resources, gpu.THREADS_PER_BLOCK) == 2048
+
+
+def test_dry_run_lane_rows_count_the_blobs_lanes() -> None:
+    """bench_gpu --dry-run's lanes are inspect's, per level and chunk length."""
+    from codec.synthetic import synthetic_kv
+    from kernels import bench_gpu
+
+    profile = codec.calibrate([synthetic_kv(2, 2, 8, 200, seed=1)])
+    rows = bench_gpu.lane_rows(profile, [64, 130])
+    assert [(r["tokens"], r["level"]) for r in rows] == [(n, l) for n in (64, 130) for l in range(5)]
+    blob = codec.encode(synthetic_kv(2, 2, 8, 130, seed=2).half()[:, :, :64], 1, profile, sink_tokens=0)
+    assert rows[1]["lanes"] == codec.inspect(blob)["lanes"] > 0 and rows[1]["bytes"] == len(blob)

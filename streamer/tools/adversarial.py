@@ -78,7 +78,8 @@ def size_rows(layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int 
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")   # FORMAT.md, "Fixed header"
 ENTRY = struct.Struct("<IIB")              # FORMAT.md: (length, crc32, mode) per section
 START = struct.Struct("<I")                # FORMAT.md: version 3's start position, after the fixed header
-FORMAT_VERSION = 3
+LANE_HEAD = struct.Struct("<IHH")          # FORMAT.md, version 4: n_lanes, piece, rows_per_lane
+FORMAT_VERSION = 4
 
 
 def table_offset(version: int) -> int:
@@ -105,11 +106,12 @@ def seal(fixed: bytes, sections: list[bytes], modes: list[int], embedded: bytes 
     return body + struct.pack("<I", zlib.crc32(body)) + b"".join(sections)
 
 
-def lane_payload(lanes: int, words: int) -> bytes:
-    """A lane section (no sinks) of ``lanes`` lanes sharing ``words`` zero words."""
+def lane_payload(lanes: int, words: int, piece: int = 0, rows_per_lane: int = 1) -> bytes:
+    """A version 4 lane section (no sinks) of ``lanes`` lanes of the given shape (FORMAT.md,
+    "Rows and lanes"), the last lane holding ``words`` zero words (< 2^16), the others none."""
     counts = [0] * (lanes - 1) + [words]
-    return (struct.pack("<I", lanes) + struct.pack(f"<{lanes}I", *counts)
-            + struct.pack(f"<{lanes}I", *([1 << 16] * lanes)) + bytes(2 * words))
+    return (LANE_HEAD.pack(lanes, piece, rows_per_lane) + struct.pack(f"<{lanes}I", *([1 << 16] * lanes))
+            + struct.pack(f"<{lanes}H", *counts) + bytes(2 * words))
 
 
 def _small_profile():
@@ -119,11 +121,16 @@ def _small_profile():
     return codec.calibrate([torch.randn(1, 2, 64, 1, 2, generator=gen)], sink_tokens=0)
 
 
+#: FORMAT.md: the longest piece a lane may hold, a multiple of the usual delta group (10)
+_LONGEST_PIECE = 16380
+
+
 def _many_tokens():
-    """FORMAT.md: 2^21 tokens give G = 1, one lane per kept row; 8 words in all."""
+    """FORMAT.md: 2^21 tokens are cut into pieces of at most 16383 tokens, 129 per kept
+    row (one lane each); 8 words in all."""
     profile = _small_profile()
-    lanes = int(profile.kept[0, 0].sum())
-    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[lane_payload(lanes, 8)],
+    lanes = int(profile.kept[0, 0].sum()) * -(-(1 << 21) // _LONGEST_PIECE)
+    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[lane_payload(lanes, 8, _LONGEST_PIECE)],
                      profile_id=profile.id, dtype=3)
     return blob, profile
 

@@ -143,8 +143,8 @@ def header_blob(data: bytes) -> tuple[bytes, object]:
     data[0]: seed blob; then 6-byte edits (u8 what, u8 layer, u32 value): what % 13 <
     9 replaces a header field (_FIELDS, the start position included), 9 a section's
     mode, 10 cuts a section to ``value`` bytes, 11 pads it with ``value % 4096`` zero
-    bytes, 12 overwrites a u32 of its lane table (n_lanes, word counts, states) at
-    index ``layer``.
+    bytes, 12 overwrites a u32 of its lane table (n_lanes, the lane shape, states, word
+    counts) at index ``layer``.
     Section lengths and every CRC are then recomputed (FORMAT.md), so only the
     fields' meaning is wrong.
     """
