@@ -165,3 +165,32 @@ def test_serve_flags_parse() -> None:
     assert args.metrics_port == 0 and args.metrics_host == "127.0.0.1" and args.log_json
     args = parser.parse_args(["serve", "--store", "/tmp/x"])
     assert args.metrics_port is None and not args.log_json
+
+
+async def test_a_peer_that_closes_with_a_request_pending_is_no_handler_failure(
+        store_root: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A receiver that abandons a chunk closes (or drops) its connection with requests
+    still due. The sender then has nothing to answer: that is a lost connection, not a
+    bug logged with a traceback (it was: ``server cannot send CHUNK_BEGIN in state CLOSED``)."""
+    from streamer.net.client import ClientConnection
+    from streamer.wire import protocol as p
+
+    store = await streamer.open_store(store_root)
+    sender = await streamer.serve(store, config=ServerConfig(metrics=True))
+    try:
+        client = await ClientConnection.connect("127.0.0.1", sender.port)
+        await client.call(p.Open(context_id="ctx", slo=1.0), p.ManifestData, 5.0)
+        with caplog.at_level(logging.INFO, logger="kvwire.server"):
+            # the request and the CLOSE in one write: the sender reads both before answering
+            client._transport.writelines([*client.conn.send_parts(p.Request(chunk=0, level=0)),
+                                          client.conn.send(p.Close())])
+            for _ in range(250):
+                if sender.sessions == 0:
+                    break
+                await asyncio.sleep(0.02)
+        client.abort()
+    finally:
+        await sender.close()
+        await store.close()
+    assert sender.metrics.value("kvwire_sender_errors_total", code="handler_failed") == 0
+    assert not [r for r in caplog.records if r.exc_info]

@@ -365,9 +365,15 @@ class _ConnectionHandler:
                     self.closing = True
                     self.writer.transport.abort()
                     return
-                except Exception:  # a bug must cost this connection, never leave the peer hanging
-                    self._error("handler_failed")
-                    self.log.exception("answering %r failed; closing the connection", request)
+                except Exception as exc:  # a bug must cost this connection, never leave the peer hanging
+                    if isinstance(exc, p.LocalProtocolError) and self.conn.state is p.State.CLOSED:
+                        # the peer closed the connection while this answer was due (a
+                        # receiver abandoning a chunk does): nothing to answer, no bug
+                        self._error("connection_lost")
+                        self.log.info("%s closed the connection before %r was answered", self._peer(), request)
+                    else:
+                        self._error("handler_failed")
+                        self.log.exception("answering %r failed; closing the connection", request)
                     self.closing = True
                     self.writer.transport.abort()
                     return
