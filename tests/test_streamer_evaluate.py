@@ -188,6 +188,17 @@ def test_summary_metrics_on_handmade_fetches() -> None:
     assert m["finish_share_of_slo"] == pytest.approx((0.6 + 1.2) / 2)
 
 
+def test_summary_counts_what_the_cancel_rule_did() -> None:
+    fetches = [ev.Fetch("mpc", "a", 1.0, 0.0, True, 0.1, 1, 4, 0.5, 0.51, 1e-3, 300, "default",
+                        cancels=3, cancels_after_layers=2, cancels_to_level=1),
+               ev.Fetch("mpc", "b", 1.0, 0.0, True, 0.1, 0, 4, 0.5, 0.51, 1e-3, 400, "default")]
+    row = ev.summarize(fetches)[0]
+    assert row["cancels_per_fetch"] == 1.5
+    assert row["cancels_after_layers_share"] == pytest.approx(2 / 3)
+    assert row["cancels_to_level_share"] == pytest.approx(1 / 3)
+    assert ev.summarize(fetches[1:])[0]["cancels_after_layers_share"] is None
+
+
 def test_summary_keeps_trace_sets_apart() -> None:
     fetches = _handmade() + [_f(f.method, f.trace, f.start, cost=2 * f.cost, text=f.text_chunks,
                                 kv_d=f.kv_distortion, kv_tokens=f.kv_tokens, trace_set="unseen")

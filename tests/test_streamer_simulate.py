@@ -182,8 +182,8 @@ def test_cancel_abandons_a_chunk_the_link_can_no_longer_carry() -> None:
     assert not kept.met and kept.cancels == 0
     r = sim.run("mpc", trace, slo=1.0, prior_bps=50e6)
     assert r.met and r.cancels >= 1
-    chunk, level = r.cancelled[0]
-    assert level != TEXT and r.choices[chunk] == TEXT
+    chunk, level, _, switched_to = r.cancelled[0]
+    assert level != TEXT and switched_to == TEXT and r.choices[chunk] == TEXT
     assert any(d.reason and d.reason.startswith("cancelled") for d in r.decisions)
     # the abandoned bytes cost link time: the replayed final schedule is never slower
     assert sim.run("fixed:0", trace, slo=1.0, schedule=r.choices).completion <= r.completion + 1e-9

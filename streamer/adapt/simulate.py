@@ -138,7 +138,8 @@ class SimResult:
     text_chunks: int
     next_prior: float | None = None   # the session's per-server prior after this fetch
     next_errors: tuple[float, ...] = ()   # and its memory of log prediction errors
-    cancelled: tuple[tuple[int, Choice], ...] = ()   # (chunk, abandoned level) per cancel
+    #: per cancel: (chunk, abandoned level, its layers already delivered, what it switched to)
+    cancelled: tuple[tuple[int, Choice, int, Choice], ...] = ()
 
     @property
     def cancels(self) -> int:
@@ -304,7 +305,7 @@ class Simulator:
         last_end: float | None = None
         link_free = 0.0
         forced: dict[int, tuple[Choice, str]] = {}   # a cancelled chunk's re-request
-        cancelled: list[tuple[int, Choice]] = []
+        cancelled: list[tuple[int, Choice, int, Choice]] = []
         # the cancel rule's looks at the transfer in flight, (time, bytes), and which it is
         marks: list[tuple[float, int]] = []
         looking_at: tuple[int, float] | None = None   # (chunk, first byte) of that transfer
@@ -447,7 +448,7 @@ class Simulator:
                 stop = link_start[j] + trace.time_to_send(8.0 * carried, start + link_start[j])
                 link_free, last_end, again = stop, stop + owd, stop + owd
             history = history + [sample]   # what the link was judged to carry: the freshest sample
-            cancelled.append((j, choices[j]))
+            cancelled.append((j, choices[j], head.delivered_layers, switch.choice))
             forced[j] = (switch.choice, f"cancelled at level {choices[j]}: predicted to miss the deadline")
             for column in (nbytes, link_start, begin, end, is_text, requested, choices):
                 del column[j:]

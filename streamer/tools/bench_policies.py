@@ -258,6 +258,11 @@ class Fetch:
     kv_distortion: float
     kv_tokens: int
     trace_set: str = "default"
+    #: chunks the cancel rule abandoned; of those, how many after some of their layers
+    #: were delivered (only text can follow) and how many switched to a level
+    cancels: int = 0
+    cancels_after_layers: int = 0
+    cancels_to_level: int = 0
 
 
 def load_traces(directory: str | Path | None, trace_set: str = "default") -> dict[str, Trace]:
@@ -279,12 +284,15 @@ def starts_of(trace: Trace, spacing: float) -> np.ndarray:
 
 
 def _fetch(method: Method, trace_set: str, name: str, slo: float, start: float, choices: list,
-           met: bool, cost: float, text_chunks: int, completion: float, first_token: float) -> Fetch:
+           met: bool, cost: float, text_chunks: int, completion: float, first_token: float,
+           cancelled: Sequence[tuple] = ()) -> Fetch:
     sim = method.sim
     kv_tokens = int(sum(t for t, c in zip(sim.tokens, choices) if c != TEXT))
     return Fetch(method.name, name, slo, start, bool(met), float(cost), int(text_chunks), len(choices),
                  float(completion), float(completion + first_token), sim.kv_distortion_of(choices),
-                 kv_tokens, trace_set)
+                 kv_tokens, trace_set, cancels=len(cancelled),
+                 cancels_after_layers=sum(delivered > 0 for _, _, delivered, _ in cancelled),
+                 cancels_to_level=sum(to != TEXT for *_, to in cancelled))
 
 
 def sweep_trace(methods: Sequence[Method], name: str, trace: Trace, slos: Sequence[float],
@@ -306,7 +314,7 @@ def sweep_trace(methods: Sequence[Method], name: str, trace: Trace, slos: Sequen
                 prior = r.next_prior or prior
                 prior_errors = r.next_errors or prior_errors
                 out.append(_fetch(method, trace_set, name, slo, float(start), r.choices, r.met, r.cost,
-                                  r.text_chunks, r.completion, first_token))
+                                  r.text_chunks, r.completion, first_token, r.cancelled))
     return out
 
 
@@ -372,8 +380,19 @@ def summarize(fetches: Sequence[Fetch]) -> list[dict]:
                      "mean_kv_distortion": kv_d,
                      "finish_share_of_slo": float(np.mean([f.completion / f.slo for f in fs])),
                      "ttft_p50": float(np.percentile(ttft, 50)),
-                     "ttft_p95": float(np.percentile(ttft, 95))})
+                     "ttft_p95": float(np.percentile(ttft, 95)),
+                     **_cancel_stats(fs)})
     return rows
+
+
+def _cancel_stats(fs: Sequence[Fetch]) -> dict:
+    """How the cancel rule fared: abandoned chunks per fetch, the share abandoned after
+    some of their layers were delivered (only text can follow: what a per-layer level
+    switch would change), and the share that switched to a level rather than text."""
+    cancels = sum(f.cancels for f in fs)
+    return {"cancels_per_fetch": cancels / len(fs),
+            "cancels_after_layers_share": sum(f.cancels_after_layers for f in fs) / cancels if cancels else None,
+            "cancels_to_level_share": sum(f.cancels_to_level for f in fs) / cancels if cancels else None}
 
 
 #: The issue's adaptation targets (per trace set and SLO).
@@ -847,6 +866,12 @@ def render(report: Report) -> str:
                          f"{r['mean_objective']:>11.4f}{'-' if ratio is None else format(ratio, '.2f'):>10}"
                          f"{r['text_share']:>8.1%}{'-' if kvd is None else format(kvd, '.2e'):>10}"
                          f"{r['finish_share_of_slo']:>12.2f}{r['ttft_p95']:>10.3f}")
+        for r in sorted(rows, key=lambda r: r["slo"]):
+            if r["cancels_per_fetch"]:
+                lines.append(f"  {r['policy']} at {r['slo']:g} s abandoned {r['cancels_per_fetch']:.2f} chunks per "
+                             f"fetch, {r['cancels_after_layers_share']:.0%} of them after some of their layers "
+                             f"were delivered (only text can follow); {r['cancels_to_level_share']:.0%} switched "
+                             "to a level")
     lines += [""] + render_ttft(report.ttft, c["ttft_model"])
     if report.validation:
         lines += ["", "validation against real fetches through the shaping proxy:"]
