@@ -4,9 +4,9 @@ Glue between the pure pieces: transform (torch), quantizer and coder (numba),
 and the lane layout (FORMAT.md, "Rows and lanes"). A lane is either ``rows_per_lane``
 whole rows of K or of V (never both), or one ``piece`` of one row: ``piece``
 consecutive tokens starting at an anchor. The encoder picks the shape per layer
-so each lane carries about ``LANE_BITS`` ideal bits: its 6 bytes of lane table
-and the ~3 bytes a rANS flush wastes then stay ~2% of the payload, and a
-chunk gets as many lanes as that budget allows (tens of thousands for a
+so each lane carries at least about ``LANE_BITS`` ideal bits: its 6 bytes of lane
+table and the ~3 bytes a rANS flush wastes then stay under ~2% of the payload,
+and a chunk gets as many lanes as that budget allows (tens of thousands for a
 Llama-3-8B-shaped 1536-token chunk: one GPU thread each).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .errors import CorruptBitstream
 from .profile import Profile
 
 #: ideal bits the encoder aims to put in one lane (FORMAT.md, "The encoder's choice")
-LANE_BITS = 2560
+LANE_BITS = 2048
 #: most values one lane may hold, so its word count fits the u16 lane table entry: each
 #: value takes at most MAX_STEPS_PER_VALUE coder steps and each step at most one word
 MAX_LANE_VALUES = 0xFFFF // rans.MAX_STEPS_PER_VALUE
@@ -158,20 +158,22 @@ def plan_layer(profile: Profile, slot: int, layer: int, coded_tokens: int) -> La
 
 
 def shape_lanes(plan: LayerPlan, row_bits: np.ndarray) -> LayerPlan:
-    """The encoder's lane shape (FORMAT.md, "The encoder's choice"): about LANE_BITS ideal
-    bits per lane; whole rows when a row holds fewer, else each row cut into the nearest
-    number of equal pieces, each a multiple of the delta step and at most MAX_LANE_VALUES.
+    """The encoder's lane shape (FORMAT.md, "The encoder's choice"): lanes of at least
+    ``target`` values, the layer's average values per LANE_BITS ideal bits, so the lane
+    table and flushes cost at most ~40 bits per LANE_BITS: whole rows when a row holds
+    fewer (as few per lane as reach it), else each row cut into as many equal pieces as
+    keep them that long, each a multiple of the delta step and at most MAX_LANE_VALUES.
 
     Raises RowsTooLong when rows longer than MAX_LANE_VALUES cannot be cut at anchors.
     """
     tokens = plan.tokens
     total = float(row_bits.sum())
     target = MAX_LANE_VALUES if total <= 0 else \
-        int(min(MAX_LANE_VALUES, max(1.0, LANE_BITS * plan.rows * tokens / total)))
+        int(min(MAX_LANE_VALUES, max(1.0, math.ceil(LANE_BITS * plan.rows * tokens / total))))
     if tokens <= target:
-        return plan.with_lanes(target // max(tokens, 1), 0)
+        return plan.with_lanes(min(-(-target // max(tokens, 1)), MAX_LANE_VALUES // max(tokens, 1)), 0)
     step = plan.delta_step()
-    pieces = max(round(tokens / target), -(-tokens // MAX_LANE_VALUES))
+    pieces = max(tokens // target, -(-tokens // MAX_LANE_VALUES))
     piece = -(-(-(-tokens // pieces)) // step) * step  # ceil(N / pieces), rounded up to the step
     if pieces > 1 and piece < tokens and piece <= MAX_LANE_VALUES:
         return plan.with_lanes(1, piece)
