@@ -1,5 +1,6 @@
 """Fuzzing in CI (streamer/tools/fuzz.py): the frame parser, the protocol state machine, the
-manifest and text payload parsers and the codec's parsers get thousands of cases each -- structured
+manifest and text payload parsers, the codec's parsers and the receiver daemon's request parsing
+and event encoder get thousands of cases each -- structured
 hypothesis cases plus seeded random byte inputs through the same checks -- and the
 ``kvwire fuzz`` command runs, reports its cases and replays a reproducer."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 # hypothesis cases per target (structured; ~2-3 ms each including generation)
 HYPOTHESIS_CASES = {"frames": 4000, "protocol": 4000, "manifest": 2000, "text": 2000, "bitstream": 1500,
-                    "header": 1000, "profile": 500}
+                    "header": 1000, "profile": 500, "http": 1500, "sse": 4000}
 # seeded random inputs per target (~0.03-0.15 ms each)
 RANDOM_CASES = 20000
 
@@ -33,7 +34,8 @@ def test_hypothesis_fuzz_finds_nothing(target: str) -> None:
 
 
 #: the codec targets decode (some cases) a blob, so they get fewer random cases
-RANDOM_SHARE = {"frames": 1, "protocol": 1, "manifest": 4, "text": 4, "bitstream": 4, "header": 20, "profile": 20}
+RANDOM_SHARE = {"frames": 1, "protocol": 1, "manifest": 4, "text": 4, "bitstream": 4, "header": 20, "profile": 20,
+                "http": 1, "sse": 1}
 
 
 @pytest.mark.parametrize("target", fuzz.TARGETS)
@@ -75,7 +77,7 @@ def test_cli_runs_reports_cases_and_replays(capsys) -> None:
     assert summary["total_cases"] >= 200 and summary["failures"] == []
     assert main(["fuzz", "--target", "all", "--replay", "0001020304"]) == 0
     out = capsys.readouterr().out
-    assert out.count("ok") == len(fuzz.TARGETS) == 7
+    assert out.count("ok") == len(fuzz.TARGETS) == 9
 
 
 def test_cli_reports_a_failure_with_a_reproducer(monkeypatch, capsys) -> None:

@@ -343,6 +343,51 @@ async def test_bad_requests_get_clear_4xx(contexts, sender, receive, http) -> No
     assert await _metric(http, receiver, 'kvwire_receiver_fetches_total{outcome="not_found"}') == 1
 
 
+async def _raw(receiver, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes on a fresh connection; the response's status, headers and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", receiver.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+        body = await asyncio.wait_for(reader.readexactly(int(headers.get("Content-Length", 0))), 10)
+        return int(lines[0].split()[1]), headers, body
+    finally:
+        writer.close()
+
+
+async def test_hostile_requests_get_typed_4xx_and_the_daemon_stays_up(receive, http) -> None:
+    """Malformed and oversized requests (#15): each a 4xx naming the cause, none a 500."""
+    receiver = await receive([("127.0.0.1", closed_port())])
+
+    def post(body: bytes, length: int | None = None) -> bytes:
+        return (b"POST /fetch HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (len(body) if length is None
+                                                                                      else length)) + body
+
+    cases = [
+        (post(b"[" * 50000), 400, b"nested too deeply"),                                  # was 500
+        (post(b'{"context_id": "a", "min_level": ' + b"9" * 5000 + b"}"), 400, b"malformed JSON"),   # was 500
+        (post(b"{", length=1 << 40), 413, b"at most 65536 bytes"),                      # the body is never read
+        (b"GET /contexts/a%ff HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"not UTF-8"),
+        (b"GET /contexts/a\xff HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"Invalid char in url path"),
+        (b"GET /contexts/" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"8190 bytes"),
+        (b"GET /contexts HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 40 + b"\r\n", 400, b"Too many headers"),
+        (b"GET /contexts HTTP/1.1\r\nHost: x\r\nX-A: " + b"b" * 9000 + b"\r\n\r\n", 400, b"8190 bytes"),
+        (b"DELETE /contexts/a HTTP/1.1\r\nHost: x\r\n\r\n", 405, b"not allowed"),
+        (b"GET /contexts/a/events?wait=1e999 HTTP/1.1\r\nHost: x\r\n\r\n", 400, b"between 0 and 3600"),
+    ]
+    for data, want, words in cases:
+        status, headers, body = await _raw(receiver, data)
+        assert status == want and words in body, (data[:60], status, body[:200])
+        if status == 405:
+            assert headers["Allow"] == "GET, HEAD"
+    async with http.get(f"{receiver.url}/contexts") as r:   # the daemon is unharmed
+        assert r.status == 200
+    assert await _metric(http, receiver, 'kvwire_receiver_errors_total{status="500"}') == 0
+
+
 async def test_a_fixed_level_beyond_the_ladder_is_400_fetched_or_cached(contexts, sender, receive, http) -> None:
     receiver = await receive([("127.0.0.1", sender.port)])
     for body in ({"policy": "fixed:9"}, {"min_level": 9}):   # min_level alone means fixed:9

@@ -8,6 +8,9 @@ serving processes next to it over a small HTTP/JSON API.
   its progress events for server-sent-event subscribers
 * ``http``    - the aiohttp application (``/fetch``, ``/contexts/{id}``, ``/events``,
   ``/healthz``, ``/metrics``)
+* ``requests`` - what a request says (route, parameters, fetch body), parsed sans-I/O
+  within stated size limits, or a typed 4xx
+* ``sse``     - the event stream's encoding (no value can start a field or an event)
 * ``daemon``  - ``Receiver``: configuration, start, graceful close
 * ``malloc``  - glibc malloc tuned and trimmed, so RSS follows what is in use
 * ``cli``     - ``kvwire receive``

@@ -27,6 +27,7 @@ from streamer.receiver.cache import ContextCache
 from streamer.receiver.fetcher import Fetcher
 from streamer.receiver.http import make_app
 from streamer.receiver.metrics import Metrics
+from streamer.receiver.requests import server_options
 
 log = logging.getLogger("kvwire.receiver")
 
@@ -98,7 +99,7 @@ class Receiver:
         self.metrics.cache_bytes.set(self.cache.total_bytes)
         self.metrics.cache_entries.set(len(self.cache))
         self._runner = web.AppRunner(make_app(self), handle_signals=False, access_log=None,
-                                     shutdown_timeout=1.0)
+                                     shutdown_timeout=1.0, **server_options())
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, host, port)
         await self._site.start()

@@ -12,29 +12,36 @@
 ``GET  /metrics``               Prometheus text format
 
 Errors are JSON ``{"error": message, "status": code}``: 400 for a malformed request,
-404 for a context no sender has, 503 when no sender can be reached (with the reason)
-or the daemon is shutting down, 500 for anything unexpected (logged; the daemon goes on).
+404 for a context no sender has (or a path that names no endpoint), 405 for a method
+the path does not take, 408 for a body that does not arrive in time, 413 for one too
+large, 503 when no sender can be reached (with the reason) or the daemon is shutting
+down, 500 for anything unexpected (logged; the daemon goes on).
+
+Every request goes to one handler, ``dispatch``: aiohttp frames it within
+``streamer.receiver.requests``' limits, ``requests.parse_head`` reads its route and
+parameters (and ``requests.parse_fetch_body`` a fetch's body), and the route's handler
+does the I/O.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from streamer.receiver.fetcher import Event, FetchError, FetchRequest
+from streamer.receiver import requests, sse
+from streamer.receiver.fetcher import Event, FetchError
 from streamer.receiver.metrics import CONTENT_TYPE_LATEST
+from streamer.receiver.requests import Head, RequestError
 
 if TYPE_CHECKING:
     from streamer.receiver.daemon import Receiver
 
 log = logging.getLogger("kvwire.receiver")
 
-_FETCH_KEYS = {"context_id", "slo", "policy", "min_level", "refresh", "wait"}
 #: comment lines on an idle event stream, so a dead subscriber is noticed
 _KEEPALIVE_S = 15.0
 _READ_BLOCK = 1 << 20
@@ -42,51 +49,9 @@ _READ_BLOCK = 1 << 20
 RECEIVER_KEY: web.AppKey["Receiver"] = web.AppKey("receiver")
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message, "status": status}, status=status)
-
-
-def _context_id(value: Any) -> str:
-    from streamer.wire.manifest import validate_context_id
-
-    try:
-        return validate_context_id(value)
-    except ValueError as exc:
-        raise FetchError(400, str(exc)) from None
-
-
-def parse_fetch(body: Any, *, default_slo: float, default_policy: str) -> tuple[FetchRequest, bool]:
-    """Validate a POST /fetch body; FetchError(400) naming what is wrong."""
-    from streamer.adapt.policies import get_policy
-
-    if not isinstance(body, dict):
-        raise FetchError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    unknown = set(body) - _FETCH_KEYS
-    if unknown:
-        raise FetchError(400, f"unknown field(s) {sorted(unknown)}; valid: {sorted(_FETCH_KEYS)}")
-    if "context_id" not in body:
-        raise FetchError(400, "missing field 'context_id'")
-    context_id = _context_id(body["context_id"])
-    slo = body.get("slo", default_slo)
-    if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not math.isfinite(slo) or slo <= 0:
-        raise FetchError(400, f"slo must be a finite number of seconds > 0, got {slo!r}")
-    min_level = body.get("min_level")
-    if min_level is not None and (isinstance(min_level, bool) or not isinstance(min_level, int) or min_level < 0):
-        raise FetchError(400, f"min_level must be an integer >= 0 (0 is the best level), got {min_level!r}")
-    # a quality floor without a policy: fetch at exactly that level
-    policy = body.get("policy", default_policy if min_level is None else f"fixed:{min_level}")
-    if not isinstance(policy, str):
-        raise FetchError(400, f"policy must be a string, got {policy!r}")
-    try:
-        get_policy(policy)
-    except ValueError as exc:
-        raise FetchError(400, str(exc)) from None
-    for flag in ("refresh", "wait"):
-        if not isinstance(body.get(flag, False), bool):
-            raise FetchError(400, f"{flag} must be true or false, got {body[flag]!r}")
-    request = FetchRequest(context_id=context_id, slo=float(slo), policy=policy, min_level=min_level,
-                           refresh=body.get("refresh", False))
-    return request, body.get("wait", True)
+def _error(status: int, message: str, allow: tuple[str, ...] = ()) -> web.Response:
+    headers = {"Allow": ", ".join(allow)} if allow else None
+    return web.json_response({"error": message, "status": status}, status=status, headers=headers)
 
 
 @web.middleware
@@ -96,7 +61,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except FetchError as exc:
         receiver.metrics.errors.labels(str(exc.status)).inc()
-        return _error(exc.status, exc.message)
+        return _error(exc.status, exc.message, exc.allow if isinstance(exc, RequestError) else ())
     except web.HTTPException as exc:
         if exc.status >= 400:
             receiver.metrics.errors.labels(str(exc.status)).inc()
@@ -111,15 +76,17 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 # ---------------------------------------------------------------------------- handlers
-async def post_fetch(request: web.Request) -> web.Response:
+async def post_fetch(request: web.Request, head: Head) -> web.Response:
     receiver = request.app[RECEIVER_KEY]
     if receiver.closing:
         raise FetchError(503, "the receiver is shutting down")
     try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FetchError(400, f"malformed JSON: {exc}") from None
-    fetch, wait = parse_fetch(body, default_slo=receiver.config.slo, default_policy=receiver.config.policy)
+        async with asyncio.timeout(requests.BODY_TIMEOUT):
+            body = await request.read()   # a chunked body is cut at client_max_size (413)
+    except TimeoutError:
+        raise RequestError(408, f"the body did not arrive within {requests.BODY_TIMEOUT:.0f} s") from None
+    fetch, wait = requests.parse_fetch_body(body, default_slo=receiver.config.slo,
+                                            default_policy=receiver.config.policy)
     try:
         outcome = await receiver.fetcher.fetch(fetch, wait=wait)
     except FetchError:
@@ -129,7 +96,7 @@ async def post_fetch(request: web.Request) -> web.Response:
     return web.json_response(outcome.to_dict(fetch.required_level), status=202 if outcome.status == "running" else 200)
 
 
-async def list_contexts(request: web.Request) -> web.Response:
+async def list_contexts(request: web.Request, head: Head) -> web.Response:
     receiver = request.app[RECEIVER_KEY]
     cache = receiver.cache
     return web.json_response({"bytes": cache.total_bytes, "max_bytes": cache.max_bytes,
@@ -137,11 +104,12 @@ async def list_contexts(request: web.Request) -> web.Response:
                               "in_flight": sorted(receiver.fetcher.inflight)})
 
 
-async def get_context(request: web.Request) -> web.StreamResponse:
+async def get_context(request: web.Request, head: Head) -> web.StreamResponse:
     receiver = request.app[RECEIVER_KEY]
-    cid = _context_id(request.match_info["id"])
+    cid = head.context_id
+    assert cid is not None
     job = receiver.fetcher.inflight.get(cid)
-    if job is not None and request.query.get("wait", "1") not in ("0", "false"):
+    if job is not None and head.join:
         try:
             await job.result()
         except FetchError:
@@ -174,20 +142,13 @@ async def get_context(request: web.Request) -> web.StreamResponse:
 
 
 def _sse(event: Event) -> bytes:
-    data = json.dumps(event.data, separators=(",", ":"))
-    return f"id: {event.seq}\nevent: {event.kind}\ndata: {data}\n\n".encode()
+    return sse.encode(event.seq, event.kind, event.data)
 
 
-async def get_events(request: web.Request) -> web.StreamResponse:
+async def get_events(request: web.Request, head: Head) -> web.StreamResponse:
     receiver = request.app[RECEIVER_KEY]
-    cid = _context_id(request.match_info["id"])
-    try:
-        wait = float(request.query.get("wait", "0"))
-        after = int(request.headers.get("Last-Event-ID", request.query.get("after", "0")))
-    except ValueError:
-        raise FetchError(400, "wait must be seconds, Last-Event-ID/after an event number") from None
-    if not (math.isfinite(wait) and 0 <= wait <= 3600):
-        raise FetchError(400, f"wait must be between 0 and 3600 s, got {wait}")
+    cid, wait, after = head.context_id, head.wait, head.after
+    assert cid is not None
     job = await receiver.fetcher.wait_for(cid, wait)
     if receiver.closing:
         raise FetchError(503, "the receiver is shutting down")
@@ -214,7 +175,7 @@ async def get_events(request: web.Request) -> web.StreamResponse:
             try:
                 event = await asyncio.wait_for(queue.get(), _KEEPALIVE_S)
             except asyncio.TimeoutError:
-                await response.write(b": keepalive\n\n")
+                await response.write(sse.KEEPALIVE)
                 continue
             await response.write(_sse(event))
             if event.terminal:
@@ -225,7 +186,7 @@ async def get_events(request: web.Request) -> web.StreamResponse:
         job.unsubscribe(queue)
 
 
-async def healthz(request: web.Request) -> web.Response:
+async def healthz(request: web.Request, head: Head) -> web.Response:
     receiver = request.app[RECEIVER_KEY]
     senders = [] if receiver.closing else await receiver.probe_senders()
     reachable = any(s["reachable"] for s in senders)
@@ -240,20 +201,25 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if status == "ok" else 503)
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: web.Request, head: Head) -> web.Response:
     receiver = request.app[RECEIVER_KEY]
     receiver.metrics.cache_bytes.set(receiver.cache.total_bytes)
     receiver.metrics.cache_entries.set(len(receiver.cache))
     return web.Response(body=receiver.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+_HANDLERS = {"fetch": post_fetch, "contexts": list_contexts, "context": get_context, "events": get_events,
+             "healthz": healthz, "metrics": metrics}
+
+
+async def dispatch(request: web.Request) -> web.StreamResponse:
+    """Every request: its head parsed (sans-I/O) before any body is read, then its route's handler."""
+    head = requests.parse_head(request.method, request.raw_path, request.headers)
+    return await _HANDLERS[head.route](request, head)
+
+
 def make_app(receiver: "Receiver") -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=1 << 20)
+    app = web.Application(middlewares=[_errors], client_max_size=requests.MAX_BODY)
     app[RECEIVER_KEY] = receiver
-    app.router.add_post("/fetch", post_fetch)
-    app.router.add_get("/contexts", list_contexts)
-    app.router.add_get("/contexts/{id}", get_context)
-    app.router.add_get("/contexts/{id}/events", get_events)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{path:.*}", dispatch)
     return app

@@ -18,6 +18,10 @@ same code and any failure is reproduced by its bytes alone):
 ``bitstream``, ``header``, ``profile``
     The codec's blob decoder, blob header and section parser, and profile parser
     (``streamer.tools.fuzz_codec`` says what each checks).
+``http``, ``sse``
+    The receiver daemon's request parsing (raw bytes through aiohttp's parser into
+    ``streamer.receiver.requests``) and its server-sent event encoder
+    (``streamer.tools.fuzz_http`` says what each checks).
 
 The CI tests (tests/test_fuzz_cli.py) run these through hypothesis for tens of
 thousands of cases and replay a corpus; ``kvwire fuzz --minutes N`` loops hypothesis
@@ -41,10 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from streamer.tools import fuzz_codec, fuzz_data
+from streamer.tools import fuzz_codec, fuzz_data, fuzz_http
 from streamer.tools.fuzz_codec import FuzzBug
 
-TARGETS = ("frames", "protocol", "manifest", "text", "bitstream", "header", "profile")
+TARGETS = ("frames", "protocol", "manifest", "text", "bitstream", "header", "profile", "http", "sse")
 
 
 # ------------------------------------------------------------------------ frames
@@ -190,6 +194,7 @@ CHECKS: dict[str, Callable[[bytes], None]] = {
     "frames": check_frames, "protocol": check_protocol, "manifest": fuzz_data.check_manifest,
     "text": fuzz_data.check_text, "bitstream": fuzz_codec.check_bitstream,
     "header": fuzz_codec.check_header, "profile": fuzz_codec.check_profile,
+    "http": fuzz_http.check_http, "sse": fuzz_http.check_sse,
 }
 
 
@@ -234,6 +239,10 @@ def seed_inputs(target: str) -> list[bytes]:
         return [b"\x00" + fuzz_data.seed_manifest(), b"\x01"]
     if target == "text":
         return [bytes([flags]) + p for p in fuzz_data.seed_texts() for flags in (0, 7)]
+    if target == "http":
+        return [bytes([step]) + r for r in fuzz_http.seed_requests() for step in (0, 7)]
+    if target == "sse":
+        return fuzz_http.seed_events()
     return [b"\x00", b"\x01", b"\x02"]
 
 
@@ -299,11 +308,66 @@ def strategy(target: str):
                          st.lists(st.tuples(st.integers(0, 400), st.integers(1, 255)), max_size=3)).map(damaged)
     if target == "bitstream":
         return st.binary(min_size=3, max_size=40)
+    if target == "http":
+        return _http_strategy()
+    if target == "sse":
+        return st.binary(min_size=1, max_size=80)
     if target in ("header", "profile"):
         edit = 6 if target == "header" else 7
         return st.tuples(st.binary(min_size=1, max_size=1), st.lists(st.binary(min_size=edit, max_size=edit),
                                                                       max_size=4)).map(lambda t: t[0] + b"".join(t[1]))
     raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+
+
+def _http_strategy():
+    """Requests built from the daemon's routes, parameters, headers and fetch fields
+    (mostly well framed, so that they reach the daemon's own parsing), pipelined, then
+    maybe damaged; the first byte is the piece length."""
+    from urllib.parse import quote
+
+    from hypothesis import strategies as st
+
+    from streamer.receiver.requests import FETCH_KEYS
+
+    word = st.one_of(st.sampled_from(["doc-1", "a", "..", "%ff", "%2F", "%00", "a" * 201, "\u00e9", "1e999",
+                                      "-1", "0", "1", "true", "nan", "2.5", "99999999999999999999", ""]),
+                     st.text(max_size=8))
+    safe = st.tuples(word, st.integers(0, 3)).map(lambda t: t[0] if t[1] == 0 else quote(t[0], safe="%"))
+    path = st.one_of(st.sampled_from(["/fetch", "/contexts", "/healthz", "/metrics", "/", "*"]),
+                     st.tuples(safe, st.sampled_from(["", "/events", "/x"])).map(lambda t: f"/contexts/{t[0]}{t[1]}"))
+    query = st.lists(st.tuples(st.sampled_from(["wait", "after", "x", "wait"]), safe), max_size=3).map(
+        lambda q: "?" + "&".join(f"{k}={v}" for k, v in q) if q else "")
+    header = st.tuples(st.sampled_from(["Last-Event-ID", "Last-Event-ID", "Content-Length", "Transfer-Encoding",
+                                        "Content-Encoding", "Connection", "Expect", "X-A"]), safe)
+    field = st.one_of(st.none(), st.booleans(), st.integers(-2, 2 ** 70), st.floats(), word)
+    body = st.one_of(st.fixed_dictionaries({"context_id": word}, optional={k: field for k in sorted(FETCH_KEYS - {"context_id"})}),
+                     st.dictionaries(st.sampled_from(sorted(FETCH_KEYS) + ["x"]), field, max_size=5),
+                     word).map(json.dumps)
+
+    @st.composite
+    def request(draw) -> bytes:
+        method = draw(st.sampled_from(["GET", "GET", "POST", "POST", "HEAD", "PUT"]))
+        headers = [("Host", "127.0.0.1:7420")] + draw(st.lists(header, max_size=3))
+        data = draw(body).encode("utf-8", "surrogateescape") if method == "POST" else b""
+        if data and draw(st.integers(0, 3)) == 0:
+            headers.append(("Transfer-Encoding", "chunked"))
+            data = f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n"
+        elif data:
+            headers.append(("Content-Length", str(len(data))))
+        head = f"{method} {draw(path)}{draw(query)} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers)
+        return head.encode("utf-8", "surrogateescape") + b"\r\n" + data
+
+    def damaged(t: tuple[int, list[bytes], list[tuple[int, int]]]) -> bytes:
+        step, pieces, flips = t
+        out = bytearray(b"".join(pieces))
+        for pos, xor in flips:
+            out[pos % len(out)] ^= xor
+        return bytes([step]) + bytes(out)
+
+    flips = st.one_of(st.just([]), st.just([]), st.lists(st.tuples(st.integers(0, 400), st.integers(1, 255)),
+                                                         max_size=2))
+    return st.tuples(st.sampled_from([0, 0, 1, 3, 17]), st.lists(request(), min_size=1, max_size=3),
+                     flips).map(damaged)
 
 
 # ------------------------------------------------------------------------ runners
@@ -378,7 +442,8 @@ def fuzz_for(seconds: float, targets: tuple[str, ...] = TARGETS, *, batch: int =
 
 #: modules whose Python code atheris instruments for coverage (the parsers and what they call)
 INSTRUMENTED = ("codec", "streamer.wire", "streamer.store.put", "streamer.tools.fuzz_codec",
-                "streamer.tools.fuzz_data", "safetensors")
+                "streamer.tools.fuzz_data", "safetensors", "streamer.receiver.requests", "streamer.receiver.sse",
+                "streamer.tools.fuzz_http", "aiohttp.http_parser", "urllib.parse")
 
 
 def _instrument(atheris) -> int:
@@ -494,7 +559,8 @@ def register(subparsers, bench_subparsers=None) -> None:
         from streamer.tools import adversarial
 
         adversarial.register(bench_subparsers)
-    fuzz = subparsers.add_parser("fuzz", help="fuzz the parsers of untrusted bytes (frames, protocol, manifest, text, codec)",
+    fuzz = subparsers.add_parser("fuzz", help="fuzz the parsers of untrusted bytes (frames, protocol, manifest, text, "
+                                              "codec, the receiver's HTTP requests and events)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fuzz.add_argument("--minutes", type=float, default=1.0, help="how long to run (default 1)")
     fuzz.add_argument("--target", choices=TARGETS + ("all",), default="all", help="what to fuzz (default all)")
