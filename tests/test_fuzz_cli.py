@@ -174,6 +174,24 @@ def test_corpus_replays_clean(path: Path) -> None:
     assert fuzz.replay(path.parent.name, path.read_bytes()) is None
 
 
+@pytest.mark.slow
+def test_minimize_keeps_the_units_that_add_coverage(tmp_path: Path, capsys) -> None:
+    """``kvwire fuzz --minimize`` (libFuzzer's merge): copies of a seed with bytes the
+    target never reads add no coverage and go; what is kept replays clean."""
+    pytest.importorskip("atheris")
+    corpus = tmp_path / "sse"
+    fuzz.write_seeds("sse", corpus)
+    seed = fuzz.seed_inputs("sse")[0]
+    for i in range(20):
+        (corpus / f"padded-{i}").write_bytes(seed + bytes(200) + bytes([i]))
+    before = len(list(corpus.iterdir()))
+    assert main(["fuzz", "--target", "all", "--minimize", str(tmp_path)]) == 0
+    kept = sorted(corpus.iterdir())
+    assert f"sse: {before} -> {len(kept)} units" in capsys.readouterr().out
+    assert 0 < len(kept) <= before - 20
+    assert all(fuzz.replay("sse", p.read_bytes()) is None for p in kept)
+
+
 # ------------------------------------------------------------------ kvwire bench adversarial
 @pytest.mark.parametrize("name", sorted(adversarial.HOSTILE))
 def test_each_hostile_input_is_a_typed_rejection(name: str) -> None:

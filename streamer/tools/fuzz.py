@@ -29,13 +29,15 @@ thousands of cases and replay a corpus; ``kvwire fuzz --minutes N`` loops hypoth
 (``pip install atheris``) runs libFuzzer, coverage-guided, on one target with the
 codec, wire and store modules instrumented, starting from valid inputs of the
 target (``seed_inputs``), and reports the cases run and every failure with a
-reproducer (``--replay HEX``).
+reproducer (``--replay HEX``). ``kvwire fuzz --minimize DIR`` keeps only the units of
+a corpus that add coverage (libFuzzer's merge), so the CI replay stays short.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
 import random
 import struct
 import sys
@@ -468,21 +470,14 @@ def _instrument(atheris) -> int:
     return count
 
 
-def fuzz_atheris(seconds: float, target: str, corpus: str | None = None) -> int:  # pragma: no cover - needs atheris
-    """Run atheris (libFuzzer, coverage-guided) on one target; the exit code (nonzero on a crash).
-
-    libFuzzer owns the process (it exits when done), so this is meant for the CLI only.
-    """
-    import atheris
-
+def _atheris_check(target: str, atheris) -> Callable[[bytes], None]:  # pragma: no cover - needs atheris
+    """``target``'s check, warmed up on its seeds and then instrumented, as libFuzzer runs it."""
     import codec
 
     check = CHECKS[target]
     codec.warm_up()
     for seed in seed_inputs(target):  # build the seeds (and compile) before coverage starts
         check(seed)
-    if corpus:
-        print(f"atheris: {write_seeds(target, Path(corpus))} seed inputs added to {corpus}", file=sys.stderr)
     print(f"atheris: instrumented {_instrument(atheris)} functions", file=sys.stderr)
 
     def one(data: bytes) -> None:
@@ -492,10 +487,66 @@ def fuzz_atheris(seconds: float, target: str, corpus: str | None = None) -> int:
             print(f"reproduce: kvwire fuzz --target {target} --replay {data.hex()}", file=sys.stderr)
             raise
 
+    return one
+
+
+def fuzz_atheris(seconds: float, target: str, corpus: str | None = None) -> int:  # pragma: no cover - needs atheris
+    """Run atheris (libFuzzer, coverage-guided) on one target; the exit code (nonzero on a crash).
+
+    libFuzzer owns the process (it exits when done), so this is meant for the CLI only.
+    """
+    import atheris
+
+    if corpus:
+        print(f"atheris: {write_seeds(target, Path(corpus))} seed inputs added to {corpus}", file=sys.stderr)
+    one = _atheris_check(target, atheris)
     argv = [sys.argv[0], f"-max_total_time={max(1, int(seconds))}", "-print_final_stats=1", "-timeout=10"]
     atheris.Setup(argv + ([corpus] if corpus else []), one)
     atheris.Fuzz()
     return 0
+
+
+#: the environment of ``python -m streamer.tools.fuzz``, the program libFuzzer re-runs for a merge
+_TARGET_ENV, _PROGRAM_ENV = "KVWIRE_FUZZ_TARGET", "KVWIRE_FUZZ_PROGRAM"
+
+
+def _libfuzzer_program() -> None:  # pragma: no cover - needs atheris
+    """libFuzzer with its own command line on the target the environment names. A merge
+    runs its work in child processes of the program named first on the command line,
+    which for ``kvwire fuzz`` is not one that takes libFuzzer's flags: this is."""
+    import atheris
+
+    one = _atheris_check(os.environ[_TARGET_ENV], atheris)
+    atheris.Setup([os.environ[_PROGRAM_ENV]] + sys.argv[1:], one)
+    atheris.Fuzz()
+
+
+def minimize_corpus(target: str, corpus: Path) -> tuple[int, int]:  # pragma: no cover - needs atheris
+    """Keep only the units of ``corpus`` that add coverage of ``target`` (libFuzzer's
+    ``-merge=1`` into an empty directory, the coverage as in ``fuzz_atheris``); the unit
+    counts before and after. Units are named by their SHA-1, as libFuzzer names them."""
+    import subprocess
+    import tempfile
+
+    before = sorted(p for p in corpus.iterdir() if p.is_file())
+    with tempfile.TemporaryDirectory(prefix="kvwire-merge-") as tmp:
+        program = Path(tmp) / "kvwire-libfuzzer"
+        program.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m streamer.tools.fuzz "$@"\n')
+        program.chmod(0o755)
+        merged = Path(tmp) / "merged"
+        merged.mkdir()
+        env = {**os.environ, _TARGET_ENV: target, _PROGRAM_ENV: str(program)}
+        done = subprocess.run([str(program), "-merge=1", "-timeout=10", str(merged), str(corpus)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        kept = sorted(merged.iterdir())
+        if done.returncode != 0 or (before and not kept):
+            raise RuntimeError(f"libFuzzer's merge of {corpus} failed ({done.returncode}): {done.stderr[-800:]}")
+        for path in before:
+            path.unlink()
+        for path in kept:
+            data = path.read_bytes()
+            (corpus / hashlib.sha1(data).hexdigest()).write_bytes(data)
+    return len(before), len(kept)
 
 
 def replay(target: str, data: bytes) -> str | None:
@@ -520,6 +571,8 @@ def _handler(args: argparse.Namespace) -> int:
                 print(error)
                 failed = True
         return 1 if failed else 0
+    if args.minimize is not None:
+        return _minimize(targets, Path(args.minimize), args.target == "all")
     seconds = 60.0 * args.minutes
     if args.engine == "atheris":
         if len(targets) != 1:
@@ -554,6 +607,24 @@ def _handler(args: argparse.Namespace) -> int:
     return 1 if result.failures else 0
 
 
+def _minimize(targets: tuple[str, ...], corpus: Path, per_target: bool) -> int:
+    """``--minimize DIR``: DIR is one target's corpus, or with ``--target all`` a tree of
+    them (DIR/<target>, as tests/data/fuzz_corpus)."""
+    try:
+        import atheris  # noqa: F401
+    except ImportError:
+        print("kvwire fuzz: --minimize needs atheris (pip install atheris)", file=sys.stderr)
+        return 2
+    for target in targets:
+        directory = corpus / target if per_target else corpus
+        if not directory.is_dir():
+            continue
+        start = time.monotonic()
+        before, after = minimize_corpus(target, directory)
+        print(f"{target}: {before} -> {after} units ({time.monotonic() - start:.0f} s)", flush=True)
+    return 0
+
+
 def register(subparsers, bench_subparsers=None) -> None:
     if bench_subparsers is not None:
         from streamer.tools import adversarial
@@ -570,6 +641,13 @@ def register(subparsers, bench_subparsers=None) -> None:
     fuzz.add_argument("--seed", type=int, default=0, help="seed of the batch seeds (default 0)")
     fuzz.add_argument("--replay", metavar="HEX", help="run one input (from a failure report) and exit")
     fuzz.add_argument("--corpus", metavar="DIR", help="atheris: corpus directory to read and grow")
+    fuzz.add_argument("--minimize", metavar="DIR",
+                      help="keep only the units of a corpus that add coverage (atheris, libFuzzer's -merge=1); "
+                           "with --target all, DIR holds one directory per target")
     fuzz.add_argument("--json", action="store_true", help="print the summary as JSON")
     fuzz.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     fuzz.set_defaults(handler=_handler)
+
+
+if __name__ == "__main__":  # pragma: no cover - the program libFuzzer re-runs (see _libfuzzer_program)
+    _libfuzzer_program()
