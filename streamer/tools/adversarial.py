@@ -9,9 +9,12 @@ reported against the input's fp16 size and its own header (FORMAT.md promises
 
 Hostile inputs: hand-made from codec/FORMAT.md (a header claiming 2^21 tokens over
 a few bytes of lanes, zstd bombs as embedded profiles, a profile whose kept rows
-exceed its channels, impossible shapes). Each runs in a fresh subprocess, after the
-codec's kernels are warm, and reports the error, the seconds and the growth of peak
-RSS while it was rejected.
+exceed its channels, impossible shapes), and hostile HTTP requests to the receiver
+daemon (``streamer.tools.adversarial_http``: oversized request line and headers, a
+huge Content-Length, chunked and gzip bodies past the limit, JSON too deep, invalid
+UTF-8 in the path, slowloris). Each runs in a fresh subprocess, after the codec's
+kernels (and the daemon) are warm, and reports the error, the seconds and the growth
+of peak RSS while it was rejected (and for HTTP whether the daemon still answers).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from streamer.tools import adversarial_http
 
 KINDS = ("random_walk", "cauchy", "huge", "constant")
 
@@ -78,8 +83,9 @@ def size_rows(layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int 
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")   # FORMAT.md, "Fixed header"
 ENTRY = struct.Struct("<IIB")              # FORMAT.md: (length, crc32, mode) per section
 START = struct.Struct("<I")                # FORMAT.md: version 3's start position, after the fixed header
-LANE_HEAD = struct.Struct("<IHH")          # FORMAT.md, version 4: n_lanes, piece, rows_per_lane
-FORMAT_VERSION = 4
+#: FORMAT.md, version 5: n_lanes, piece, rows_per_lane, the section's K and V steps and kept rows
+LANE_HEAD = struct.Struct("<IHHffHH")
+FORMAT_VERSION = 5
 
 
 def table_offset(version: int) -> int:
@@ -106,11 +112,14 @@ def seal(fixed: bytes, sections: list[bytes], modes: list[int], embedded: bytes 
     return body + struct.pack("<I", zlib.crc32(body)) + b"".join(sections)
 
 
-def lane_payload(lanes: int, words: int, piece: int = 0, rows_per_lane: int = 1) -> bytes:
-    """A version 4 lane section (no sinks) of ``lanes`` lanes of the given shape (FORMAT.md,
-    "Rows and lanes"), the last lane holding ``words`` zero words (< 2^16), the others none."""
+def lane_payload(lanes: int, words: int, piece: int = 0, rows_per_lane: int = 1, *,
+                 kept: tuple[int, int] = (1, 1), steps: tuple[float, float] = (1.0, 1.0)) -> bytes:
+    """A version 5 lane section (no sinks) of ``lanes`` lanes of the given shape, kept rows
+    and steps (FORMAT.md, "Rows and lanes"), the last lane holding ``words`` zero words
+    (< 2^16), the others none."""
     counts = [0] * (lanes - 1) + [words]
-    return (LANE_HEAD.pack(lanes, piece, rows_per_lane) + struct.pack(f"<{lanes}I", *([1 << 16] * lanes))
+    return (LANE_HEAD.pack(lanes, piece, rows_per_lane, *steps, *kept)
+            + struct.pack(f"<{lanes}I", *([1 << 16] * lanes))
             + struct.pack(f"<{lanes}H", *counts) + bytes(2 * words))
 
 
@@ -129,9 +138,10 @@ def _many_tokens():
     """FORMAT.md: 2^21 tokens are cut into pieces of at most 16383 tokens, 129 per kept
     row (one lane each); 8 words in all."""
     profile = _small_profile()
-    lanes = int(profile.kept[0, 0].sum()) * -(-(1 << 21) // _LONGEST_PIECE)
-    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[lane_payload(lanes, 8, _LONGEST_PIECE)],
-                     profile_id=profile.id, dtype=3)
+    kept = (int(profile.kept[0, 0, 0]), int(profile.kept[0, 0, 1]))
+    lanes = sum(kept) * -(-(1 << 21) // _LONGEST_PIECE)
+    payload = lane_payload(lanes, 8, _LONGEST_PIECE, kept=kept, steps=tuple(map(float, profile.steps[0, 0])))
+    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[payload], profile_id=profile.id, dtype=3)
     return blob, profile
 
 
@@ -211,6 +221,8 @@ def run_one(name: str) -> dict:
     """Build and reject one hostile input here (meant for a fresh process)."""
     import codec
 
+    if name in adversarial_http.NAMES:
+        return adversarial_http.run_one(name, _reset_peak_rss, _peak_rss_kib)
     codec.warm_up()
     build, reject = HOSTILE[name]
     data = build()
@@ -228,10 +240,10 @@ def run_one(name: str) -> dict:
             "peak_rss_growth_mb": round((after - before) / 1024, 1)}
 
 
-def hostile_rows() -> list[dict]:
-    """Every hostile input, each in its own subprocess."""
+def hostile_rows(names: tuple[str, ...] = tuple(HOSTILE)) -> list[dict]:
+    """Hostile inputs (default: the codec's), each in its own subprocess."""
     rows = []
-    for name in HOSTILE:
+    for name in names:
         done = subprocess.run([sys.executable, "-m", "streamer.tools.adversarial", "--one", name],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -249,6 +261,8 @@ def _handler(args: argparse.Namespace) -> int:
         report["sizes"] = size_rows(tokens=args.tokens)
     if args.what in ("hostile", "all"):
         report["hostile"] = hostile_rows()
+    if args.what in ("http", "all"):
+        report["http"] = hostile_rows(adversarial_http.NAMES)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -256,15 +270,17 @@ def _handler(args: argparse.Namespace) -> int:
         print(f"{row['kind']:12s} {row['profile']:10s} L{row['level']}  {row['blob_bytes']:8d} B  "
               f"{row['ratio_fp16']:.3f}x fp16  header {row['header_bytes']:6d} B  raw layers {row['raw_layers']}"
               + ("  OVER BOUND" if row["over_bound"] else ""))
-    for row in report.get("hostile", []):
-        print(f"{row['input']:38s} {row['seconds']} s  peak RSS +{row['peak_rss_growth_mb']} MB  {row['error']}")
+    for row in report.get("hostile", []) + report.get("http", []):
+        up = "" if "daemon_up" not in row else "  daemon up" if row["daemon_up"] else "  DAEMON DOWN"
+        print(f"{row['input']:38s} {row['seconds']} s  peak RSS +{row['peak_rss_growth_mb']} MB{up}  {row['error']}")
     return 0
 
 
 def register(bench_subparsers) -> None:
     bench = bench_subparsers.add_parser("adversarial", help="blob sizes on hostile data; cost of hostile blobs",
                                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_argument("what", nargs="?", choices=("sizes", "hostile", "all"), default="all")
+    bench.add_argument("what", nargs="?", choices=("sizes", "hostile", "http", "all"), default="all",
+                       help="blob sizes, the codec's hostile inputs, hostile HTTP requests, or all")
     bench.add_argument("--tokens", type=int, default=256, help="tokens per adversarial tensor (default 256)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.set_defaults(handler=_handler)
@@ -272,5 +288,5 @@ def register(bench_subparsers) -> None:
 
 if __name__ == "__main__":  # the per-input subprocess of hostile_rows
     parser = argparse.ArgumentParser()
-    parser.add_argument("--one", required=True, choices=sorted(HOSTILE))
+    parser.add_argument("--one", required=True, choices=sorted(HOSTILE) + list(adversarial_http.NAMES))
     print(json.dumps(run_one(parser.parse_args().one)))
