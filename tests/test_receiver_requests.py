@@ -160,3 +160,15 @@ def test_the_sse_target_catches_the_old_encoder(monkeypatch) -> None:
     assert fuzz_http.sse_event(nan)[2]["event"] != fuzz_http.sse_event(nan)[2]["event"]   # NaN
     with pytest.raises(FuzzBug, match="NaN"):
         fuzz_http.check_sse(nan)
+
+
+def test_the_http_target_holds_the_parser_to_the_stated_limits(monkeypatch) -> None:
+    """A name and a value each at the limit pass; a parser that lets more headers through
+    than requests.MAX_HEADERS states is reported."""
+    big = b"\x00GET /contexts HTTP/1.1\r\nHost: x\r\n" + b"N" * 8000 + b": " + b"v" * 8000 + b"\r\n\r\n"
+    fuzz_http.check_http(big)
+    lax = {**requests.server_options(), "max_headers": 128}
+    monkeypatch.setattr(requests, "server_options", lambda: lax)
+    monkeypatch.setattr(requests, "MAX_HEADERS", 1)
+    with pytest.raises(FuzzBug, match="2 headers got through"):
+        fuzz_http.check_http(big)

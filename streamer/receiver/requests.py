@@ -8,25 +8,21 @@ body to ``parse_fetch_body``. Each returns the parsed request or raises
 target ``http`` (``streamer.tools.fuzz_http``) drives these functions from raw bytes
 through aiohttp's own request parser, configured by ``server_options``.
 
-Maximum of each size read (each checked before anything of that size is kept):
+Maximum of each size read, each checked before anything of that size is kept:
 
-================  ===================  ==============================================
-request line      ``MAX_REQUEST_LINE``  aiohttp's parser (``max_line_size``): 400
-one header line   ``MAX_HEADER_FIELD``  aiohttp's parser (``max_field_size``): 400
-header count      ``MAX_HEADERS``       aiohttp's parser (``max_headers``): 400
-query fields      ``MAX_QUERY_FIELDS``  ``parse_head``: 400
-body              ``MAX_BODY``          ``parse_head`` refuses a larger Content-Length
-                                        before the body is read (413); a chunked body
-                                        is cut at the same size while it is read
-                                        (aiohttp's ``client_max_size``: 413)
-JSON nesting      the interpreter's     ``parse_fetch_body``: 400, not RecursionError
-                  recursion limit
-JSON integers     4300 digits           Python's int conversion limit: 400, not 500
-time to a head    ``HEAD_TIMEOUT``      aiohttp's ``keepalive_timeout``: a connection
-                                        that has not sent a whole request head by then
-                                        (slowloris) is closed
-time to a body    ``BODY_TIMEOUT``      the daemon's read of a body: 408
-================  ===================  ==============================================
+- request line: ``MAX_REQUEST_LINE`` bytes (aiohttp's parser, ``max_line_size``): 400
+- a header's name, and its value: ``MAX_HEADER_FIELD`` bytes each (``max_field_size``): 400
+- headers: ``MAX_HEADERS`` (``max_headers``): 400
+- query parameters: ``MAX_QUERY_FIELDS`` (``parse_head``): 400
+- body: ``MAX_BODY`` bytes. ``parse_head`` refuses a larger Content-Length before the
+  body is read (413); a chunked or compressed body is cut at the same size, decoded,
+  while it is read (aiohttp's ``client_max_size``: 413)
+- JSON nesting: the interpreter's recursion limit (``parse_fetch_body``: 400, not the
+  RecursionError that was a 500); JSON integers: 4300 digits, Python's conversion
+  limit (400, not the ValueError that was a 500)
+- time to a whole request head: ``HEAD_TIMEOUT`` (aiohttp's ``keepalive_timeout``): a
+  connection that has sent part of a head and no more by then (slowloris) is closed
+- time to a whole body: ``BODY_TIMEOUT`` (the daemon's read): 408
 """
 from __future__ import annotations
 
