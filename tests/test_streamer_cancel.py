@@ -12,7 +12,7 @@ from streamer.adapt.base import TEXT, Abandon, Observation, PlanInput
 from streamer.adapt.cancel import (COMMITTED_BYTES, RECENT_S, InFlight, Switch, abandon_seconds,
                                    chunk_rate, reconsider)
 from streamer.adapt.decide import time_left
-from streamer.adapt.estimator import MIN_SAMPLE_BYTES
+from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES, shortfall
 from streamer.adapt.mpc import mpc
 
 MB = 1_000_000
@@ -68,6 +68,20 @@ def test_gives_up_while_giving_up_still_fits() -> None:
     assert reconsider(_plan(0.08), head, rate=MB, rtt=0.001, reconnect_seconds=0.01) == Switch(TEXT, True)
     # with time for a later look to give it up, it is kept
     assert reconsider(_plan(0.2), head, rate=MB, rtt=0.001, reconnect_seconds=0.01) is None
+
+
+def test_a_steady_peer_keeps_a_chunk_on_course_near_the_deadline() -> None:
+    """The same chunk past the point where it could be given up later: an erratic peer
+    (``shortfall`` at its floor, half the rate) gives it up for text; a peer whose rate has
+    held keeps it (throwing away a chunk that will make it costs a text chunk for nothing)."""
+    head = InFlight(level=0, remaining_bytes=50_000, delivered_layers=0)
+    steady = [Observation(MB, 1.0)] * 6
+    erratic = [Observation(MB, 1.0), Observation(MB, 4.0)] * 3
+    assert shortfall(steady) == pytest.approx(1.0) and shortfall(erratic) == GUARD_FACTOR == shortfall([])
+    for history, kept in ((steady, True), (erratic, False)):
+        switch = reconsider(_plan(0.08), head, rate=MB, rtt=0.001, reconnect_seconds=0.01,
+                            shortfall=shortfall(history))
+        assert (switch is None) is kept
 
 
 def test_a_chunk_is_judged_by_its_own_recent_rate() -> None:

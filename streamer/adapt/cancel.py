@@ -114,14 +114,18 @@ class InFlight:
 
 
 def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
-               reconnect_seconds: float) -> Switch | None:
+               reconnect_seconds: float, shortfall: float = GUARD_FACTOR) -> Switch | None:
     """What to switch the chunk in flight to, or None to keep it.
 
     ``plan`` describes the chunk in flight (row 0) and every chunk after it, with
     ``time_left`` the seconds to the deadline and ``recompute_busy`` the recompute still
     owed for earlier text chunks; ``rate`` is the robust estimate (bytes/s), partial rate
     of the chunk in flight included; ``reconnect_seconds`` what connecting and opening
-    the context took.
+    the context took; ``shortfall`` the share of ``rate`` the link may still fall to
+    (``estimator.shortfall``: this peer's worst recent shortfall, at least
+    ``GUARD_FACTOR``). A chunk on course near the deadline is kept only if it would still
+    make it at that share: on a steady peer it is kept, on an erratic one it is given up
+    for text while that still fits.
     """
     if not rate > 0:
         return None
@@ -154,14 +158,14 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
 
     if finish(keep) <= plan.time_left:
         # keep while a collapse seen at a later look could still be given up for text;
-        # past that point only a chunk that would finish even at GUARD_FACTOR of this rate
+        # past that point only a chunk that would finish even at ``shortfall`` of this rate
         noticed = RECONSIDER_S + RECENT_S
         if (finish(noticed + restart + text_bytes / rate, text_seconds) <= plan.time_left
-                or finish(keep / GUARD_FACTOR) <= plan.time_left):
+                or finish(keep / shortfall) <= plan.time_left):
             return None
-        # at GUARD_FACTOR of the rate: what a level (re-requested) still makes for sure
+        # at ``shortfall`` of the rate: what a level (re-requested) still makes for sure
         safe = [option for option in options
-                if switched(option, rate if option == TEXT else rate * GUARD_FACTOR) <= plan.time_left]
+                if switched(option, rate if option == TEXT else rate * shortfall) <= plan.time_left]
         if not safe:
             return None   # nothing is surer than keeping
         return Switch(min(safe, key=lambda option: _distortion(plan, option)), abort)

@@ -218,9 +218,17 @@ def guard_estimate(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
     mean = harmonic_mean(history, window, prior)
     if mean is None:
         return None
+    return mean * shortfall(history, prior_errors, window)
+
+
+def shortfall(history: Sequence[Observation], prior_errors: Sequence[float] = (),
+              window: int = DEFAULT_WINDOW) -> float:
+    """The share of its predicted rate the link may fall to, as far as a guard should
+    assume: its worst recent shortfall (``exp`` of the smallest log error), but no less
+    than ``GUARD_FACTOR``, which is also the answer before there are errors to go by."""
     errors = recent_errors(history, prior_errors, window)
     worst = float(np.exp(min(0.0, float(errors.min())))) if errors.size else 0.0
-    return mean * max(GUARD_FACTOR, worst)
+    return max(GUARD_FACTOR, worst)
 
 
 def pool_sample(pending: Observation | None, nbytes: int, busy_seconds: float

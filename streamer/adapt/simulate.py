@@ -435,7 +435,8 @@ class Simulator:
             head = cancel_rule.InFlight(level=int(choices[j]), remaining_bytes=int(nbytes[j] - got),
                                         delivered_layers=int(layers * got / nbytes[j]))
             switch = cancel_rule.reconsider(plan, head, rate=rate, rtt=rtt,
-                                            reconnect_seconds=self.reconnect_seconds)
+                                            reconnect_seconds=self.reconnect_seconds,
+                                            shortfall=estimator.shortfall(history, prior_errors))
             if switch is None:
                 return None
             if switch.abort:   # what was queued is dropped with the connection

@@ -575,7 +575,8 @@ class _Fetch:
                                     remaining_bytes=head.expected - received,
                                     delivered_layers=self.delivery.delivered_layers(head.index))
         switch = cancel.reconsider(plan, in_flight, rate=sample.bytes / sample.busy_seconds, rtt=client.rtt,
-                                   reconnect_seconds=self.s.connect_seconds)
+                                   reconnect_seconds=self.s.connect_seconds,
+                                   shortfall=estimator.shortfall(self.history, self.prior_errors))
         if switch is None:
             return
         self.cancels += 1
