@@ -1,0 +1,168 @@
+"""The device-agnostic half of a decode: entropy-decoded coefficients -> KV, in torch.
+
+A decode has two stages. Stage 1, entropy decode and dequantization, is the rANS lane
+kernel on a GPU (``kernels/rans_decode.cu``) and the numba decoder on a CPU; both give
+the same float32 coefficients bit for bit. Dequantization stays fused in stage 1: a
+delta row's values are differences to the *dequantized* anchor (``codec/rans.py``), so
+the step is applied where the values are decoded. Its step comes from the plan that
+``codec.layer_codec.parse_lanes`` returns, the call the CPU decoder makes itself, so a
+format that moves the step from the profile into each section changes both decoders
+at once.
+
+Stage 2 is here, written once for every device: the inverse transform of a group of
+layers as one batched GEMM (``torch.baddbmm`` over K and V of every layer in the
+group, coefficients zero-padded to the group's widest kept count), the means, RoPE
+back onto the keys of a rotary profile, the clamp to the output dtype, and the write
+straight into a caller-provided KV tensor. It runs on CPU tensors too, which is how
+it is tested on machines without a GPU (tests/test_reconstruct.py).
+
+Against the CPU decoder (one ``addmm`` per layer and K/V): the coefficients, means,
+RoPE and clamp are the same float32 operations; only the GEMM's summation order
+differs (one padded batched GEMM, or cuBLAS, vs MKL per matrix), so results agree to
+float32 GEMM rounding, which is at most one unit in the last place of a float16 or
+bfloat16 output.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+import codec
+from codec import api, container, layer_codec, rotary, transform
+from codec.container import BlobHeader
+from codec.profile import Profile
+
+
+@dataclass(frozen=True)
+class ParsedSection:
+    """One layer's section, verified (its CRC checked once) and split."""
+
+    layer: int
+    sinks: memoryview                       # the sink tokens' bytes (may be empty)
+    lanes: layer_codec.LanePayload | None   # a coded section's parsed lanes
+    raw: memoryview | None                  # a raw section's token bytes
+
+
+def parse_section(header: BlobHeader, profile: Profile, slot: int, layer: int,
+                  section: bytes | memoryview) -> ParsedSection:
+    """Verify a section's length and CRC (the only check of it on this path) and parse
+    its lane table against the token count before anything is sized from it."""
+    view = container.verify_section(section, header, layer)
+    sinks, rest = view[:header.sink_size], view[header.sink_size:]
+    if header.is_raw(layer):
+        return ParsedSection(layer, sinks, None, rest)
+    lanes = layer_codec.parse_lanes(profile, slot, layer, header.coded_tokens, rest, header.version)
+    return ParsedSection(layer, sinks, lanes, None)
+
+
+#: stage 1: (profile, parsed coded section, coded tokens) -> float32 coefficients
+#: [coded tokens, rows], token-major (the CUDA kernel's layout; K's kept rows, then V's)
+Coefficients = Callable[[Profile, ParsedSection, int], torch.Tensor]
+
+
+def cpu_coefficients(profile: Profile, parsed: ParsedSection, coded_tokens: int) -> torch.Tensor:
+    """Stage 1 on the CPU: the numba decoder's coefficients, viewed token-major."""
+    assert parsed.lanes is not None
+    return torch.from_numpy(layer_codec.decode_coefficients(profile, parsed.layer, parsed.lanes, coded_tokens)).T
+
+
+@dataclass(frozen=True)
+class DeviceTables:
+    """A profile's means and basis on one device (float32)."""
+
+    mean: torch.Tensor                # [layers, 2, C]
+    basis: torch.Tensor | None        # [layers, 2, stored rows, C]; None: identity transform
+
+
+_tables: "weakref.WeakKeyDictionary[Profile, dict[torch.device, DeviceTables]]" = weakref.WeakKeyDictionary()
+
+
+def device_tables(profile: Profile, device: torch.device) -> DeviceTables:
+    """The profile's tables on ``device``, copied there once per profile and device."""
+    per_device = _tables.setdefault(profile, {})
+    tables = per_device.get(device)
+    if tables is None:
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
+        tables = DeviceTables(to(profile.mean), None if profile.basis is None else to(profile.basis))
+        per_device[device] = tables
+    return tables
+
+
+def inverse_group(tables: DeviceTables, layers: Sequence[int], kept: Sequence[tuple[int, int]],
+                  coefficients: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 [n, 2, tokens, C]: K and V of ``n`` layers from their token-major
+    coefficients, the whole group's inverse transform as one batched GEMM."""
+    n, tokens = len(layers), coefficients[0].shape[0]
+    index = torch.tensor(list(layers), dtype=torch.long, device=tables.mean.device)
+    mean = tables.mean.index_select(0, index)                            # [n, 2, C]
+    channels = mean.shape[-1]
+    if tables.basis is None:  # identity: every channel kept, K's rows then V's
+        coef = torch.stack(list(coefficients)).view(n, tokens, 2, channels).transpose(1, 2)
+        return coef + mean[:, :, None, :]
+    widest = max(max(k) for k in kept)
+    padded = torch.zeros((n, 2, tokens, widest), dtype=torch.float32, device=mean.device)
+    for i, ((kept_k, kept_v), coef) in enumerate(zip(kept, coefficients)):
+        padded[i, 0, :, :kept_k] = coef[:, :kept_k]
+        padded[i, 1, :, :kept_v] = coef[:, kept_k:kept_k + kept_v]
+    basis = tables.basis.index_select(0, index)[:, :, :widest]          # [n, 2, widest, C]
+    out = torch.baddbmm(mean.reshape(2 * n, 1, channels), padded.view(2 * n, tokens, widest),
+                        basis.reshape(2 * n, widest, channels))
+    return out.view(n, 2, tokens, channels)
+
+
+def _tokens(data: memoryview, dtype: torch.dtype, channels: int, device: torch.device) -> torch.Tensor:
+    """Verbatim tokens [2, n, C] on ``device``, read as the CPU decoder reads them."""
+    return api._tokens_from_bytes(data, dtype, channels).to(device)
+
+
+def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection],
+                coefficients: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+    """Write the layers of ``group`` into ``out`` [layers, 2, tokens, heads, head_dim] (the
+    blob's dtype, on the device the coefficients are on): a coded layer from its stage 1
+    coefficients (None for a raw section), a raw one verbatim, sink tokens verbatim."""
+    if out.shape != header.shape or out.dtype != header.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {header.dtype} tensor of shape {tuple(header.shape)}")
+    flat = out.view(header.layers, 2, header.tokens, header.channels)
+    sinks, coded = header.sink_tokens, header.coded_tokens
+    pairs = [(p, c) for p, c in zip(group, coefficients) if p.lanes is not None]
+    if pairs:
+        values = inverse_group(device_tables(profile, out.device), [p.layer for p, _ in pairs],
+                               [p.lanes.plan.kept for p, _ in pairs], [c for _, c in pairs])
+        rope = profile.rotary
+        if rope is not None:
+            cos, sin = rope.angles(header.start + sinks, coded, out.device)
+            keys = values[:, 0].reshape(len(pairs) * coded, header.channels)
+            values[:, 0] = rotary.rotate(keys, rope, (cos.repeat(len(pairs), 1), sin.repeat(len(pairs), 1))
+                                         ).view(len(pairs), coded, header.channels)
+        transform.clamp_to(values, header.dtype)
+        for (parsed, _), value in zip(pairs, values):
+            flat[parsed.layer, :, sinks:] = value
+    for parsed in group:
+        if parsed.raw is not None:
+            flat[parsed.layer, :, sinks:] = _tokens(parsed.raw, header.dtype, header.channels, out.device)
+        if sinks:
+            flat[parsed.layer, :, :sinks] = _tokens(parsed.sinks, header.dtype, header.channels, out.device)
+
+
+def decode_into(blob: bytes | memoryview, profile: Profile | None, out: torch.Tensor, group_layers: int = 4,
+                coefficients: Coefficients = cpu_coefficients) -> None:
+    """Decode a whole blob into ``out`` group by group of ``group_layers`` layers: stage 1
+    by ``coefficients`` (the CPU decoder by default), stage 2 by :func:`reconstruct`."""
+    header = codec.parse_header(blob)
+    resolved, slot = codec.resolve_profile(header, profile)
+    for first in range(0, header.layers, group_layers):
+        group = [parse_section(header, resolved, slot, layer, _section_bytes(blob, header, layer))
+                 for layer in range(first, min(first + group_layers, header.layers))]
+        coefs = [None if p.lanes is None else coefficients(resolved, p, header.coded_tokens).to(out.device)
+                 for p in group]
+        reconstruct(header, resolved, group, coefs, out)
+
+
+def _section_bytes(blob: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:
+    """A layer's section bytes, unverified (parse_section checks them, once)."""
+    start = header.section_offset(layer)
+    return memoryview(blob)[start:start + header.sections[layer][0]]

@@ -1,0 +1,101 @@
+"""Stage 2 of the device decode (kernels/reconstruct.py) on CPU tensors, against the CPU decoder.
+
+Coefficients are the CPU decoder's own (stage 1 is bit-exact between the numba decoder
+and the CUDA kernel: tests/test_kernels.py). What may differ is only the GEMM's
+summation order (one zero-padded batched GEMM vs one addmm per matrix): the identity
+transform has no GEMM and must match bit for bit; with a basis the float32 result
+before rounding to the output dtype agrees to float32 GEMM rounding (checked at 1e-5
+relative), i.e. at most one unit in the last place of float16/bfloat16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import codec
+from codec import layer_codec
+from kernels import reconstruct
+
+
+def _kv(seed: int, tokens: int = 90, layers: int = 5) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(12, 12, generator=torch.Generator().manual_seed(7))
+    return (torch.randn(layers, 2, tokens, 12, generator=gen) @ mix).reshape(layers, 2, tokens, 3, 4)
+
+
+def _decode(blob: bytes, profile: codec.Profile | None, group_layers: int) -> torch.Tensor:
+    header = codec.parse_header(blob)
+    out = torch.full(header.shape, float("nan"), dtype=header.dtype)
+    reconstruct.decode_into(blob, profile, out, group_layers)
+    return out
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Most units in the last place between two tensors of one 16-bit dtype."""
+    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
+    return int((ia - ib).abs().max())
+
+
+def test_identity_transform_matches_the_cpu_decoder_bit_for_bit() -> None:
+    profile = codec.calibrate([_kv(1)], transform="identity")
+    for level in range(len(profile.levels)):
+        blob = codec.encode(_kv(2).half(), level, profile)
+        assert torch.equal(_decode(blob, profile, 2), codec.decode(blob, profile))
+
+
+@pytest.mark.parametrize("transform", ["layer", "head"])
+@pytest.mark.parametrize("delta", ["never", "always"])
+@pytest.mark.parametrize("group_layers", [1, 2, 5])
+def test_batched_gemm_matches_the_cpu_decoder(transform: str, delta: str, group_layers: int) -> None:
+    profile = codec.calibrate([_kv(1)], transform=transform, delta=delta)
+    kv = _kv(3)
+    for level in range(len(profile.levels)):
+        for dtype in (torch.float16, torch.bfloat16):
+            blob = codec.encode(kv.to(dtype), level, profile)
+            got, want = _decode(blob, profile, group_layers), codec.decode(blob, profile)
+            assert _ulps(got, want) <= 1
+        blob = codec.encode(kv, level, profile)
+        torch.testing.assert_close(_decode(blob, profile, group_layers), codec.decode(blob, profile),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_keys_get_their_rope_back() -> None:
+    rope = codec.Rotary(head_dim=4, dim=4, theta=10000.0)
+    profile = codec.calibrate([_kv(1, tokens=200)], rotary=rope)
+    blob = codec.encode(_kv(4, tokens=70).half(), 1, profile, start=300)
+    got, want = _decode(blob, profile, 3), codec.decode(blob, profile)
+    assert _ulps(got, want) <= 1
+    # without RoPE re-applied the keys would be far off: the rotation really ran
+    assert (got[:, 0].float() - want[:, 0].float()).abs().max() < 1e-2
+
+
+def test_raw_layers_sinks_and_an_embedded_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = codec.calibrate([_kv(1)])
+    kv = _kv(6).half()
+    encode_layer = layer_codec.encode_layer
+
+    def not_layer_1(profile, slot, layer, *args, **kwargs):  # the encoder stores layer 1 raw
+        if layer == 1:
+            raise layer_codec.NotCodable("test")
+        return encode_layer(profile, slot, layer, *args, **kwargs)
+
+    monkeypatch.setattr(layer_codec, "encode_layer", not_layer_1)
+    blob = codec.encode(kv, 0, profile, sink_tokens=4)
+    assert codec.inspect(blob)["sections"]["raw_layers"] == [1]
+    got = _decode(blob, profile, 2)
+    assert torch.equal(got[1], kv[1]) and torch.equal(got[:, :, :4], kv[:, :, :4])
+    assert _ulps(got, codec.decode(blob, profile)) <= 1
+    embedded = codec.encode(_kv(7).half(), 1, None)    # identity profile inside the blob
+    assert torch.equal(_decode(embedded, None, 4), codec.decode(embedded))
+
+
+def test_out_must_fit_the_blob_and_corrupt_sections_are_caught() -> None:
+    profile = codec.calibrate([_kv(1)])
+    blob = codec.encode(_kv(8).half(), 1, profile)
+    header = codec.parse_header(blob)
+    with pytest.raises(ValueError, match="contiguous"):
+        reconstruct.decode_into(blob, profile, torch.empty(header.shape, dtype=torch.float32))
+    damaged = bytearray(blob)
+    damaged[header.section_offset(2) + 5] ^= 0x01
+    with pytest.raises(codec.CorruptBitstream, match="layer 2"):
+        reconstruct.decode_into(bytes(damaged), profile, torch.empty(header.shape, dtype=header.dtype))
