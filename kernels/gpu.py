@@ -1,24 +1,30 @@
-"""GPU decode: the rANS lane kernel through PyCUDA, the inverse transform as a cuBLAS GEMM.
+"""GPU decode through PyCUDA: the thin adapter that carries out ``kernels.schedule``'s commands.
 
-PyCUDA shares torch's primary context (``pycuda.autoprimaryctx``, never
-``autoinit``), so device tensors pass between them by pointer. Each decoder owns
-two CUDA streams: section bytes are copied host-to-device on ``copy_stream``
-from page-locked memory while the previous section's kernel and GEMM run on
-``decode_stream``; an event orders each decode after its own copy. The kernel
-writes coefficients token-major ([tokens, rows]), which is exactly the GEMM's
-left operand. Entropy decoding and dequantization are bit-identical to the CPU
-decoder; the GEMM's summation order differs (cuBLAS vs MKL), so the output agrees
-with the CPU to float32 rounding of the GEMM, not bit for bit. A rotary profile's keys
-get their RoPE back on the device after the GEMM (torch, float32), at the positions the
-blob header records, as the CPU decoder does. ``decode_layers``
-runs the stages as a two-deep pipeline (``kernels.pipeline``): section l+1 uploads
-while section l decodes.
+Everything that decides *what* happens when is elsewhere and tested without a GPU: the
+order of uploads, launches and deliveries (``kernels.schedule``), the one-buffer layout of
+a group's lane arrays (``kernels.packing``), stage 2 of the decode (``kernels.reconstruct``:
+one batched GEMM per group, means, RoPE, written straight into the caller's tensors) and
+the device strings (``kernels.devices``). This module only maps them onto CUDA: a copy
+stream and a decode stream, one named event per command, page-locked host buffers reused
+round robin with a device twin each, and the rANS lane kernel launched once per layer of
+a group (the kernel takes one layer's lane table; a group shares one upload and one GEMM).
+
+Context safety: one primary context per device, retained once (``pycuda.driver.Device(n)
+.retain_primary_context()``, the context torch uses too) and pushed around every call in
+whatever thread makes it, popped after; ``cuda:N`` decodes on device N; :func:`close_all`
+synchronizes and releases every decoder (the receiver daemon calls it on shutdown).
+
+Entropy decoding and dequantization are bit-identical to the CPU decoder; the GEMM's
+summation order differs (cuBLAS vs MKL), so output agrees with the CPU to float32
+GEMM rounding. A raw section's tokens and sink tokens are copied synchronously (rare).
 """
 from __future__ import annotations
 
 import math
 import os
-import weakref
+import threading
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -27,26 +33,19 @@ import numpy as np
 import torch
 
 import codec
-from codec import container, layer_codec, rotary, transform
+from codec import layer_codec
 from codec.errors import GpuUnavailable
 from codec.profile import Profile
 
-from .pipeline import pipelined
+from . import packing, reconstruct
+from .devices import availability, device_index, require  # noqa: F401  (availability: kernels.gpu's API)
+from .schedule import Deliver, Event, Launch, Scheduler, Upload, Verify
 
 KERNEL_DIR = Path(__file__).resolve().parent
 KERNEL_SOURCES = ("rans_decode.cu",)
 THREADS_PER_BLOCK = 128
-
-
-def availability() -> tuple[bool, str]:
-    """(True, "") when GPU decode can run here, else (False, what is missing)."""
-    try:
-        import pycuda  # noqa: F401
-    except ImportError:
-        return False, "pycuda is not installed (pip install 'kvwire[cuda]')"
-    if not torch.cuda.is_available():
-        return False, "torch sees no CUDA device (a CPU-only torch build, or no GPU/driver)"
-    return True, ""
+#: layers per upload and GEMM: a layer is delivered at most this many layers after it arrives
+GROUP_LAYERS = 4
 
 
 def kernel_source() -> str:
@@ -54,177 +53,258 @@ def kernel_source() -> str:
 
 
 @dataclass
-class _DeviceTables:
+class _CoderTables:
     freq: torch.Tensor
     cdf: torch.Tensor
     lut: torch.Tensor
-    mean: torch.Tensor
-    basis: torch.Tensor | None
+
+
+@dataclass
+class _Inflight:
+    """A launched group: what must stay alive until its decode event fires."""
+
+    statuses: list[tuple[int, torch.Tensor]]
+    coefficients: list[torch.Tensor | None]
 
 
 class GpuDecoder:
-    """Decodes blob sections straight into CUDA tensors of one device."""
+    """Decodes blob sections into CUDA tensors of one device, overlapping upload and decode."""
 
-    def __init__(self, device: str | torch.device = "cuda") -> None:
-        ok, reason = availability()
-        if not ok:
-            raise GpuUnavailable(f"device='cuda' needs GPU decode: {reason}")
-        import pycuda.autoprimaryctx  # noqa: F401  (binds torch's primary context)
+    def __init__(self, device: str | torch.device = "cuda", group_layers: int = GROUP_LAYERS,
+                 buffers: int = 2) -> None:
+        self.index = require(device)
         import pycuda.driver as cuda
         from pycuda.compiler import SourceModule
 
-        self.device = torch.device(device)
-        torch.cuda.init()
-        cache = Path(os.environ.get("KVWIRE_CUDA_CACHE", Path.home() / ".cache" / "kvwire" / "cuda"))
-        cache.mkdir(parents=True, exist_ok=True)
-        self._module = SourceModule(kernel_source(), no_extern_c=True, cache_dir=str(cache),
-                                    options=["-O3", "--fmad=false"])
-        self._kernel = self._module.get_function("rans_decode_lanes")
-        self.copy_stream = cuda.Stream()
-        self.decode_stream = cuda.Stream()
-        self._torch_copy = torch.cuda.ExternalStream(self.copy_stream.handle, device=self.device)
-        self._torch_decode = torch.cuda.ExternalStream(self.decode_stream.handle, device=self.device)
-        self._tables: "weakref.WeakKeyDictionary[Profile, _DeviceTables]" = weakref.WeakKeyDictionary()
+        self._cuda = cuda
+        cuda.init()
+        self.device = torch.device("cuda", self.index)
+        self.group_layers, self._buffer_count = group_layers, buffers
+        self._context = cuda.Device(self.index).retain_primary_context()
+        self._lock = threading.Lock()   # one decode at a time per device: the streams are shared
+        with self.current():
+            cache = Path(os.environ.get("KVWIRE_CUDA_CACHE", Path.home() / ".cache" / "kvwire" / "cuda"))
+            cache.mkdir(parents=True, exist_ok=True)
+            self._module = SourceModule(kernel_source(), no_extern_c=True, cache_dir=str(cache),
+                                        options=["-O3", "--fmad=false"])
+            self._kernel = self._module.get_function("rans_decode_lanes")
+            self.copy_stream, self.decode_stream = cuda.Stream(), cuda.Stream()
+            self._torch_decode = torch.cuda.ExternalStream(self.decode_stream.handle, device=self.device)
+        self._host: list[np.ndarray] = [np.empty(0, np.uint8)] * buffers
+        self._dev: list[torch.Tensor | None] = [None] * buffers
+        self._coder: dict[Profile, _CoderTables] = {}
+        self._closed = False
 
-    # ------------------------------------------------------------------ tables
-    def _device_tables(self, profile: Profile) -> _DeviceTables:
-        tables = self._tables.get(profile)
-        if tables is None:
-            host = layer_codec.coder_tables(profile)
-            to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
-            tables = _DeviceTables(freq=to(host.freq.view(np.int16)), cdf=to(host.cdf.view(np.int16)),
-                                   lut=to(host.lut), mean=to(profile.mean),
-                                   basis=None if profile.basis is None else to(profile.basis))
-            self._tables[profile] = tables
-        return tables
+    # ------------------------------------------------------------------ context
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """This device's primary context current in the calling thread (pushed, then popped)."""
+        if self._closed:
+            raise GpuUnavailable(f"the decoder of cuda:{self.index} is closed")
+        self._context.push()
+        try:
+            with torch.cuda.device(self.index):
+                yield
+        finally:
+            self._cuda.Context.pop()
 
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
-        """Async host-to-device copy on the copy stream from page-locked memory."""
-        host = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
-        with torch.cuda.stream(self._torch_copy):
-            return host.to(self.device, non_blocking=True)
+    def close(self) -> None:
+        """Wait for the streams, free the buffers, release the primary context."""
+        if self._closed:
+            return
+        with self._lock, self.current():
+            self.copy_stream.synchronize()
+            self.decode_stream.synchronize()
+            self._host, self._dev, self._coder = [], [], {}
+        self._closed = True
+        self._context.detach()
 
     # ------------------------------------------------------------------ decode
-    def stage(self, header: codec.BlobHeader, profile: Profile | None, layer: int,
-              section: bytes | memoryview) -> "_Staged":
-        """Verify and parse a section on the host, then queue its upload on the copy stream."""
+    def decode_into(self, header: codec.BlobHeader, profile: Profile | None,
+                    sections: Iterable[tuple[int, bytes | memoryview]], count: int | None = None,
+                    outs: dict[int, torch.Tensor] | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, k, v) in arrival order as ``count`` (default: every layer) sections
+        (layer, bytes) arrive, each written into ``outs[layer]`` ([2, tokens, heads,
+        head_dim] on this device; allocated when absent): group g+1 uploads while group g
+        decodes."""
         resolved, slot = codec.resolve_profile(header, profile)
-        sink_bytes, payload = container.split_section(section, header, layer)
-        sinks = self._upload(np.frombuffer(sink_bytes, dtype=np.uint8)) if len(sink_bytes) else None
-        if header.is_raw(layer):  # the tokens verbatim: no kernel, only the copy
-            plan, inputs = None, {"raw": self._upload(np.frombuffer(payload, dtype=np.uint8))}
-        else:
-            lanes = layer_codec.parse_lanes(resolved, slot, layer, header.coded_tokens, payload, header.version)
-            plan = lanes.plan
-            inputs = {name: self._upload(array) for name, array in (
-                ("words", lanes.words.view(np.int16)), ("lane_start", lanes.lane_start),
-                ("states", lanes.states.view(np.int32)), ("step", plan.step),
-                ("group", plan.group), ("table", plan.table), ("shift", plan.shift))}
-        copied = torch.cuda.Event()
-        copied.record(self._torch_copy)
-        return _Staged(header, resolved, layer, plan, inputs, sinks, copied)
+        with self._lock:  # held for the whole decode: the buffers and streams are this device's
+            run = _Run(self, header, resolved, slot, {} if outs is None else outs)
+            scheduler = Scheduler(self.group_layers, self._buffer_count)
+            scheduler.open_chunk(0, header.layers if count is None else count)
+            for layer, section in sections:
+                with self.current():  # current only while working, never across a yield
+                    run.arrive(layer, section)
+                    run.execute(scheduler.arrived(0, len(run.layer_at) - 1))
+                    ready = run.delivered(block=False)
+                yield from ready
+            with self.current():
+                ready = run.delivered(block=True)
+            yield from ready
 
-    def launch(self, staged: "_Staged") -> "_Launched":
-        """Queue the kernel and the inverse-transform GEMM on the decode stream."""
-        header, plan, layer = staged.header, staged.plan, staged.layer
-        self._torch_decode.wait_event(staged.copied)
-        coded, tokens, sinks = header.coded_tokens, header.tokens, header.sink_tokens
-        channels = header.heads * header.head_dim
-        out = torch.empty((2, tokens, channels), dtype=header.dtype, device=self.device)
-        if plan is None:
-            status = torch.zeros(1, dtype=torch.int32, device=self.device)
-            with torch.cuda.stream(self._torch_decode):
-                out[:, sinks:] = staged.inputs["raw"].view(header.dtype).reshape(2, coded, channels)
-                return self._finish_launch(staged, out, status)
-        tables = self._device_tables(staged.profile)
-        coef = torch.empty((coded, plan.rows), dtype=torch.float32, device=self.device)
-        status = torch.zeros(max(plan.lanes, 1), dtype=torch.int32, device=self.device)
-        if plan.lanes:
-            ptr = lambda t: np.uintp(t.data_ptr())  # noqa: E731
-            i = staged.inputs
-            self._kernel(ptr(i["words"]), ptr(i["lane_start"]), ptr(i["states"]), np.int32(plan.lanes),
-                         np.int32(plan.kept[0]), np.int32(plan.rows_per_lane), np.int32(plan.piece_tokens),
-                         ptr(i["step"]), ptr(i["group"]), ptr(i["table"]),
-                         ptr(i["shift"]), ptr(tables.freq), ptr(tables.cdf), ptr(tables.lut),
-                         np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
-                         block=(THREADS_PER_BLOCK, 1, 1),
-                         grid=(math.ceil(plan.lanes / THREADS_PER_BLOCK), 1), stream=self.decode_stream)
-        rope = staged.profile.rotary
-        with torch.cuda.stream(self._torch_decode):
-            rows = (coef[:, : plan.kept[0]], coef[:, plan.kept[0]:])
-            for kv in range(2):
-                mean = tables.mean[layer, kv]
-                if tables.basis is None:
-                    result = rows[kv] + mean
-                else:
-                    result = torch.addmm(mean.expand(coded, channels), rows[kv], tables.basis[layer, kv, : plan.kept[kv]])
-                if kv == 0 and rope is not None:
-                    result = rotary.rotate(result, rope, rope.angles(header.start + sinks, coded, self.device))
-                out[kv, sinks:] = transform.clamp_to(result, header.dtype)
-            return self._finish_launch(staged, out, status)
-
-    def _finish_launch(self, staged: "_Staged", out: torch.Tensor, status: torch.Tensor) -> "_Launched":
-        """Queue the sink tokens' copy and the completion event (on the decode stream)."""
-        header = staged.header
-        if staged.sinks is not None:
-            out[:, :header.sink_tokens] = staged.sinks.view(header.dtype).reshape(2, header.sink_tokens, -1)
-        done = torch.cuda.Event()
-        done.record(self._torch_decode)
-        return _Launched(header, staged.layer, out, status, done, staged)
-
-    def finish(self, launched: "_Launched") -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for one section's decode; CorruptBitstream if any lane failed its checks."""
-        launched.done.synchronize()
-        failed = int(launched.status.max().item())
-        if failed:
-            raise codec.CorruptBitstream(f"layer {launched.layer}: entropy-coded data is corrupt (code {failed})")
-        header = launched.header
-        out = launched.out.reshape(2, header.tokens, header.heads, header.head_dim)
-        return out[0], out[1]
+    def decode_layers(self, header: codec.BlobHeader, profile: Profile | None,
+                      sections: Iterable[tuple[int, bytes | memoryview]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, k, v) in order on this device (``codec.decode_layers(device="cuda")``)."""
+        yield from self.decode_into(header, profile, sections)
 
     def decode_section(self, header: codec.BlobHeader, profile: Profile | None, layer: int,
                        section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [tokens, heads, head_dim] on the GPU from one layer's section bytes."""
-        return self.finish(self.launch(self.stage(header, profile, layer, section)))
+        """K and V [tokens, heads, head_dim] on this device from one layer's section bytes."""
+        for _, k, v in self.decode_into(header, profile, [(layer, section)], count=1):
+            return k, v
+        raise AssertionError("a one-section decode delivers its layer")
 
-    def decode_layers(self, header: codec.BlobHeader, profile: Profile | None,
-                      sections: Iterable[tuple[int, bytes | memoryview]], depth: int = 2
-                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(layer, k, v) in order, the upload of section l+1 overlapping the decode of l."""
-        def submit(item: tuple[int, bytes | memoryview]) -> _Launched:
-            return self.launch(self.stage(header, profile, item[0], item[1]))
+    # ------------------------------------------------------------------ pieces the run uses
+    def coder_tables(self, profile: Profile) -> _CoderTables:
+        tables = self._coder.get(profile)
+        if tables is None:
+            host = layer_codec.coder_tables(profile)
+            to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+            tables = _CoderTables(to(host.freq.view(np.int16)), to(host.cdf.view(np.int16)), to(host.lut))
+            self._coder[profile] = tables
+        return tables
 
-        for launched, (k, v) in pipelined(sections, submit, lambda l: (l, self.finish(l)), depth):
-            yield launched.layer, k, v
+    def buffers(self, index: int, size: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Page-locked host buffer ``index`` and its device twin, grown to ``size`` bytes
+        (growing waits for both streams: the old buffers may still be read)."""
+        if self._host[index].size < size:
+            self.copy_stream.synchronize()
+            self.decode_stream.synchronize()
+            capacity = max(size, 2 * self._host[index].size)
+            self._host[index] = self._cuda.pagelocked_empty(capacity, np.uint8)
+            self._dev[index] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        return self._host[index], self._dev[index]
+
+    def launch_layer(self, base: int, layout: packing.LayerLayout, plan: layer_codec.LayerPlan,
+                     tables: _CoderTables, coded: int, coef: torch.Tensor, status: torch.Tensor) -> None:
+        """The lane kernel for one packed layer, on the decode stream."""
+        if not plan.lanes:
+            return
+        at = lambda name: np.uintp(base + layout.offsets[name])  # noqa: E731
+        ptr = lambda t: np.uintp(t.data_ptr())  # noqa: E731
+        self._kernel(at("words"), at("lane_start"), at("states"), np.int32(plan.lanes), np.int32(plan.kept[0]),
+                     np.int32(plan.rows_per_lane), np.int32(plan.piece_tokens), at("step"), at("group"),
+                     at("table"), at("shift"), ptr(tables.freq), ptr(tables.cdf), ptr(tables.lut),
+                     np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
+                     block=(THREADS_PER_BLOCK, 1, 1), grid=(math.ceil(plan.lanes / THREADS_PER_BLOCK), 1),
+                     stream=self.decode_stream)
 
 
-@dataclass
-class _Staged:
-    header: codec.BlobHeader
-    profile: Profile
-    layer: int
-    plan: layer_codec.LayerPlan | None  # None for a raw section
-    inputs: dict[str, torch.Tensor]
-    sinks: torch.Tensor | None
-    copied: torch.cuda.Event
+class _Run:
+    """One decode's state while the decoder carries out the scheduler's commands."""
+
+    def __init__(self, decoder: GpuDecoder, header: codec.BlobHeader, profile: Profile, slot: int,
+                 outs: dict[int, torch.Tensor]) -> None:
+        self.decoder, self.header, self.profile, self.slot, self.outs = decoder, header, profile, slot, outs
+        self.layer_at: list[int] = []    # the scheduler's positions (arrival order) -> layers
+        self.sections: dict[int, bytes | memoryview] = {}
+        self.parsed: dict[int, reconstruct.ParsedSection] = {}
+        self.layouts: dict[int, list[packing.LayerLayout]] = {}
+        self.deliveries: deque[tuple[Event, list[int]]] = deque()
+        self.events: dict[Event, object] = {}
+        self.inflight: dict[Event, _Inflight] = {}
+
+    def arrive(self, layer: int, section: bytes | memoryview) -> None:
+        if not 0 <= layer < self.header.layers or layer in self.layer_at:
+            raise ValueError(f"layer {layer} is out of range or arrived twice")
+        self.layer_at.append(layer)
+        self.sections[layer] = section
+
+    def _event(self, name: Event, stream) -> None:
+        event = self.decoder._cuda.Event()
+        event.record(stream)
+        self.events[name] = event
+
+    def execute(self, commands) -> None:
+        """Carry out the scheduler's commands; deliveries wait in order for their events."""
+        layer_of = self.layer_at.__getitem__
+        d, header = self.decoder, self.header
+        for command in commands:
+            if isinstance(command, Verify):
+                layer = layer_of(command.layer)
+                self.parsed[layer] = reconstruct.parse_section(header, self.profile, self.slot, layer,
+                                                               self.sections.pop(layer))
+            elif isinstance(command, Upload):
+                if command.host_wait is not None:
+                    self.events[command.host_wait].synchronize()   # the last copy out of this buffer
+                coded = [(l, self.parsed[l].lanes) for l in map(layer_of, command.layers)
+                         if self.parsed[l].lanes is not None]
+                host, dev = d.buffers(command.buffer, packing.group_size(coded))
+                self.layouts[command.buffer], used = packing.pack(coded, host)
+                if command.device_wait is not None:
+                    d.copy_stream.wait_for_event(self.events[command.device_wait])
+                if used:
+                    d._cuda.memcpy_htod_async(dev.data_ptr(), host[:used], d.copy_stream)
+                self._event(Event("copied", command.chunk, command.group), d.copy_stream)
+            elif isinstance(command, Launch):
+                d.decode_stream.wait_for_event(self.events[command.after])
+                self._launch(command, [layer_of(p) for p in command.layers])
+                self._event(Event("decoded", command.chunk, command.group), d.decode_stream)
+            else:
+                assert isinstance(command, Deliver)
+                self.deliveries.append((command.after, [layer_of(p) for p in command.layers]))
+
+    def _launch(self, command: Launch, layers: list[int]) -> None:
+        d, header = self.decoder, self.header
+        tables = d.coder_tables(self.profile)
+        base = d._dev[command.buffer].data_ptr()
+        layouts = {layout.layer: layout for layout in self.layouts[command.buffer]}
+        group = [self.parsed.pop(l) for l in layers]
+        coefs: list[torch.Tensor | None] = []
+        statuses = []
+        with torch.cuda.stream(d._torch_decode):
+            for parsed in group:
+                if parsed.lanes is None:
+                    coefs.append(None)
+                    continue
+                plan = parsed.lanes.plan
+                coef = torch.empty((header.coded_tokens, plan.rows), dtype=torch.float32, device=d.device)
+                status = torch.zeros(max(plan.lanes, 1), dtype=torch.int32, device=d.device)
+                d.launch_layer(base, layouts[parsed.layer], plan, tables, header.coded_tokens, coef, status)
+                coefs.append(coef)
+                statuses.append((parsed.layer, status))
+            outs = [self.outs.setdefault(p.layer, torch.empty((2, header.tokens, header.heads, header.head_dim),
+                                                              dtype=header.dtype, device=d.device)) for p in group]
+            reconstruct.reconstruct(header, self.profile, group, coefs, outs)
+        self.inflight[Event("decoded", command.chunk, command.group)] = _Inflight(statuses, coefs)
+
+    def delivered(self, block: bool) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, k, v) of the queued deliveries whose decode has finished, in order (all
+        of them, waiting, when ``block``); CorruptBitstream if a lane of theirs failed."""
+        out = []
+        while self.deliveries:
+            after, layers = self.deliveries[0]
+            event = self.events[after]
+            if not block and not event.query():
+                break
+            event.synchronize()
+            self.deliveries.popleft()
+            done = [k for k in self.inflight if k.chunk == after.chunk and k.group <= after.group]
+            codes = [(layer, int(status.max().item())) for key in done for layer, status in self.inflight.pop(key).statuses]
+            bad = [(layer, code) for layer, code in codes if code]
+            if bad:
+                raise codec.CorruptBitstream(f"layer {bad[0][0]}: entropy-coded data is corrupt (code {bad[0][1]})")
+            out += [(layer, self.outs[layer][0], self.outs[layer][1]) for layer in layers]
+        return out
 
 
-@dataclass
-class _Launched:
-    header: codec.BlobHeader
-    layer: int
-    out: torch.Tensor
-    status: torch.Tensor
-    done: torch.cuda.Event
-    staged: _Staged  # keeps the device inputs alive until the kernel has run
-
-
-_decoders: dict[torch.device, GpuDecoder] = {}
+_decoders: dict[int, GpuDecoder] = {}
+_decoders_lock = threading.Lock()
 
 
 def decoder(device: str | torch.device = "cuda") -> GpuDecoder:
-    """The process-wide decoder of a device (compiles the kernel once)."""
-    key = torch.device(device)
-    if key not in _decoders:
-        _decoders[key] = GpuDecoder(key)
-    return _decoders[key]
+    """The process-wide decoder of a device (compiles the kernel once per device)."""
+    index = device_index(device)
+    with _decoders_lock:
+        if index not in _decoders:
+            _decoders[index] = GpuDecoder(torch.device("cuda", index))
+        return _decoders[index]
+
+
+def close_all() -> None:
+    """Close every decoder this process built (clean shutdown; a later decode builds anew)."""
+    with _decoders_lock:
+        decoders = list(_decoders.values())
+        _decoders.clear()
+    for d in decoders:
+        d.close()

@@ -120,46 +120,53 @@ def _tokens(data: memoryview, dtype: torch.dtype, channels: int, device: torch.d
 
 
 def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection],
-                coefficients: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
-    """Write the layers of ``group`` into ``out`` [layers, 2, tokens, heads, head_dim] (the
-    blob's dtype, on the device the coefficients are on): a coded layer from its stage 1
-    coefficients (None for a raw section), a raw one verbatim, sink tokens verbatim."""
-    if out.shape != header.shape or out.dtype != header.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {header.dtype} tensor of shape {tuple(header.shape)}")
-    flat = out.view(header.layers, 2, header.tokens, header.channels)
+                coefficients: Sequence[torch.Tensor | None], outs: Sequence[torch.Tensor]) -> None:
+    """Write each layer of ``group`` into its ``outs`` entry, a contiguous [2, tokens, heads,
+    head_dim] tensor of the blob's dtype (e.g. ``kv[layer]`` of the caller's whole cache) on
+    the device the coefficients are on: a coded layer from its stage 1 coefficients (None
+    for a raw section), a raw one verbatim, sink tokens verbatim."""
+    shape = (2, header.tokens, header.heads, header.head_dim)
+    for out in outs:
+        if out.shape != shape or out.dtype != header.dtype or not out.is_contiguous():
+            raise ValueError(f"each out must be a contiguous {header.dtype} tensor of shape {shape}")
+    flats = [out.view(2, header.tokens, header.channels) for out in outs]
     sinks, coded = header.sink_tokens, header.coded_tokens
-    pairs = [(p, c) for p, c in zip(group, coefficients) if p.lanes is not None]
-    if pairs:
-        values = inverse_group(device_tables(profile, out.device), [p.layer for p, _ in pairs],
-                               [p.lanes.plan.kept for p, _ in pairs], [c for _, c in pairs])
-        rope = profile.rotary
+    coded_layers = [i for i, p in enumerate(group) if p.lanes is not None]
+    if coded_layers:
+        device = flats[coded_layers[0]].device
+        values = inverse_group(device_tables(profile, device), [group[i].layer for i in coded_layers],
+                               [group[i].lanes.plan.kept for i in coded_layers],
+                               [coefficients[i] for i in coded_layers])
+        rope, n = profile.rotary, len(coded_layers)
         if rope is not None:
-            cos, sin = rope.angles(header.start + sinks, coded, out.device)
-            keys = values[:, 0].reshape(len(pairs) * coded, header.channels)
-            values[:, 0] = rotary.rotate(keys, rope, (cos.repeat(len(pairs), 1), sin.repeat(len(pairs), 1))
-                                         ).view(len(pairs), coded, header.channels)
+            cos, sin = rope.angles(header.start + sinks, coded, device)
+            keys = values[:, 0].reshape(n * coded, header.channels)
+            values[:, 0] = rotary.rotate(keys, rope, (cos.repeat(n, 1), sin.repeat(n, 1))).view(n, coded, -1)
         transform.clamp_to(values, header.dtype)
-        for (parsed, _), value in zip(pairs, values):
-            flat[parsed.layer, :, sinks:] = value
-    for parsed in group:
+        for i, value in zip(coded_layers, values):
+            flats[i][:, sinks:] = value
+    for parsed, flat in zip(group, flats):
         if parsed.raw is not None:
-            flat[parsed.layer, :, sinks:] = _tokens(parsed.raw, header.dtype, header.channels, out.device)
+            flat[:, sinks:] = _tokens(parsed.raw, header.dtype, header.channels, flat.device)
         if sinks:
-            flat[parsed.layer, :, :sinks] = _tokens(parsed.sinks, header.dtype, header.channels, out.device)
+            flat[:, :sinks] = _tokens(parsed.sinks, header.dtype, header.channels, flat.device)
 
 
 def decode_into(blob: bytes | memoryview, profile: Profile | None, out: torch.Tensor, group_layers: int = 4,
                 coefficients: Coefficients = cpu_coefficients) -> None:
-    """Decode a whole blob into ``out`` group by group of ``group_layers`` layers: stage 1
-    by ``coefficients`` (the CPU decoder by default), stage 2 by :func:`reconstruct`."""
+    """Decode a whole blob into ``out`` [layers, 2, tokens, heads, head_dim] group by group
+    of ``group_layers`` layers: stage 1 by ``coefficients`` (the CPU decoder by default),
+    stage 2 by :func:`reconstruct`."""
     header = codec.parse_header(blob)
+    if out.shape != header.shape:
+        raise ValueError(f"out must have the blob's shape {tuple(header.shape)}")
     resolved, slot = codec.resolve_profile(header, profile)
     for first in range(0, header.layers, group_layers):
         group = [parse_section(header, resolved, slot, layer, _section_bytes(blob, header, layer))
                  for layer in range(first, min(first + group_layers, header.layers))]
         coefs = [None if p.lanes is None else coefficients(resolved, p, header.coded_tokens).to(out.device)
                  for p in group]
-        reconstruct(header, resolved, group, coefs, out)
+        reconstruct(header, resolved, group, coefs, [out[p.layer] for p in group])
 
 
 def _section_bytes(blob: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:

@@ -214,46 +214,83 @@ def test_gpu_decodes_raw_sections_exactly() -> None:
     torch.testing.assert_close(cuda.float(), codec.decode(blob, profile).float(), rtol=2e-3, atol=2e-3)
 
 
-# ------------------------------------------------------------------ host-side pipeline logic
-def test_pipeline_submits_ahead_and_keeps_order() -> None:
-    from kernels.pipeline import pipelined
+# ------------------------------------------------------------------ the GPU adapter's host side
+def test_device_strings_name_a_cuda_device() -> None:
+    from kernels import devices
 
-    log: list[tuple[str, int]] = []
-
-    def submit(i: int) -> int:
-        log.append(("submit", i))
-        return i
-
-    def finish(i: int) -> int:
-        log.append(("finish", i))
-        return i * 10
-
-    assert list(pipelined(range(5), submit, finish, depth=2)) == [0, 10, 20, 30, 40]
-    # item i+1 is submitted (its upload queued) before item i is waited for
-    for i in range(4):
-        assert log.index(("submit", i + 1)) < log.index(("finish", i))
-    # never more than `depth` submitted and unfinished
-    outstanding = 0
-    for kind, _ in log:
-        outstanding += 1 if kind == "submit" else -1
-        assert outstanding <= 2
+    assert devices.device_index("cuda") == 0
+    assert devices.device_index("cuda:1") == 1
+    assert devices.device_index(torch.device("cuda", 3)) == 3
+    for bad in ("cpu", "meta", "cuda:x", "gpu:0", ""):
+        with pytest.raises(ValueError):
+            devices.device_index(bad)
 
 
-def test_pipeline_stops_at_the_first_failure_in_order() -> None:
-    from kernels.pipeline import pipelined
+def test_missing_gpu_is_a_typed_error_naming_what_is_missing() -> None:
+    from kernels import devices
 
-    def finish(i: int) -> int:
-        if i == 2:
-            raise codec.CorruptBitstream("layer 2")
-        return i
+    ok, reason = devices.availability()
+    if ok:
+        pytest.skip("a GPU is available here")
+    with pytest.raises(codec.GpuUnavailable, match=r"device='cuda:1' needs GPU decode: .+"):
+        devices.require("cuda:1")
+    with pytest.raises(codec.GpuUnavailable, match="needs GPU decode"):
+        gpu.decoder("cuda:1")
+    with pytest.raises(ValueError):
+        gpu.decoder("cpu")
 
-    results = []
-    with pytest.raises(codec.CorruptBitstream, match="layer 2"):
-        for value in pipelined(range(5), lambda i: i, finish, depth=3):
-            results.append(value)
-    assert results == [0, 1]
-    with pytest.raises(ValueError, match="depth"):
-        list(pipelined(range(3), lambda i: i, lambda i: i, depth=0))
+
+def test_kernel_decodes_a_group_packed_into_one_buffer(host_kernel) -> None:
+    """The adapter's one upload per group: every layer's lane arrays packed into one buffer
+    (kernels.packing), the kernel given pointers into it, as gpu.GpuDecoder.launch_layer does."""
+    from kernels import packing
+
+    profile = codec.calibrate([_kv(1)], delta="always")
+    blob = codec.encode(_kv(2), 1, profile)
+    header = codec.parse_header(blob)
+    group = [(layer, layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, payload, header.version))
+             for _, layer, payload in _layer_payloads(blob)]
+    buffer = np.full(packing.group_size(group) + 64, 0xEE, dtype=np.uint8)
+    layouts, used = packing.pack(group, buffer)
+    assert used == packing.group_size(group) and all(o % packing.ALIGN == 0 for l in layouts for o in l.offsets.values())
+    tables = layer_codec.coder_tables(profile)
+    base = buffer.ctypes.data
+    for layout, (layer, lanes) in zip(layouts, group):
+        plan = lanes.plan
+        at = lambda name: ctypes.c_void_p(base + layout.offsets[name])  # noqa: E731
+        out = np.full((header.coded_tokens, plan.rows), np.nan, dtype=np.float32)
+        status = np.full(plan.lanes, -1, dtype=np.int32)
+        host_kernel(at("words"), at("lane_start"), at("states"), *map(ctypes.c_int, (
+                    plan.lanes, plan.kept[0], plan.rows_per_lane, plan.piece_tokens)),
+                    at("step"), at("group"), at("table"), at("shift"),
+                    *[_ptr(a) for a in (tables.freq, tables.cdf, tables.lut)],
+                    ctypes.c_int(header.coded_tokens), ctypes.c_int(plan.rows), _ptr(out), _ptr(status))
+        assert (status == rans.OK).all()
+        np.testing.assert_array_equal(out.T, layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens))
+        back = packing.view(buffer, layout, lanes)
+        np.testing.assert_array_equal(back["words"], lanes.words)
+        np.testing.assert_array_equal(back["table"], lanes.plan.table)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_into_caller_tensors_overlapped() -> None:
+    """Several groups through two buffers: the caller's tensors filled, layers in order."""
+    ok, reason = gpu.availability()
+    if not ok:
+        pytest.skip(f"GPU decode unavailable: {reason}")
+    profile = codec.calibrate([_kv(1)])
+    blob = codec.encode(_kv(5).half(), 1, profile)
+    header = codec.parse_header(blob)
+    kv = torch.empty(header.shape, dtype=header.dtype, device="cuda")
+    decoder = gpu.GpuDecoder("cuda:0", group_layers=1)
+    try:
+        sections = ((l, container.section(blob, header, l)) for l in range(header.layers))
+        got = [layer for layer, _, _ in decoder.decode_into(header, profile, sections,
+                                                              outs={l: kv[l] for l in range(header.layers)})]
+        assert got == list(range(header.layers))
+        torch.testing.assert_close(kv.cpu().float(), codec.decode(blob, profile).float(), rtol=2e-3, atol=2e-3)
+    finally:
+        decoder.close()
 
 
 # ------------------------------------------------------------------ occupancy (bench_gpu --dry-run)
