@@ -90,8 +90,7 @@ class GpuDecoder:
             self._kernel = self._module.get_function("rans_decode_lanes")
             self.copy_stream, self.decode_stream = cuda.Stream(), cuda.Stream()
             self._torch_decode = torch.cuda.ExternalStream(self.decode_stream.handle, device=self.device)
-        self._host: list[np.ndarray] = [np.empty(0, np.uint8)] * buffers
-        self._dev: list[torch.Tensor | None] = [None] * buffers
+        self.buffers = Buffers(self, buffers)
         self._coder: dict[Profile, _CoderTables] = {}
         self._closed = False
 
@@ -115,7 +114,7 @@ class GpuDecoder:
         with self._lock, self.current():
             self.copy_stream.synchronize()
             self.decode_stream.synchronize()
-            self._host, self._dev, self._coder = [], [], {}
+            self.buffers, self._coder = Buffers(self, 0), {}
         self._closed = True
         self._context.detach()
 
@@ -129,18 +128,18 @@ class GpuDecoder:
         decodes."""
         resolved, slot = codec.resolve_profile(header, profile)
         with self._lock:  # held for the whole decode: the buffers and streams are this device's
-            run = _Run(self, header, resolved, slot, {} if outs is None else outs)
+            run = _Run(self, self.buffers, EventTable(self._cuda, 4 * self._buffer_count), 0, header,
+                       resolved, slot, {} if outs is None else outs)
             scheduler = Scheduler(self.group_layers, self._buffer_count)
             scheduler.open_chunk(0, header.layers if count is None else count)
             for layer, section in sections:
                 with self.current():  # current only while working, never across a yield
-                    run.arrive(layer, section)
-                    run.execute(scheduler.arrived(0, len(run.layer_at) - 1))
+                    run.execute(scheduler.arrived(0, run.arrive(layer, section)))
                     ready = run.delivered(block=False)
-                yield from ready
+                yield from _raise_first(ready)
             with self.current():
                 ready = run.delivered(block=True)
-            yield from ready
+            yield from _raise_first(ready)
 
     def decode_layers(self, header: codec.BlobHeader, profile: Profile | None,
                       sections: Iterable[tuple[int, bytes | memoryview]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -164,16 +163,9 @@ class GpuDecoder:
             self._coder[profile] = tables
         return tables
 
-    def buffers(self, index: int, size: int) -> tuple[np.ndarray, torch.Tensor]:
-        """Page-locked host buffer ``index`` and its device twin, grown to ``size`` bytes
-        (growing waits for both streams: the old buffers may still be read)."""
-        if self._host[index].size < size:
-            self.copy_stream.synchronize()
-            self.decode_stream.synchronize()
-            capacity = max(size, 2 * self._host[index].size)
-            self._host[index] = self._cuda.pagelocked_empty(capacity, np.uint8)
-            self._dev[index] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        return self._host[index], self._dev[index]
+    def decode_context(self):
+        """torch work issued inside runs on the decode stream."""
+        return torch.cuda.stream(self._torch_decode)
 
     def launch_layer(self, base: int, layout: packing.LayerLayout, plan: layer_codec.LayerPlan,
                      tables: _CoderTables, coded: int, coef: torch.Tensor, status: torch.Tensor) -> None:
@@ -190,69 +182,123 @@ class GpuDecoder:
                      stream=self.decode_stream)
 
 
-class _Run:
-    """One decode's state while the decoder carries out the scheduler's commands."""
+class Buffers:
+    """Page-locked host buffers, each with a device twin, used round robin by one scheduler."""
 
-    def __init__(self, decoder: GpuDecoder, header: codec.BlobHeader, profile: Profile, slot: int,
-                 outs: dict[int, torch.Tensor]) -> None:
-        self.decoder, self.header, self.profile, self.slot, self.outs = decoder, header, profile, slot, outs
+    def __init__(self, decoder: GpuDecoder, count: int) -> None:
+        self._decoder = decoder
+        self.host: list[np.ndarray] = [np.empty(0, np.uint8)] * count
+        self.device: list[torch.Tensor | None] = [None] * count
+
+    def get(self, index: int, size: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Buffer ``index`` and its twin, grown to ``size`` bytes (growing waits for both
+        streams: the old buffers may still be read)."""
+        if self.host[index].size < size:
+            d = self._decoder
+            d.copy_stream.synchronize()
+            d.decode_stream.synchronize()
+            capacity = max(size, 2 * self.host[index].size)
+            self.host[index] = d._cuda.pagelocked_empty(capacity, np.uint8)
+            self.device[index] = torch.empty(capacity, dtype=torch.uint8, device=d.device)
+        return self.host[index], self.device[index]
+
+
+class EventTable:
+    """Named CUDA events of one device's streams: recorded by the commands, waited on by
+    later ones. Only a buffer's latest copy and decode are ever waited on (the scheduler
+    names nothing older), so the table keeps the newest ``keep`` and forgets the rest."""
+
+    def __init__(self, cuda, keep: int) -> None:
+        self._cuda, self._keep = cuda, keep
+        self._events: dict[Event, object] = {}
+
+    def record(self, name: Event, stream) -> object:
+        event = self._cuda.Event()
+        event.record(stream)
+        self._events[name] = event
+        while len(self._events) > self._keep:
+            del self._events[next(iter(self._events))]
+        return event
+
+    def __getitem__(self, name: Event) -> object:
+        return self._events[name]
+
+
+#: (layer, k, v, error): a delivered layer, or the error that stopped it
+Delivered = tuple[int, "torch.Tensor | None", "torch.Tensor | None", "Exception | None"]
+
+
+class _Run:
+    """One chunk's state while its decoder carries out the scheduler's commands."""
+
+    def __init__(self, decoder: GpuDecoder, buffers: Buffers, events: EventTable, chunk: int,
+                 header: codec.BlobHeader, profile: Profile, slot: int, outs: dict[int, torch.Tensor]) -> None:
+        self.decoder, self.buffers, self.events, self.chunk = decoder, buffers, events, chunk
+        self.header, self.profile, self.slot, self.outs = header, profile, slot, outs
         self.layer_at: list[int] = []    # the scheduler's positions (arrival order) -> layers
         self.sections: dict[int, bytes | memoryview] = {}
         self.parsed: dict[int, reconstruct.ParsedSection] = {}
-        self.layouts: dict[int, list[packing.LayerLayout]] = {}
-        self.deliveries: deque[tuple[Event, list[int]]] = deque()
-        self.events: dict[Event, object] = {}
-        self.inflight: dict[Event, _Inflight] = {}
+        self.failed: dict[int, Exception] = {}   # layers whose section failed its checks
+        self.layouts: list[packing.LayerLayout] = []
+        self.deliveries: deque[tuple[object, int, list[int]]] = deque()   # (event, group, layers)
+        self.inflight: dict[int, _Inflight] = {}   # group -> what its decode reads and writes
 
-    def arrive(self, layer: int, section: bytes | memoryview) -> None:
+    def arrive(self, layer: int, section: bytes | memoryview) -> int:
+        """Take a section's bytes; its position for the scheduler."""
         if not 0 <= layer < self.header.layers or layer in self.layer_at:
             raise ValueError(f"layer {layer} is out of range or arrived twice")
         self.layer_at.append(layer)
         self.sections[layer] = section
+        return len(self.layer_at) - 1
 
-    def _event(self, name: Event, stream) -> None:
-        event = self.decoder._cuda.Event()
-        event.record(stream)
-        self.events[name] = event
+    def complete(self) -> bool:
+        return len(self.layer_at) == self.header.layers and not self.deliveries
 
     def execute(self, commands) -> None:
-        """Carry out the scheduler's commands; deliveries wait in order for their events."""
-        layer_of = self.layer_at.__getitem__
-        d, header = self.decoder, self.header
+        """Carry out this chunk's commands; deliveries queue in order for their events."""
+        d = self.decoder
         for command in commands:
             if isinstance(command, Verify):
-                layer = layer_of(command.layer)
-                self.parsed[layer] = reconstruct.parse_section(header, self.profile, self.slot, layer,
-                                                               self.sections.pop(layer))
+                layer = self.layer_at[command.layer]
+                try:
+                    self.parsed[layer] = reconstruct.parse_section(self.header, self.profile, self.slot, layer,
+                                                                   self.sections.pop(layer))
+                except codec.CorruptBitstream as exc:
+                    self.failed[layer] = exc
             elif isinstance(command, Upload):
                 if command.host_wait is not None:
                     self.events[command.host_wait].synchronize()   # the last copy out of this buffer
-                coded = [(l, self.parsed[l].lanes) for l in map(layer_of, command.layers)
+                coded = [(l, self.parsed[l].lanes) for l in self._layers(command.layers)
                          if self.parsed[l].lanes is not None]
-                host, dev = d.buffers(command.buffer, packing.group_size(coded))
-                self.layouts[command.buffer], used = packing.pack(coded, host)
+                host, dev = self.buffers.get(command.buffer, packing.group_size(coded))
+                self.layouts, used = packing.pack(coded, host)
                 if command.device_wait is not None:
                     d.copy_stream.wait_for_event(self.events[command.device_wait])
                 if used:
                     d._cuda.memcpy_htod_async(dev.data_ptr(), host[:used], d.copy_stream)
-                self._event(Event("copied", command.chunk, command.group), d.copy_stream)
+                self.events.record(Event("copied", command.chunk, command.group), d.copy_stream)
             elif isinstance(command, Launch):
                 d.decode_stream.wait_for_event(self.events[command.after])
-                self._launch(command, [layer_of(p) for p in command.layers])
-                self._event(Event("decoded", command.chunk, command.group), d.decode_stream)
+                self._launch(command)
+                self.events.record(Event("decoded", command.chunk, command.group), d.decode_stream)
             else:
                 assert isinstance(command, Deliver)
-                self.deliveries.append((command.after, [layer_of(p) for p in command.layers]))
+                self.deliveries.append((self.events[command.after], command.after.group,
+                                        [self.layer_at[p] for p in command.layers]))
 
-    def _launch(self, command: Launch, layers: list[int]) -> None:
+    def _layers(self, positions: tuple[int, ...]) -> list[int]:
+        """The layers at these positions whose sections passed their checks."""
+        return [l for l in (self.layer_at[p] for p in positions) if l not in self.failed]
+
+    def _launch(self, command: Launch) -> None:
         d, header = self.decoder, self.header
         tables = d.coder_tables(self.profile)
-        base = d._dev[command.buffer].data_ptr()
-        layouts = {layout.layer: layout for layout in self.layouts[command.buffer]}
-        group = [self.parsed.pop(l) for l in layers]
+        base = self.buffers.device[command.buffer].data_ptr()
+        layouts = {layout.layer: layout for layout in self.layouts}
+        group = [self.parsed.pop(l) for l in self._layers(command.layers)]
         coefs: list[torch.Tensor | None] = []
         statuses = []
-        with torch.cuda.stream(d._torch_decode):
+        with d.decode_context():
             for parsed in group:
                 if parsed.lanes is None:
                     coefs.append(None)
@@ -265,27 +311,39 @@ class _Run:
                 statuses.append((parsed.layer, status))
             outs = [self.outs.setdefault(p.layer, torch.empty((2, header.tokens, header.heads, header.head_dim),
                                                               dtype=header.dtype, device=d.device)) for p in group]
-            reconstruct.reconstruct(header, self.profile, group, coefs, outs)
-        self.inflight[Event("decoded", command.chunk, command.group)] = _Inflight(statuses, coefs)
+            if group:
+                reconstruct.reconstruct(header, self.profile, group, coefs, outs)
+        self.inflight[command.group] = _Inflight(statuses, coefs)
 
-    def delivered(self, block: bool) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(layer, k, v) of the queued deliveries whose decode has finished, in order (all
-        of them, waiting, when ``block``); CorruptBitstream if a lane of theirs failed."""
-        out = []
+    def delivered(self, block: bool) -> list[Delivered]:
+        """The queued deliveries whose decode has finished, in order (all of them, waiting,
+        when ``block``): (layer, k, v, None), or (layer, None, None, error) for a section
+        that failed its checks or a lane that failed in the kernel."""
+        out: list[Delivered] = []
         while self.deliveries:
-            after, layers = self.deliveries[0]
-            event = self.events[after]
+            event, last, layers = self.deliveries[0]
             if not block and not event.query():
                 break
             event.synchronize()
             self.deliveries.popleft()
-            done = [k for k in self.inflight if k.chunk == after.chunk and k.group <= after.group]
-            codes = [(layer, int(status.max().item())) for key in done for layer, status in self.inflight.pop(key).statuses]
-            bad = [(layer, code) for layer, code in codes if code]
-            if bad:
-                raise codec.CorruptBitstream(f"layer {bad[0][0]}: entropy-coded data is corrupt (code {bad[0][1]})")
-            out += [(layer, self.outs[layer][0], self.outs[layer][1]) for layer in layers]
+            for group in sorted(g for g in self.inflight if g <= last):  # the decode stream runs in order
+                for layer, status in self.inflight.pop(group).statuses:
+                    code = int(status.max().item())
+                    if code:
+                        self.failed[layer] = codec.CorruptBitstream(
+                            f"layer {layer}: entropy-coded data is corrupt (code {code})")
+            for layer in layers:
+                error = self.failed.get(layer)
+                out.append((layer, None, None, error) if error else
+                           (layer, self.outs[layer][0], self.outs[layer][1], None))
         return out
+
+
+def _raise_first(delivered: list[Delivered]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    for layer, k, v, error in delivered:
+        if error is not None:
+            raise error
+        yield layer, k, v
 
 
 _decoders: dict[int, GpuDecoder] = {}

@@ -293,6 +293,115 @@ def test_gpu_decode_into_caller_tensors_overlapped() -> None:
         decoder.close()
 
 
+class _FakeCuda:
+    """PyCUDA's few calls the adapter makes, on the host: events fire at once, a copy is a memmove."""
+
+    class Event:
+        recorded = False
+
+        def record(self, stream) -> None:
+            self.recorded = True
+
+        def synchronize(self) -> None:
+            assert self.recorded
+
+        def query(self) -> bool:
+            return self.recorded
+
+    class Stream:
+        def wait_for_event(self, event) -> None:
+            assert event.recorded   # never waits on an event not yet recorded
+
+        def synchronize(self) -> None:
+            pass
+
+    @staticmethod
+    def pagelocked_empty(size: int, dtype) -> np.ndarray:
+        return np.empty(size, dtype)
+
+    @staticmethod
+    def memcpy_htod_async(dest: int, src: np.ndarray, stream) -> None:
+        ctypes.memmove(dest, src.ctypes.data, src.nbytes)
+
+
+class _HostDecoder:
+    """gpu.GpuDecoder's own decode code on the host: CPU tensors for device memory, the
+    host-compiled kernel for the CUDA one (same pointer arguments), fake streams and events."""
+
+    launch_layer = gpu.GpuDecoder.launch_layer
+    coder_tables = gpu.GpuDecoder.coder_tables
+    decode_into = gpu.GpuDecoder.decode_into
+
+    def __init__(self, kernel, group_layers: int) -> None:
+        import contextlib
+        import threading
+
+        self.index, self.device, self.group_layers, self._buffer_count = 0, torch.device("cpu"), group_layers, 2
+        self._cuda, self._coder, self._lock = _FakeCuda, {}, threading.Lock()
+        self.copy_stream = self.decode_stream = _FakeCuda.Stream()
+        self.current = self.decode_context = contextlib.nullcontext
+        self.buffers = gpu.Buffers(self, 2)
+
+        def launch(*args, block, grid, stream) -> None:
+            assert stream is self.decode_stream and block[0] * grid[0] >= int(args[3])
+            kernel(*[ctypes.c_void_p(int(a)) if isinstance(a, np.uintp) else ctypes.c_int(int(a)) for a in args])
+        self._kernel = launch
+
+
+def _sections(blob: bytes):
+    header = codec.parse_header(blob)
+    return header, [(l, bytes(container.section(blob, header, l))) for l in range(header.layers)]
+
+
+def test_adapter_decodes_into_caller_tensors_through_the_host_kernel(host_kernel) -> None:
+    """GpuDecoder.decode_into's commands carried out on the host: one packed upload per
+    group, the kernel per layer, the batched GEMM; equal to the CPU decoder to 1 ulp."""
+    profile = codec.calibrate([torch.cat([_kv(1, tokens=300), _kv(2, tokens=300)])])
+    kv = torch.cat([_kv(5), _kv(6)]).half()            # 4 layers
+    blob = codec.encode(kv, 1, profile)
+    header, sections = _sections(blob)
+    out = torch.empty(header.shape, dtype=header.dtype)
+    decoder = _HostDecoder(host_kernel, group_layers=3)
+    got = [l for l, _, _ in decoder.decode_into(header, profile, iter(sections), outs={l: out[l] for l in range(4)})]
+    assert got == [0, 1, 2, 3]
+    want = codec.decode(blob, profile)
+    assert (out.view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
+
+
+def test_stream_decoder_overlaps_chunks_and_reports_corrupt_sections(host_kernel) -> None:
+    """kernels.stream: sections of three chunks interleaved, one corrupt: every other
+    layer's future gets its K and V, the corrupt one CorruptBitstream, and a resent copy
+    of it (a refetch) decodes."""
+    from kernels.stream import StreamDecoder
+
+    profile = codec.calibrate([torch.cat([_kv(1, tokens=300), _kv(2, tokens=300)])])
+    blobs = [codec.encode(torch.cat([_kv(10 + i), _kv(20 + i)]).half(), 1, profile, sink_tokens=0)
+             for i in range(3)]
+    parsed = [_sections(b) for b in blobs]
+    stream = StreamDecoder(_HostDecoder(host_kernel, group_layers=2), idle_seconds=0.01)
+    try:
+        futures = {}
+        for layer in range(4):
+            for chunk, (header, sections) in enumerate(parsed):
+                section = sections[layer][1]
+                if (chunk, layer) == (1, 2):
+                    section = bytes(section[:-1]) + bytes([section[-1] ^ 1])
+                futures[chunk, layer] = stream.submit(header, profile, layer, section)
+        for (chunk, layer), future in futures.items():
+            if (chunk, layer) == (1, 2):
+                with pytest.raises(codec.CorruptBitstream, match="layer 2"):
+                    future.result(timeout=60)
+                continue
+            k, v = future.result(timeout=60)
+            want = codec.decode(blobs[chunk], profile)[layer]
+            assert (torch.stack([k, v]).view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
+        header, sections = parsed[1]
+        k, v = stream.submit(header, profile, 2, sections[2][1]).result(timeout=60)
+        assert (torch.stack([k, v]).float() - codec.decode(blobs[1], profile)[2].float()).abs().max() < 1e-2
+    finally:
+        stream.close()
+
+
 # ------------------------------------------------------------------ occupancy (bench_gpu --dry-run)
 def test_occupancy_arithmetic_on_an_h200() -> None:
     from kernels import occupancy
