@@ -192,6 +192,12 @@ def test_minimize_keeps_the_units_that_add_coverage(tmp_path: Path, capsys) -> N
     assert all(fuzz.replay("sse", p.read_bytes()) is None for p in kept)
 
 
+def test_replay_corpus_reports_units_and_seconds_per_target(capsys) -> None:
+    assert main(["fuzz", "--target", "text", "--replay-corpus", str(CORPUS)]) == 0
+    units = len(list((CORPUS / "text").iterdir()))
+    assert f"text: {units} units, " in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ kvwire bench adversarial
 @pytest.mark.parametrize("name", sorted(adversarial.HOSTILE))
 def test_each_hostile_input_is_a_typed_rejection(name: str) -> None:

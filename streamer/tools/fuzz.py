@@ -573,6 +573,8 @@ def _handler(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     if args.minimize is not None:
         return _minimize(targets, Path(args.minimize), args.target == "all")
+    if args.replay_corpus is not None:
+        return _replay_corpus(targets, Path(args.replay_corpus))
     seconds = 60.0 * args.minutes
     if args.engine == "atheris":
         if len(targets) != 1:
@@ -625,6 +627,28 @@ def _minimize(targets: tuple[str, ...], corpus: Path, per_target: bool) -> int:
     return 0
 
 
+def _replay_corpus(targets: tuple[str, ...], corpus: Path) -> int:
+    """``--replay-corpus DIR``: every unit of DIR/<target>, as the CI replay runs them; the
+    units, wall and CPU seconds per target (after one warm-up unit each), and the failures."""
+    import codec
+
+    codec.warm_up()
+    failed = 0
+    for target in targets:
+        units = sorted(p for p in (corpus / target).glob("*") if p.is_file())
+        if not units:
+            continue
+        replay(target, units[0].read_bytes())   # the target's seeds and caches built, not timed
+        wall, cpu = time.perf_counter(), time.process_time()
+        errors = [(p.name, e) for p in units if (e := replay(target, p.read_bytes())) is not None]
+        print(f"{target}: {len(units)} units, {time.perf_counter() - wall:.2f} s "
+              f"(CPU {time.process_time() - cpu:.2f} s), {len(errors)} failing", flush=True)
+        for name, error in errors:
+            print(f"FAIL {target}/{name}\n{error}")
+        failed += len(errors)
+    return 1 if failed else 0
+
+
 def register(subparsers, bench_subparsers=None) -> None:
     if bench_subparsers is not None:
         from streamer.tools import adversarial
@@ -644,6 +668,8 @@ def register(subparsers, bench_subparsers=None) -> None:
     fuzz.add_argument("--minimize", metavar="DIR",
                       help="keep only the units of a corpus that add coverage (atheris, libFuzzer's -merge=1); "
                            "with --target all, DIR holds one directory per target")
+    fuzz.add_argument("--replay-corpus", metavar="DIR",
+                      help="run every unit of DIR/<target> (as the CI replay) and report the seconds")
     fuzz.add_argument("--json", action="store_true", help="print the summary as JSON")
     fuzz.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     fuzz.set_defaults(handler=_handler)
