@@ -147,3 +147,31 @@ class _StreamState:
                     future.set_exception(exc)
         self.runs.clear()
         self.by_header.clear()
+
+
+_streams: dict[int, StreamDecoder] = {}
+_streams_lock = threading.Lock()
+
+
+def stream_decoder(device: str | torch.device = "cuda") -> StreamDecoder:
+    """The process-wide stream decoder of a device (sessions and the daemon share it)."""
+    from .devices import device_index
+    from .gpu import decoder
+
+    index = device_index(device)
+    with _streams_lock:
+        if index not in _streams:
+            _streams[index] = StreamDecoder(decoder(torch.device("cuda", index)))
+        return _streams[index]
+
+
+def close_all() -> None:
+    """Finish and stop every stream decoder, then release every device (clean shutdown)."""
+    from .gpu import close_all as close_decoders
+
+    with _streams_lock:
+        streams = list(_streams.values())
+        _streams.clear()
+    for stream in streams:
+        stream.close()
+    close_decoders()

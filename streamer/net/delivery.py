@@ -144,8 +144,12 @@ class OrderedDelivery:
         slot = self._slot(chunk, layer)
         if slot.done():
             return  # duplicate part (refetch overlap); the first copy wins
-        job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
-                                         layer, section)
+        submit = getattr(self._decode, "submit", None)
+        if submit is not None:   # a GPU stream decoder: groups upload and decode as sections land
+            job = asyncio.ensure_future(_submitted(submit(header, profile, layer, section), time.perf_counter()))
+        else:
+            job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
+                                             layer, section)
         slot.set_result(job)
         size = len(section)
         self.backlog_bytes += size - self._backlog.get((chunk, layer), 0)
@@ -230,6 +234,12 @@ def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: cod
                   section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor, float]:
     start = time.perf_counter()
     k, v = decode(header, profile, layer, section)
+    return k, v, time.perf_counter() - start
+
+
+async def _submitted(future: concurrent.futures.Future, start: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(k, v, seconds from submission) of a section handed to a stream decoder."""
+    k, v = await asyncio.wrap_future(future)
     return k, v, time.perf_counter() - start
 
 

@@ -1,6 +1,13 @@
 """Where decoded layers land: the codec's section decoder for a device, with the CUDA
-backend (``kernels``) imported only when a session or daemon asks for a CUDA device."""
+backend (``kernels``) imported only when a session or daemon asks for a CUDA device.
+
+On a CUDA device the decoder is ``kernels.stream``'s process-wide stream decoder of that
+device: its ``submit`` takes each section as it lands and groups of layers upload and
+decode overlapped (``kernels.schedule``), which ``OrderedDelivery`` uses instead of a
+blocking decode per section."""
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -12,4 +19,14 @@ def section_decoder(device: str | torch.device):
     codec.GpuUnavailable says what is missing (pycuda, a GPU) when it cannot run here."""
     if torch.device(device).type == "cuda":
         import kernels  # noqa: F401  (registers the CUDA section decoder with codec)
+        from kernels import stream
+
+        return stream.stream_decoder(device)
     return codec.section_decoder(device)
+
+
+def close_devices() -> None:
+    """Stop the GPU stream decoders and release the devices, if any were started."""
+    stream = sys.modules.get("kernels.stream")
+    if stream is not None:
+        stream.close_all()

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from streamer.net.config import SessionConfig
+from streamer.net.devices import close_devices
 from streamer.receiver import malloc
 from streamer.receiver.cache import ContextCache
 from streamer.receiver.fetcher import Fetcher
@@ -137,6 +138,7 @@ class Receiver:
         if self._site is not None:
             await self._site.stop()  # no new connections
         await self.fetcher.close(self.config.shutdown_grace)
+        await asyncio.to_thread(close_devices)   # GPU decode workers finish, devices released
         if self._runner is not None:
             await self._runner.cleanup()
         if self._malloc is not None:

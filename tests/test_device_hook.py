@@ -1,0 +1,65 @@
+"""The CUDA device hook of sessions and the receiver daemon, without a GPU.
+
+A CUDA device's decoder is kernels.stream's stream decoder; OrderedDelivery hands it each
+section through ``submit`` (no executor thread blocked per section), and the typed errors
+say what is missing where there is no GPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import pytest
+import torch
+
+import codec
+from streamer.net import devices
+from streamer.net.delivery import OrderedDelivery
+from streamer.receiver.daemon import check_device
+
+
+def _gpu_missing() -> bool:
+    from kernels import devices as kernel_devices
+
+    return not kernel_devices.availability()[0]
+
+
+@pytest.mark.skipif(not _gpu_missing(), reason="a GPU is available here")
+def test_cuda_without_a_gpu_is_a_typed_error_and_the_daemon_refuses_at_start() -> None:
+    with pytest.raises(codec.GpuUnavailable, match="needs GPU decode"):
+        devices.section_decoder("cuda:1")
+    with pytest.raises(ValueError, match="cannot decode"):
+        check_device("cuda")
+    devices.close_devices()   # nothing was started: a no-op
+
+
+class _Submitting:
+    """A stream decoder's interface: submit returns a future resolved on another thread."""
+
+    def __init__(self) -> None:
+        self.submitted: list[int] = []
+
+    def submit(self, header, profile, layer, section) -> concurrent.futures.Future:
+        self.submitted.append(layer)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        value = torch.full((2, 1), float(layer))
+        threading.Timer(0.01 * (3 - layer), future.set_result, ((value, value),)).start()  # out of order
+        return future
+
+    def __call__(self, *args):   # the blocking form, never used when submit exists
+        raise AssertionError("OrderedDelivery must use submit")
+
+
+async def test_ordered_delivery_submits_sections_to_a_stream_decoder() -> None:
+    decoder, got = _Submitting(), []
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    delivery = OrderedDelivery(chunks=1, layers=3, on_layer=lambda c, l, k, v: got.append((l, float(k[0, 0]))),
+                               on_text=None, on_corrupt=lambda *a: None, executor=executor, decode=decoder)
+    delivery.resolve(0, 1)
+    for layer in range(3):
+        delivery.add_section(0, layer, None, None, b"x")
+    await asyncio.wait_for(delivery.run(), 5)
+    executor.shutdown()
+    assert decoder.submitted == [0, 1, 2]
+    assert got == [(0, 0.0), (1, 1.0), (2, 2.0)]
