@@ -1,12 +1,20 @@
-"""GPU decode benchmark (run on a machine with an NVIDIA GPU and pycuda; < 5 minutes).
+"""GPU decode benchmark (an NVIDIA GPU; pycuda built from a carried device kit; < 5 minutes).
 
-    python -m kernels.bench_gpu [--tokens 1536] [--chunks 4] [--json]
+    python -m kernels.bench_gpu --kit .kit [--tokens 1536] [--chunks 2] [--json]
     python -m kernels.bench_gpu --dry-run [--tokens 512 1024 1536] [--json]
 
-Prints, for Llama-3-8B-shaped chunks (32 layers, 8 KV heads, head dim 128):
-decode throughput in GB/s of fp16 output per level; the copy/decode overlap ratio
-(pipelined time over max(copy-only time, decode-only time)); CPU-vs-GPU equality.
-Targets on an H200: >= 150 GB/s at the default level, overlap <= 1.1.
+On a GPU, for Llama-3-8B-shaped chunks (32 layers, 8 KV heads, head dim 128), per level:
+entropy-only decode (the lane kernel alone, inputs on the device) and full decode (packed
+upload, kernel, batched GEMM, written into one KV tensor) in GB/s of fp16-equivalent
+output; the overlap ratio, the share of the decode hidden behind sections arriving at a
+simulated 10, 25 and 100 Gbit/s; and whether the GPU's coefficients equal the CPU
+decoder's bit for bit. Targets on an H200 (issue #16): entropy >= 150 GB/s and full
+>= 100 GB/s at level 1, decode fully hidden behind 25 Gbit/s.
+
+Without pycuda the script first builds it with ``KIT/install-pycuda.sh`` (a carried copy of
+../shared/device-kit) into ``$SITE`` (default /tmp/site) and stops with the build's log if
+that fails. With ``$OUT`` set (or ``--out``) the JSON report is rewritten there after every
+measurement, so a run cut off still reports what it measured.
 
 ``--dry-run`` needs no GPU (nor pycuda): the lane kernel's registers and shared memory
 from ``nvcc --resource-usage``, and per level and chunk length the blob's bytes, its
@@ -17,25 +25,98 @@ calibrated on another draw, as in ``kvwire bench codec --workload llama``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 import codec
-from codec import container
+from codec import container, layer_codec
 from codec.synthetic import synthetic_kv
 from kernels import gpu, occupancy
 
 LLAMA = (32, 8, 128)
+RATES_GBIT = (10.0, 25.0, 100.0)
+REPORT_NAME = "bench_gpu.json"
 
 
-def _sections(blob: bytes):
-    header = codec.parse_header(blob)
-    return header, [bytes(container.section(blob, header, l)) for l in range(header.layers)]
+@dataclass
+class Prepared:
+    """One level's blobs of the benchmark chunks and their sections (layer, bytes)."""
+
+    level: int
+    blobs: list[bytes]
+    headers: list[codec.BlobHeader]
+    sections: list[list[tuple[int, bytes]]]
+
+    @property
+    def fp16_bytes(self) -> int:
+        return sum(2 * h.layers * 2 * h.tokens * h.channels for h in self.headers)
 
 
-def _best(fn, repeat: int) -> float:
+def prepare(shape: tuple[int, int, int], tokens: int, chunks: int, levels: list[int] | None = None
+            ) -> tuple[codec.Profile, list[Prepared]]:
+    """A profile calibrated on one synthetic draw, and per level ``chunks`` other draws
+    encoded (no sink tokens: a context's later chunks have none)."""
+    profile = codec.calibrate([synthetic_kv(*shape, tokens, seed=1)])
+    kvs = [synthetic_kv(*shape, tokens, seed=10 + i).half() for i in range(chunks)]
+    out = []
+    for level in range(len(profile.levels)) if levels is None else levels:
+        blobs = [codec.encode(kv, level, profile, sink_tokens=0) for kv in kvs]
+        headers = [codec.parse_header(b) for b in blobs]
+        sections = [[(l, bytes(container.section(b, h, l))) for l in range(h.layers)] for b, h in zip(blobs, headers)]
+        out.append(Prepared(level, blobs, headers, sections))
+    return profile, out
+
+
+def arrival_times(sizes: list[int], gbit_s: float) -> list[float]:
+    """Seconds after the start at which each section's last byte lands, the sections sent
+    back to back at ``gbit_s``."""
+    times, sent = [], 0
+    for size in sizes:
+        sent += size
+        times.append(8 * sent / (gbit_s * 1e9))
+    return times
+
+
+def write_report(report: dict, out_dir: str | None) -> None:
+    """Rewrite the report in ``out_dir`` (if any): a cut-off run still leaves its figures."""
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2))
+
+
+def ensure_pycuda(kit: str | None, site: str) -> None:
+    """Import pycuda, building it from the device kit first when it is missing; SystemExit
+    with the build's log when the build fails."""
+    try:
+        import pycuda  # noqa: F401
+        return
+    except ImportError:
+        pass
+    if not kit:
+        raise SystemExit("pycuda is not installed: pass --kit DIR (a copy of ../shared/device-kit) to build it")
+    script = Path(kit) / "install-pycuda.sh"
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ, "SITE": site})
+    log = result.stdout + result.stderr
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "pycuda_build.log").write_text(log)
+    if result.returncode != 0:
+        raise SystemExit(f"pycuda build failed ({script}, exit {result.returncode}):\n{log[-4000:]}")
+    sys.path.insert(0, site)
+    importlib.import_module("pycuda")
+
+
+def _timed(fn, repeat: int) -> float:
+    """Best wall seconds of ``fn`` over ``repeat`` runs, the GPU idle before and after each."""
     best = float("inf")
     for _ in range(repeat):
         torch.cuda.synchronize()
@@ -46,22 +127,95 @@ def _best(fn, repeat: int) -> float:
     return best
 
 
-def _timings(decoder: gpu.GpuDecoder, profile, prepared, repeat: int) -> dict[str, float]:
-    """Seconds for: uploads only; kernels + GEMMs only (inputs already on the device);
-    the pipelined decode (uploads overlapping decodes), all over the same sections."""
-    items = [(header, layer, section) for header, sections in prepared for layer, section in enumerate(sections)]
-    staged = [decoder.stage(h, profile, l, s) for h, l, s in items]
+def measure_level(decoder, profile: codec.Profile, prepared: Prepared, repeat: int) -> dict:
+    """Entropy-only and full decode GB/s, the overlap behind each arrival rate, and the
+    CPU-vs-GPU coefficient check, for one level."""
+    from kernels import packing, reconstruct
 
-    def pipeline() -> None:
-        for header, sections in prepared:
-            for _ in decoder.decode_layers(header, profile, enumerate(sections)):
+    header0 = prepared.headers[0]
+    kv = torch.empty(header0.shape, dtype=header0.dtype, device=decoder.device)
+    outs = {l: kv[l] for l in range(header0.layers)}
+
+    def full() -> None:
+        for header, sections in zip(prepared.headers, prepared.sections):
+            for _ in decoder.decode_into(header, profile, iter(sections), outs=outs):
                 pass
 
-    return {
-        "copy_seconds": _best(lambda: [decoder.stage(h, profile, l, s) for h, l, s in items], repeat),
-        "decode_seconds": _best(lambda: [decoder.finish(decoder.launch(st)) for st in staged], repeat),
-        "pipeline_seconds": _best(pipeline, repeat),
-    }
+    # entropy only: every coded layer's arrays packed and uploaded once, then the kernels
+    slot = codec.resolve_profile(header0, profile)[1]
+    layers = []
+    for header, sections in zip(prepared.headers, prepared.sections):
+        parsed = [reconstruct.parse_section(header, profile, slot, l, s) for l, s in sections]
+        coded = [(p.layer, p.lanes) for p in parsed if p.lanes is not None]
+        host = torch.empty(packing.group_size(coded), dtype=torch.uint8).numpy()
+        layouts, _ = packing.pack(coded, host)
+        device = torch.from_numpy(host).to(decoder.device)
+        for layout, (_, lanes) in zip(layouts, coded):
+            coef = torch.empty((header.coded_tokens, lanes.plan.rows), dtype=torch.float32, device=decoder.device)
+            status = torch.zeros(max(lanes.plan.lanes, 1), dtype=torch.int32, device=decoder.device)
+            layers.append((device, layout, lanes, header.coded_tokens, coef, status))
+    tables = decoder.coder_tables(profile)
+
+    def entropy() -> None:
+        with decoder.current():
+            for device, layout, lanes, coded, coef, status in layers:
+                decoder.launch_layer(device.data_ptr(), layout, lanes.plan, tables, coded, coef, status)
+
+    full()  # warm-up: kernel load, tables, buffers
+    entropy()
+    t_full, t_entropy = _timed(full, repeat), _timed(entropy, repeat)
+    mismatched = 0
+    for device, layout, lanes, coded, coef, status in layers[: header0.layers]:
+        cpu = layer_codec.decode_coefficients(profile, layout.layer, lanes, coded)
+        mismatched += int(not torch.equal(coef.cpu().T, torch.from_numpy(cpu))) + int(status.max().item() != 0)
+    row = {"level": prepared.level, "bits_per_element": 8 * sum(map(len, prepared.blobs)) * 2 / prepared.fp16_bytes,
+           "entropy_gb_s": prepared.fp16_bytes / t_entropy / 1e9, "full_gb_s": prepared.fp16_bytes / t_full / 1e9,
+           "entropy_seconds": t_entropy, "full_seconds": t_full,
+           "coefficients_equal_cpu": mismatched == 0, "layers_checked": header0.layers}
+    for rate in RATES_GBIT:
+        row[f"hidden_at_{rate:g}gbit"] = _hidden_share(decoder, profile, prepared, rate, t_full)
+    return row
+
+
+def _hidden_share(decoder, profile, prepared: Prepared, gbit_s: float, t_full: float) -> float:
+    """Share of the decode hidden behind sections arriving at ``gbit_s``, through the
+    session's path (``kernels.stream``): 1 - (last layer out - last byte in) / decode alone."""
+    from kernels.stream import StreamDecoder
+
+    sections = [(header, layer, section) for header, chunk in zip(prepared.headers, prepared.sections)
+                for layer, section in chunk]
+    times = arrival_times([len(s) for _, _, s in sections], gbit_s)
+    stream = StreamDecoder(decoder)
+    try:
+        start = time.perf_counter()
+        futures = []
+        for (header, layer, section), at in zip(sections, times):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(stream.submit(header, profile, layer, section))
+        for future in futures:
+            future.result()
+        exposed = max(0.0, time.perf_counter() - start - times[-1])
+    finally:
+        stream.close()
+    return max(0.0, 1.0 - exposed / t_full)
+
+
+def run_gpu(args: argparse.Namespace) -> dict:
+    """The GPU measurements, the report rewritten after each level."""
+    ok, reason = gpu.availability()
+    if not ok:
+        raise SystemExit(f"GPU benchmark needs a GPU: {reason}")
+    decoder = gpu.decoder("cuda")
+    report = {"device": torch.cuda.get_device_name(), "shape": list(args.shape), "tokens": args.tokens[0],
+              "chunks": args.chunks, "group_layers": decoder.group_layers, "results": []}
+    write_report(report, args.out)
+    profile, levels = prepare(tuple(args.shape), args.tokens[0], args.chunks)
+    for prepared in levels:
+        report["results"].append(measure_level(decoder, profile, prepared, args.repeat))
+        write_report(report, args.out)
+    return report
 
 
 def lane_rows(profile: codec.Profile, tokens: list[int], seed: int = 2) -> list[dict]:
@@ -77,80 +231,74 @@ def lane_rows(profile: codec.Profile, tokens: list[int], seed: int = 2) -> list[
     return rows
 
 
-def dry_run(tokens: list[int], calibration_tokens: int) -> dict:
-    """Occupancy of the lane kernel on an H200 for Llama-shaped chunks, without a GPU."""
+def dry_run(tokens: list[int], calibration_tokens: int, shape: tuple[int, int, int] = LLAMA) -> dict:
+    """Occupancy of the lane kernel on an H200 for chunks of ``shape``, without a GPU."""
     try:
         resources = occupancy.kernel_resources(gpu.KERNEL_DIR / "rans_decode.cu")
     except RuntimeError as exc:
         raise SystemExit(f"--dry-run: {exc}") from exc
-    profile = codec.calibrate([synthetic_kv(*LLAMA, calibration_tokens, seed=1)])
+    profile = codec.calibrate([synthetic_kv(*shape, calibration_tokens, seed=1)])
     rows = [{**row, **occupancy.fill(occupancy.H200, resources, gpu.THREADS_PER_BLOCK, row["lanes"])}
             for row in lane_rows(profile, tokens)]
     return {"device": occupancy.H200.name, "sms": occupancy.H200.sms,
             "threads_per_sm": occupancy.H200.threads_per_sm, "kernel": "rans_decode_lanes",
             "registers": resources.registers, "shared_bytes": resources.shared_bytes,
-            "threads_per_block": gpu.THREADS_PER_BLOCK, "shape": list(LLAMA), "rows": rows}
+            "threads_per_block": gpu.THREADS_PER_BLOCK, "shape": list(shape), "rows": rows}
 
 
 def _print_dry_run(report: dict) -> None:
     print(f"{report['kernel']}: {report['registers']} registers/thread, {report['shared_bytes']} B shared/block, "
           f"{report['threads_per_block']} threads/block (nvcc --resource-usage, sm_90)")
     print(f"{report['device']}: {report['sms']} SMs x {report['threads_per_sm']} threads; "
-          f"Llama-3-8B shape {tuple(report['shape'])}, one synthetic chunk, sinks 0")
+          f"shape {tuple(report['shape'])} (layers, KV heads, head dim), one synthetic chunk, sinks 0")
     print("tokens level   bytes      bits/el  lanes   threads/SM (resident max)  device fill")
     for r in report["rows"]:
         print(f"{r['tokens']:6d} {r['level']:5d} {r['bytes']:10d} {r['bits_per_element']:8.3f} {r['lanes']:7d} "
               f"{r['threads_per_sm']:9d} ({r['resident_threads_per_sm']:4d})          {100 * r['fraction_of_device']:5.1f}%")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help="tokens per chunk (default 1536; --dry-run: 512 1024 1536)")
-    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--calibration-tokens", type=int, default=1536,
                         help="tokens of the synthetic draw the profile is fitted on (--dry-run)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: registers, lanes per chunk and H200 occupancy")
+    parser.add_argument("--shape", type=int, nargs=3, default=list(LLAMA), metavar=("LAYERS", "HEADS", "HEAD_DIM"),
+                        help="KV shape of the chunks (default Llama-3-8B's 32 8 128)")
+    parser.add_argument("--kit", default=None, help="a copy of ../shared/device-kit: builds pycuda if missing")
+    parser.add_argument("--site", default=os.environ.get("SITE", "/tmp/site"), help="where the kit installs pycuda")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="folder the JSON report is rewritten in")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.dry_run:
-        report = dry_run(args.tokens or [512, 1024, 1536], args.calibration_tokens)
+        report = dry_run(args.tokens or [512, 1024, 1536], args.calibration_tokens, tuple(args.shape))
+        write_report(report, args.out)
         if args.json:
             print(json.dumps(report, indent=2))
         else:
             _print_dry_run(report)
         return
-    args.tokens = (args.tokens or [1536])[0]
-    ok, reason = gpu.availability()
-    if not ok:
-        raise SystemExit(f"GPU benchmark needs a GPU: {reason}")
-    decoder = gpu.decoder("cuda")
-    profile = codec.calibrate([synthetic_kv(*LLAMA, args.tokens, seed=1)])
-    chunks = [synthetic_kv(*LLAMA, args.tokens, seed=10 + i).half() for i in range(args.chunks)]
-    results = []
-    for level in range(len(profile.levels)):
-        blobs = [codec.encode(c, level, profile, sink_tokens=0) for c in chunks]
-        prepared = [_sections(b) for b in blobs]
-        _timings(decoder, profile, prepared[:1], 1)  # warm-up: kernel load, tables
-        t = _timings(decoder, profile, prepared, args.repeat)
-        out_bytes = sum(c.numel() * 2 for c in chunks)
-        cpu = codec.decode(blobs[0], profile)
-        cuda = codec.decode(blobs[0], profile, device="cuda").cpu()
-        max_diff = float((cpu.float() - cuda.float()).abs().max())
-        results.append({"level": level, "bits_per_element": 8 * sum(map(len, blobs)) / sum(c.numel() for c in chunks),
-                        "decode_gb_s": out_bytes / t["pipeline_seconds"] / 1e9, **t,
-                        "overlap_ratio": t["pipeline_seconds"] / max(t["copy_seconds"], t["decode_seconds"]),
-                        "cpu_gpu_max_abs_diff": max_diff})
+    args.tokens = args.tokens or [1536]
+    ensure_pycuda(args.kit, args.site)
+    report = run_gpu(args)
     if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=2))
+        print(json.dumps(report, indent=2))
         return
-    print(f"GPU decode on {torch.cuda.get_device_name()}: {args.chunks} chunks x {args.tokens} tokens, "
-          f"Llama-3-8B shape {LLAMA}")
-    for r in results:
-        print(f"  level {r['level']}: {r['bits_per_element']:.2f} bits/el  {r['decode_gb_s']:.1f} GB/s fp16 out  "
-              f"overlap {r['overlap_ratio']:.2f}  max|cpu-gpu| {r['cpu_gpu_max_abs_diff']:.3g}")
+    print(f"GPU decode on {report['device']}: {args.chunks} chunks x {args.tokens[0]} tokens, "
+          f"shape {tuple(args.shape)}, groups of {report['group_layers']} layers")
+    for r in report["results"]:
+        hidden = "  ".join(f"{rate:g} Gbit/s {100 * r[f'hidden_at_{rate:g}gbit']:.0f}%" for rate in RATES_GBIT)
+        print(f"  level {r['level']}: {r['bits_per_element']:.2f} bits/el  entropy {r['entropy_gb_s']:.1f} GB/s  "
+              f"full {r['full_gb_s']:.1f} GB/s  hidden: {hidden}  coefficients equal CPU: "
+              f"{r['coefficients_equal_cpu']}")
 
 
 if __name__ == "__main__":
