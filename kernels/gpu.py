@@ -81,7 +81,7 @@ class GpuDecoder:
         self.device = torch.device("cuda", self.index)
         self.group_layers, self._buffer_count = group_layers, buffers
         self._context = cuda.Device(self.index).retain_primary_context()
-        self._lock = threading.Lock()   # one decode at a time per device: the streams are shared
+        self._lock = threading.Lock()   # one decode_into at a time: they share self.buffers
         with self.current():
             cache = Path(os.environ.get("KVWIRE_CUDA_CACHE", Path.home() / ".cache" / "kvwire" / "cuda"))
             cache.mkdir(parents=True, exist_ok=True)
@@ -127,7 +127,7 @@ class GpuDecoder:
         head_dim] on this device; allocated when absent): group g+1 uploads while group g
         decodes."""
         resolved, slot = codec.resolve_profile(header, profile)
-        with self._lock:  # held for the whole decode: the buffers and streams are this device's
+        with self._lock:  # held for the whole decode: self.buffers are reused across its groups
             run = _Run(self, self.buffers, EventTable(self._cuda, 4 * self._buffer_count), 0, header,
                        resolved, slot, {} if outs is None else outs)
             scheduler = Scheduler(self.group_layers, self._buffer_count)
@@ -293,7 +293,8 @@ class _Run:
     def _launch(self, command: Launch) -> None:
         d, header = self.decoder, self.header
         tables = d.coder_tables(self.profile)
-        base = self.buffers.device[command.buffer].data_ptr()
+        device_buffer = self.buffers.device[command.buffer]   # None until a group had coded layers
+        base = 0 if device_buffer is None else device_buffer.data_ptr()
         layouts = {layout.layer: layout for layout in self.layouts}
         group = [self.parsed.pop(l) for l in self._layers(command.layers)]
         coefs: list[torch.Tensor | None] = []

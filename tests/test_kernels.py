@@ -368,6 +368,28 @@ def test_adapter_decodes_into_caller_tensors_through_the_host_kernel(host_kernel
     assert (out.view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
 
 
+def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group with no coded layer (layer 0 stored raw) needs no upload; sinks verbatim."""
+    profile = codec.calibrate([_kv(1, tokens=300)])
+    encode_layer = layer_codec.encode_layer
+
+    def raw_layer_0(profile, slot, layer, *args, **kwargs):
+        if layer == 0:
+            raise layer_codec.NotCodable("test")
+        return encode_layer(profile, slot, layer, *args, **kwargs)
+
+    monkeypatch.setattr(layer_codec, "encode_layer", raw_layer_0)
+    kv = _kv(5).half()
+    blob = codec.encode(kv, 1, profile, sink_tokens=4)
+    header, sections = _sections(blob)
+    assert header.is_raw(0) and not header.is_raw(1)
+    decoder = _HostDecoder(host_kernel, group_layers=1)
+    got = {l: torch.stack([k, v]) for l, k, v in decoder.decode_into(header, profile, iter(sections))}
+    assert torch.equal(got[0], kv[0]) and torch.equal(got[1][:, :4], kv[1][:, :4])
+    want = codec.decode(blob, profile)[1]
+    assert (got[1].view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
+
+
 def test_stream_decoder_overlaps_chunks_and_reports_corrupt_sections(host_kernel) -> None:
     """kernels.stream: sections of three chunks interleaved, one corrupt: every other
     layer's future gets its K and V, the corrupt one CorruptBitstream, and a resent copy
