@@ -128,7 +128,7 @@ class GpuDecoder:
         decodes."""
         resolved, slot = codec.resolve_profile(header, profile)
         with self._lock:  # held for the whole decode: self.buffers are reused across its groups
-            run = _Run(self, self.buffers, EventTable(self._cuda, 4 * self._buffer_count), 0, header,
+            run = ChunkRun(self, self.buffers, EventTable(self._cuda, 4 * self._buffer_count), 0, header,
                        resolved, slot, {} if outs is None else outs)
             scheduler = Scheduler(self.group_layers, self._buffer_count)
             scheduler.open_chunk(0, header.layers if count is None else count)
@@ -228,7 +228,7 @@ class EventTable:
 Delivered = tuple[int, "torch.Tensor | None", "torch.Tensor | None", "Exception | None"]
 
 
-class _Run:
+class ChunkRun:
     """One chunk's state while its decoder carries out the scheduler's commands."""
 
     def __init__(self, decoder: GpuDecoder, buffers: Buffers, events: EventTable, chunk: int,

@@ -22,7 +22,7 @@ import torch
 import codec
 from codec.profile import Profile
 
-from .gpu import Buffers, EventTable, GpuDecoder, _Run
+from .gpu import Buffers, ChunkRun, EventTable, GpuDecoder
 from .schedule import Scheduler
 
 _STOP = object()
@@ -103,19 +103,19 @@ class _StreamState:
 
     def __init__(self, scheduler: Scheduler, buffers: Buffers, events: EventTable) -> None:
         self.scheduler, self.buffers, self.events = scheduler, buffers, events
-        self.runs: dict[int, tuple[_Run, dict]] = {}          # scheduler chunk -> (run, layer -> future)
+        self.runs: dict[int, tuple[ChunkRun, dict]] = {}          # scheduler chunk -> (run, layer -> future)
         self.by_header: dict[int, tuple[codec.BlobHeader, int]] = {}   # id(header) -> (header, chunk)
         self.chunks = 0
 
     def run_for(self, d: GpuDecoder, header: codec.BlobHeader, profile: Profile, slot: int, layer: int
-                ) -> tuple[_Run, dict]:
+                ) -> tuple[ChunkRun, dict]:
         """The open chunk of this header, or a new one (a new header, or a layer sent again)."""
         known = self.by_header.get(id(header))
         entry = self.runs.get(known[1]) if known is not None and known[0] is header else None
         if entry is None or layer in entry[0].layer_at:
             chunk, self.chunks = self.chunks, self.chunks + 1
             self.scheduler.open_chunk(chunk, header.layers)
-            entry = (_Run(d, self.buffers, self.events, chunk, header, profile, slot, {}), {})
+            entry = (ChunkRun(d, self.buffers, self.events, chunk, header, profile, slot, {}), {})
             self.runs[chunk] = entry
             self.by_header[id(header)] = (header, chunk)
         return entry
