@@ -388,6 +388,15 @@ async def test_hostile_requests_get_typed_4xx_and_the_daemon_stays_up(receive, h
     assert await _metric(http, receiver, 'kvwire_receiver_errors_total{status="500"}') == 0
 
 
+async def test_a_body_that_does_not_arrive_in_time_is_408(receive, monkeypatch) -> None:
+    from streamer.receiver import requests
+
+    monkeypatch.setattr(requests, "BODY_TIMEOUT", 0.3)
+    receiver = await receive([("127.0.0.1", closed_port())])
+    status, _, body = await _raw(receiver, b"POST /fetch HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    assert status == 408 and b"did not arrive within" in body, body
+
+
 async def test_a_fixed_level_beyond_the_ladder_is_400_fetched_or_cached(contexts, sender, receive, http) -> None:
     receiver = await receive([("127.0.0.1", sender.port)])
     for body in ({"policy": "fixed:9"}, {"min_level": 9}):   # min_level alone means fixed:9
