@@ -27,9 +27,9 @@ The CI tests (tests/test_fuzz_cli.py) run these through hypothesis for tens of
 thousands of cases and replay a corpus; ``kvwire fuzz --minutes N`` loops hypothesis
 (``pip install 'kvwire[fuzz]'``) until the time is up, or with ``--engine atheris``
 (``pip install atheris``) runs libFuzzer, coverage-guided, on one target with the
-codec, wire and store modules instrumented, starting from valid inputs of the
-target (``seed_inputs``), and reports the cases run and every failure with a
-reproducer (``--replay HEX``). ``kvwire fuzz --minimize DIR`` keeps only the units of
+codec, wire, store and receiver request modules (and aiohttp's Python request parser)
+instrumented, starting from valid inputs of the target (``seed_inputs``), and reports
+the cases run and every failure with a reproducer (``--replay HEX``). ``kvwire fuzz --minimize DIR`` keeps only the units of
 a corpus that add coverage (libFuzzer's merge), so the CI replay stays short.
 """
 from __future__ import annotations
