@@ -9,7 +9,7 @@ import pytest
 import netsim
 import streamer
 from streamer.adapt.base import TEXT, Abandon, Observation, PlanInput
-from streamer.adapt.cancel import (COMMITTED_BYTES, RECENT_S, InFlight, Switch, abandon_seconds,
+from streamer.adapt.cancel import (COMMITTED_BYTES, PATIENCE_S, RECENT_S, InFlight, Switch, abandon_seconds,
                                    chunk_rate, reconsider)
 from streamer.adapt.decide import time_left
 from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES, shortfall
@@ -41,15 +41,17 @@ def test_downgrades_when_finishing_would_sink_the_deadline() -> None:
 
 
 def test_only_text_once_a_layer_went_out() -> None:
+    """As above with a layer delivered: only text can follow, and with 0.35 s left it
+    cannot wait for the link (~0.29 s to give it up now, ~0.41 s after PATIENCE_S)."""
     head = InFlight(level=0, remaining_bytes=900_000, delivered_layers=1)
-    switch = reconsider(_plan(0.6), head, rate=MB, rtt=0.001, reconnect_seconds=1.0)
+    switch = reconsider(_plan(0.35), head, rate=MB, rtt=0.001, reconnect_seconds=1.0)
     assert switch == Switch(choice=TEXT, abort=False)
 
 
 def test_aborts_the_connection_when_draining_costs_more_than_reconnecting() -> None:
     head = InFlight(level=0, remaining_bytes=900_000, delivered_layers=0)
     rate = 100_000   # 0.8 Mbit/s: the committed bytes alone take ~2.6 s
-    switch = reconsider(_plan(1.0), head, rate=rate, rtt=0.001, reconnect_seconds=0.05)
+    switch = reconsider(_plan(0.25), head, rate=rate, rtt=0.001, reconnect_seconds=0.05)
     assert switch is not None and switch.abort and COMMITTED_BYTES / rate > 0.05
 
 
@@ -68,6 +70,17 @@ def test_gives_up_while_giving_up_still_fits() -> None:
     assert reconsider(_plan(0.08), head, rate=MB, rtt=0.001, reconnect_seconds=0.01) == Switch(TEXT, True)
     # with time for a later look to give it up, it is kept
     assert reconsider(_plan(0.2), head, rate=MB, rtt=0.001, reconnect_seconds=0.01) is None
+
+
+def test_a_slow_chunk_is_waited_for_while_it_could_still_be_given_up() -> None:
+    """The link under a level-0 chunk fell to 100 kB/s: keeping it would take 9 s. A
+    fade may end, so it is kept while giving it up for text would still fit after
+    PATIENCE_S more (~0.22 s in all here); with less time left it goes to text now."""
+    head = InFlight(level=0, remaining_bytes=900_000, delivered_layers=1)
+    assert reconsider(_plan(0.3), head, rate=100_000, rtt=0.001, reconnect_seconds=0.01) is None
+    assert reconsider(_plan(0.2), head, rate=100_000, rtt=0.001,
+                      reconnect_seconds=0.01) == Switch(TEXT, abort=True)
+    assert PATIENCE_S > RECENT_S
 
 
 def test_a_steady_peer_keeps_a_chunk_on_course_near_the_deadline() -> None:
@@ -108,7 +121,7 @@ def test_nothing_to_judge_before_a_sample_unless_the_chunk_stalls() -> None:
     assert chunk_rate(early, estimate=MB) is None     # on pace for the estimate: wait
     stalled = [(0.0, 0), (1.0, 10)]
     sample = chunk_rate(stalled, estimate=MB)         # 64 KiB/s at most, far below 1 MB/s
-    assert sample == Observation(MIN_SAMPLE_BYTES, 1.0)
+    assert sample == Observation(MIN_SAMPLE_BYTES, 1.0, upper_bound=True)
     assert chunk_rate(stalled, estimate=None) is None and chunk_rate([(0.0, 0)], estimate=MB) is None
 
 

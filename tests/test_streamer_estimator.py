@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from streamer.adapt.estimator import (ERROR_QUANTILE, MIN_SAMPLE_BYTES, SCENARIO_QUANTILES, error_factor,
                                       harmonic_mean, last_sample, log_errors, pool_sample,
                                       rate_scenarios, robust_estimate, throughputs)
+from streamer.adapt import estimator
 from streamer.adapt.base import Observation
 
 observations = st.builds(
@@ -155,3 +156,14 @@ def test_rate_scenarios_spread_with_the_peers_errors_and_not_without() -> None:
     # the central scenario is the robust estimate; none is above the fast estimate
     assert rates[list(SCENARIO_QUANTILES).index(0.5)] == pytest.approx(robust_estimate(steady, prior_errors=errors))
     assert rates.max() <= 10_000_000.0 + 1e-6
+
+
+def test_a_stalls_upper_bound_is_not_remembered_for_the_next_fetch() -> None:
+    """A chunk judged during a long stall leaves a bound of a few kB/s; remembered, it
+    would make the next fetch all text, which measures nothing, for good."""
+    measured = [Observation(1_000_000, 1.0)] * 3
+    stall = Observation(64 * 1024, 10.0, upper_bound=True)
+    memory = estimator.remember(measured + [stall])
+    assert memory is not None and memory.rate == pytest.approx(1_000_000)
+    assert estimator.remember(measured + [Observation(64 * 1024, 10.0)]).rate < 100_000
+    assert estimator.remember([stall]) is None

@@ -12,7 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from netsim.trace import Trace
-from streamer.adapt import estimator
+from streamer.adapt import estimator, overlap
+from streamer.adapt import mpc as mpc_rule
+from streamer.adapt.base import link_seconds
 from streamer.wire.manifest import ChunkInfo, Manifest
 from streamer.adapt.policies import TEXT, Observation, PlanInput, get_policy, predicted_seconds
 from streamer.adapt.simulate import MIN_SAMPLE_BYTES, Simulator, _Link, oracle
@@ -240,10 +242,19 @@ def _own_estimate(name: str, inp: PlanInput) -> float | None:
 @settings(max_examples=300, deadline=None)
 @given(inp=plan_inputs())
 def test_no_level_that_misses_the_deadline_when_a_quicker_option_fits(name, inp) -> None:
+    """greedy: no level that misses at its estimate when a quicker option fits. mpc plans
+    the whole rest: no first option that starts no fitting plan at its estimate when a
+    guarded one does (checking chunk 0 alone would miss that the rest must fit too)."""
     estimate = _own_estimate(name, inp)
     choice = get_policy(name)(inp)
     if estimate is None or choice == TEXT:
         return  # no estimate: the probe (smallest level) is the documented rule
+    if name == "mpc":
+        starts = overlap.first_option_costs(link_seconds(inp, estimate), inp.text_seconds,
+                                            mpc_rule.plan_costs(inp), inp.time_left, inp.recompute_busy)
+        fits = np.isfinite(starts) & mpc_rule.guarded(inp)
+        assert fits[choice] or not fits.any(), (choice, starts, fits)
+        return
     mine = predicted_seconds(inp, choice, estimate)
     if mine <= inp.time_left:
         return

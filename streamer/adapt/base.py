@@ -35,6 +35,9 @@ class Observation:
 
     bytes: int
     busy_seconds: float
+    #: the link carried at most this much (a stall judged before a real sample): fit to
+    #: decide on within the fetch, not to remember for the next one (``estimator.remember``)
+    upper_bound: bool = False
 
     def __post_init__(self) -> None:
         if self.bytes < 0 or not self.busy_seconds >= 0:

@@ -202,7 +202,15 @@ class LinkMemory:
 
 def remember(history: Sequence[Observation], prior_errors: Sequence[float] = ()) -> LinkMemory | None:
     """The memory a fetch with this ``history`` leaves (None when it measured nothing):
-    the session keeps one per sender, the simulator hands it to the next fetch."""
+    the session keeps one per sender, the simulator hands it to the next fetch.
+
+    A stall's upper bound (``Observation.upper_bound``) is left out: a chunk that waited
+    through a long stall leaves a bound of a few kbit/s, and a memory that low makes the
+    next fetch all text, which measures nothing, so every later fetch to the peer would
+    stay text (seen in ``kvwire bench policies`` on an on-off link). The next fetch starts
+    from what was measured, and its own cancel rule meets the stall if it is still there.
+    """
+    history = [o for o in history if not o.upper_bound]
     rate = robust_estimate(history, prior_errors=prior_errors)
     if rate is None:
         return None
