@@ -2,9 +2,10 @@
 
 Blob = header (shape, dtype, level, start position, profile id, per-layer lengths,
 checksums and modes, optional embedded profile) + one section per layer. Each section holds the
-layer's attention-sink tokens verbatim, then its K and V lanes (or, in a raw
-section, its other tokens verbatim), so a receiver can decode layer l as soon as
-that section has arrived (``decode_section``). Every size read from a blob is
+layer's attention-sink tokens verbatim, then its K and V lanes with the steps and
+kept rows the encoder chose for this chunk (``codec.control``: closed loop, so a level
+holds its MSE/var on any text), or, in a raw section, its other tokens verbatim, so a
+receiver can decode layer l as soon as that section has arrived (``decode_section``). Every size read from a blob is
 checked against codec/FORMAT.md's "Limits" before anything is allocated from it.
 """
 from __future__ import annotations
@@ -17,23 +18,22 @@ import numpy as np
 import torch
 import zstandard
 
-from . import backends, container, layer_codec
+from . import backends, container, control, layer_codec
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .profile import DEFAULT_SINK_TOKENS, Profile, coded_body, embedded_profile, validate_kv
 from .rotary import MAX_POSITION
 
-#: a layer's K or V whose measured MSE/var passes this multiple of its level's target does
-#: not fit the profile: the layer is stored raw and ``encode`` warns (ProfileMismatchWarning).
-#: Real text unlike the calibration overshoots by up to ~2x; a profile from another model
-#: by 10x and more (issue #14).
+#: a layer's K or V whose energy in the components the profile's level drops passes this
+#: multiple of its level's target (as MSE/var) does not fit the profile: no step corrects
+#: that error, so the layer is stored raw and ``encode`` warns (ProfileMismatchWarning).
+#: A profile from another model loses 10x and more (issue #14); a chunk merely louder or
+#: quieter than the calibration loses the same share as it and is step-controlled.
 MISFIT_FACTOR = 4.0
-#: tokens the fit check quantizes per layer and K/V (evenly spaced): ~4% of the encoding
-#: time of a 1536-token chunk, and enough to tell 4x from 1x (64 x C values)
-MISFIT_SAMPLE_TOKENS = 64
-#: fewer coded tokens than this are not checked: their own variance says little (a few
-#: tokens of a context's tail may all be alike) and a wrong guess would only cost bytes
+#: fewer coded tokens than this are neither checked nor step-controlled (the profile's
+#: steps apply): their own variance says little (a few tokens of a context's tail may all
+#: be alike) and a wrong guess would only cost bytes
 MISFIT_MIN_TOKENS = 64
 
 _ITEM_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -54,16 +54,20 @@ def _tokens_from_bytes(data: memoryview, dtype: torch.dtype, channels: int) -> t
 
 
 def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tensor, body: torch.Tensor,
-                   sinks: int, raw: bool = False) -> tuple[bytes, int]:
-    """(section bytes, mode) of one layer: rANS lanes, or the tokens verbatim when the
-    lanes would not be smaller (data unlike the calibration), the values do not
-    quantize at all, or ``raw`` (the profile does not fit the layer), so a section is
-    never larger than the layer in its own dtype."""
+                   sinks: int, parts: tuple[control.PartControl, control.PartControl] | None,
+                   raw: bool = False) -> tuple[bytes, int]:
+    """(section bytes, mode) of one layer: rANS lanes at the controlled steps (``parts``;
+    None: the profile's), or the tokens verbatim when the lanes would not be smaller
+    (data unlike the calibration), the values do not quantize at all, or ``raw`` (the
+    profile does not fit the layer), so a section is never larger than the layer in its
+    own dtype."""
     raw_size = container.token_bytes(kv_layer.shape[1] - sinks, body.shape[-1], kv_layer.dtype)
     lanes = None
     if not raw:
+        steps = control.profile_steps(profile, slot, layer) if parts is None else tuple(p.step for p in parts)
+        kept = None if parts is None else tuple(p.kept for p in parts)
         try:
-            lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1])
+            lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1], steps=steps, kept=kept)
         except layer_codec.NotCodable:
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
@@ -72,47 +76,32 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
     return sink_bytes + lanes, container.MODE_CODED
 
 
-def measured_distortion(profile: Profile, slot: int, body: torch.Tensor) -> np.ndarray:
-    """MSE/var [layers, 2] that coding ``body`` (float32 [layers, 2, N, C], the tokens as
-    the transform sees them: ``coded_body``) at level ``slot`` gives each layer's K and V,
-    as the profile's targets count it: squared error per token over the sum of the
-    channels' variances (of the data itself, not of the calibration).
-
-    The error is the quantizer's rounding of the kept components plus the energy of the
-    dropped ones (the basis is orthonormal); a delta-coded value rounds on the same grid
-    (its anchor is a multiple of the step), so this is what the encoder's output has.
-    Error and variance are both measured on ``MISFIT_SAMPLE_TOKENS`` evenly spaced
-    tokens: a few % of the transform's work on a long chunk, whatever its length.
+def control_chunk(profile: Profile, slot: int, kv: torch.Tensor, body: torch.Tensor, sinks: int
+                  ) -> list[tuple[control.PartControl, control.PartControl]]:
+    """Each layer's (K, V) step control (codec.control) for a chunk: ``kv`` the caller's
+    KV, ``body`` its coded tokens as the transform sees them (``coded_body``). The
+    variance is the chunk's own, of its coded tokens in ``kv``'s frame (keys with RoPE),
+    outlier tokens capped (``control.OUTLIER_FACTOR``); error and variance are both
+    measured on ``control.SAMPLE_TOKENS`` evenly spaced tokens.
     """
-    layers, _, tokens, _ = body.shape
+    rows = control.sample_rows(body.shape[2])
     # numpy, not torch: on tensors this small torch's thread pool costs more than the work
-    sample = body[:, :, ::max(1, -(-tokens // MISFIT_SAMPLE_TOKENS))].numpy()
-    variance = sample.var(axis=2, dtype=np.float64).sum(axis=-1)
-    centered = sample - profile.mean[:, :, None]
-    energy = np.square(centered, dtype=np.float64).sum(axis=(2, 3))
-    measured = np.empty((layers, 2))
-    for layer in range(layers):
-        for kind in range(2):
-            kept = int(profile.kept[slot, layer, kind])
-            step = float(profile.steps[slot, layer, kind])
-            coef = centered[layer, kind]
-            if profile.basis is not None:
-                coef = coef @ profile.basis[layer, kind, :kept].T
-            coef = coef.astype(np.float64)
-            rounding = float(np.square(coef - step * np.rint(coef / step)).sum())
-            dropped = max(float(energy[layer, kind]) - float(np.square(coef).sum()), 0.0)
-            measured[layer, kind] = (rounding + dropped) / sample.shape[2]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(variance > 0, measured / np.where(variance > 0, variance, 1.0),
-                        np.where(measured > 0, np.inf, 0.0))
+    sample = body[:, :, rows].numpy()
+    own = kv[:, :, sinks:][:, :, rows].to(torch.float32).flatten(3).numpy()
+    return [tuple(control.control_part(profile, slot, layer, kind, sample[layer, kind], own[layer, kind])
+                  for kind in range(2)) for layer in range(body.shape[0])]
 
 
-def _misfits(profile: Profile, slot: int, body: torch.Tensor) -> dict[tuple[int, int], float]:
-    """{(layer, kind): MSE/var} of every layer K/V whose measured distortion passes
-    ``MISFIT_FACTOR`` times the level's target."""
-    measured = measured_distortion(profile, slot, body)
-    over = ~(measured <= MISFIT_FACTOR * profile.targets[slot])
-    return {(int(l), int(k)): float(measured[l, k]) for l, k in zip(*np.nonzero(over))}
+def _misfits(profile: Profile, slot: int, controls, raw_layers: frozenset[int] = frozenset()
+             ) -> dict[tuple[int, int], float]:
+    """{(layer, kind): MSE/var at the profile's steps} of every layer K/V the profile does
+    not fit: the components its level drops lose over ``MISFIT_FACTOR`` times the target
+    (no step corrects that), or, in ``raw_layers`` (coded at the target they were no
+    smaller than raw), its steps alone would give over that much."""
+    limit = MISFIT_FACTOR * profile.targets[slot]
+    return {(layer, kind): part.at_profile for layer, parts in enumerate(controls)
+            for kind, part in enumerate(parts)
+            if not part.dropped <= limit or (layer in raw_layers and not part.at_profile <= limit)}
 
 
 def _misfit_message(profile: Profile, level: int, misfits: dict[tuple[int, int], float], layers: int) -> str:
@@ -120,8 +109,10 @@ def _misfit_message(profile: Profile, level: int, misfits: dict[tuple[int, int],
     (layer, kind), worst = max(misfits.items(), key=lambda item: item[1])
     raw_layers = sorted({layer for layer, _ in misfits})
     return (f"profile {profile.id} does not fit this KV: at level {level} (target MSE/var {target:.2g}) "
-            f"{len(misfits)} of {2 * layers} layer K/V parts measure over {MISFIT_FACTOR:g}x the target, "
-            f"worst layer {layer} {'KV'[kind]} at {worst:.2g} ({worst / target:.1f}x). Was the profile "
+            f"{len(misfits)} of {2 * layers} layer K/V parts cannot be coded to it (the components the profile "
+            f"drops lose over {MISFIT_FACTOR:g}x the target, or holding it costs more than raw); at the "
+            f"profile's steps the worst, layer {layer} {'KV'[kind]}, measures {worst:.2g} "
+            f"({worst / target:.1f}x). Was the profile "
             f"calibrated on another model, or on very different data? Layers {raw_layers} are stored "
             f"raw (exact, not compressed).")
 
@@ -142,10 +133,15 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
     (``profile.rotary``) keys are rotated back from those positions before the
     transform, and the decoder re-applies RoPE there.
 
-    A profile that does not fit the data (a layer's K or V would come out with an
-    MSE/var over ``MISFIT_FACTOR`` times the level's target: a profile from another
-    model, or data far from its calibration; checked from ``MISFIT_MIN_TOKENS`` coded
-    tokens on) is detected while encoding: those layers are stored raw (exact) and a
+    The level's target distortion is held in closed loop (``codec.control``, from
+    ``MISFIT_MIN_TOKENS`` coded tokens on): each layer's K and V get the step (and kept
+    rows) that measure within ``control.TOLERANCE`` of the target MSE/var on this
+    chunk, the variance being the chunk's own; the section records them (FORMAT.md,
+    version 5). A profile that does not fit the data (a layer's K or V loses an MSE/var
+    over ``MISFIT_FACTOR`` times the level's target in the components the profile's
+    level drops, which no step corrects, or its steps would give that much and coding
+    it at the target is no smaller than raw: a profile from another model, or data far
+    from its calibration) is detected while encoding: those layers are stored raw (exact) and a
     ``ProfileMismatchWarning`` names them and the measured error.
     """
     validate_kv(kv)
@@ -171,10 +167,14 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
         embedded = zstandard.ZstdCompressor(level=9).compress(profile.to_bytes())
         slot = 0
     body = coded_body(kv, sinks, profile.rotary, start)
-    misfits = _misfits(profile, slot, body) if embedded is None and body.shape[2] >= MISFIT_MIN_TOKENS else {}
-    raw = {layer for layer, _ in misfits}
-    sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks, raw=l in raw)
+    controls = control_chunk(profile, slot, kv, body, sinks) if body.shape[2] >= MISFIT_MIN_TOKENS else None
+    judged = embedded is None and controls is not None
+    raw = {layer for layer, _ in _misfits(profile, slot, controls)} if judged else set()
+    sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks,
+                                           None if controls is None else controls[l], raw=l in raw)
                             for l in range(layers)))
+    misfits = _misfits(profile, slot, controls, frozenset(
+        l for l, mode in enumerate(modes) if mode == container.MODE_RAW)) if judged else {}
     if misfits:
         warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=2)
     header = container.pack_header(

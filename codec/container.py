@@ -19,10 +19,11 @@ from .errors import CorruptBitstream
 from .rotary import MAX_POSITION  # token positions are u32: start + tokens <= 2^32
 
 MAGIC = b"KVWB"
-FORMAT_VERSION = 4
-#: Version 2 blobs (no start position: start = 0) and version 3 ones (lanes of whole rows,
-#: u32 word counts: layer_codec reads both lane tables) are still read.
-READABLE_VERSIONS = (2, 3, 4)
+FORMAT_VERSION = 5
+#: Version 2 blobs (no start position: start = 0), version 3 ones (lanes of whole rows,
+#: u32 word counts) and version 4 ones (no per-section steps: the profile's) are still
+#: read; layer_codec reads every version's lane table.
+READABLE_VERSIONS = (2, 3, 4, 5)
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")
 #: Version 3: the absolute position of the blob's first token, right after the fixed header.
 START = struct.Struct("<I")

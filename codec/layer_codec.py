@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from . import entropy, parallel, rans, transform
+from . import control, entropy, parallel, rans, transform
 from .errors import CorruptBitstream
 from .profile import Profile
 
@@ -28,8 +28,11 @@ LANE_BITS = 2048
 #: most values one lane may hold, so its word count fits the u16 lane table entry: each
 #: value takes at most MAX_STEPS_PER_VALUE coder steps and each step at most one word
 MAX_LANE_VALUES = 0xFFFF // rans.MAX_STEPS_PER_VALUE
-#: version 4's lane table head: n_lanes, piece (0: whole rows), rows_per_lane
-LANE_HEAD = struct.Struct("<IHH")
+#: version 5's lane table head: n_lanes, piece (0: whole rows), rows_per_lane, the section's
+#: float32 step of K and of V, and its kept rows of K and of V (FORMAT.md, "Section")
+LANE_HEAD = struct.Struct("<IHHffHH")
+#: version 4's: n_lanes, piece, rows_per_lane (steps and kept rows are the profile's)
+V4_LANE_HEAD = struct.Struct("<IHH")
 #: versions 2 and 3: n_lanes only; lanes of whole rows, at least LEGACY_LANE_VALUES values each
 LEGACY_LANE_HEAD = struct.Struct("<I")
 LEGACY_LANE_VALUES = 4096
@@ -77,7 +80,8 @@ class LayerPlan:
     """Row parameters and lane shape of one layer at one level."""
 
     kept: tuple[int, int]
-    step: np.ndarray       # f32 [R]
+    steps: tuple[float, float]  # the section's step of K and of V (float32 values)
+    step: np.ndarray       # f32 [R]: each row's step, what a decoder dequantizes with
     group: np.ndarray      # i32 [R]
     table: np.ndarray      # u8 [R, 2]
     shift: np.ndarray      # u8 [R, 2]
@@ -137,13 +141,21 @@ class LayerPlan:
         return out
 
 
-def plan_layer(profile: Profile, slot: int, layer: int, coded_tokens: int) -> LayerPlan:
-    """The layer's rows, one lane per whole row until a lane shape is chosen or read."""
-    kept = (int(profile.kept[slot, layer, 0]), int(profile.kept[slot, layer, 1]))
+def plan_layer(profile: Profile, slot: int, layer: int, coded_tokens: int,
+               steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None) -> LayerPlan:
+    """The layer's rows, one lane per whole row until a lane shape is chosen or read.
+
+    ``steps`` and ``kept`` (K, V): the section's own (format version 5, chosen by
+    ``codec.control``); None takes the profile's for level ``slot`` (versions 2-4).
+    """
+    if steps is None:
+        steps = (float(profile.steps[slot, layer, 0]), float(profile.steps[slot, layer, 1]))
+    if kept is None:
+        kept = (int(profile.kept[slot, layer, 0]), int(profile.kept[slot, layer, 1]))
     return LayerPlan(
         kept=kept,
-        step=np.concatenate([np.full(kept[kv], profile.steps[slot, layer, kv], dtype=np.float32)
-                             for kv in range(2)]),
+        steps=steps,
+        step=np.concatenate([np.full(kept[kv], steps[kv], dtype=np.float32) for kv in range(2)]),
         group=np.concatenate([np.full(kept[kv], profile.delta_group[layer, kv], dtype=np.int32)
                               for kv in range(2)]),
         # C order whatever kept is (concatenating transposes yields Fortran order when both
@@ -189,14 +201,15 @@ def _basis(profile: Profile, layer: int, kv: int, kept: int) -> torch.Tensor | N
     return torch.from_numpy(profile.basis[layer, kv, :kept])
 
 
-def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor
+def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
+                   steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None
                    ) -> tuple[LayerPlan, np.ndarray, np.ndarray]:
     """(plan, quantized rows [R, T] int32, ideal coded bits per row) of one layer.
 
-    k and v are float32 [coded_tokens, C]. The plan's lane shape is not chosen yet
-    (``shape_lanes`` does, from the bits).
+    k and v are float32 [coded_tokens, C]; ``steps`` and ``kept`` as in plan_layer. The
+    plan's lane shape is not chosen yet (``shape_lanes`` does, from the bits).
     """
-    plan = plan_layer(profile, slot, layer, k.shape[0])
+    plan = plan_layer(profile, slot, layer, k.shape[0], steps, kept)
     coef = torch.cat([
         transform.forward(x, torch.from_numpy(profile.mean[layer, kv]), _basis(profile, layer, kv, plan.kept[kv]))
         for kv, x in enumerate((k, v))
@@ -218,14 +231,16 @@ def ideal_layer_bits(profile: Profile, plan: LayerPlan, q: np.ndarray) -> float:
                                  tables.freq, tables.cost).sum())
 
 
-def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> bytes:
-    """Lane payload of one layer: k and v are float32 [coded_tokens, C]."""
-    plan, q, row_bits = quantize_layer(profile, slot, layer, k, v)
+def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None) -> bytes:
+    """Lane payload of one layer: k and v are float32 [coded_tokens, C]; ``steps`` and
+    ``kept`` as in plan_layer (recorded in the lane table)."""
+    plan, q, row_bits = quantize_layer(profile, slot, layer, k, v, steps, kept)
     return pack_lanes(profile, shape_lanes(plan, row_bits), q)
 
 
 def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray) -> bytes:
-    """rANS-code quantized rows into the version 4 lane payload (FORMAT.md, "Rows and lanes")."""
+    """rANS-code quantized rows into the version 5 lane payload (FORMAT.md, "Rows and lanes")."""
     tables = coder_tables(profile)
     spans = plan.spans()
     values = (spans[:, 1] - spans[:, 0]) * (spans[:, 3] - spans[:, 2])
@@ -238,7 +253,8 @@ def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray) -> bytes:
     counts = region_end - first  # <= 4 * MAX_LANE_VALUES < 2**16 words
     packed_start = np.cumsum(counts) - counts
     used = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(first - packed_start, counts)
-    return b"".join((LANE_HEAD.pack(plan.lanes, plan.piece, plan.rows_per_lane), states.astype("<u4").tobytes(),
+    head = LANE_HEAD.pack(plan.lanes, plan.piece, plan.rows_per_lane, *plan.steps, *plan.kept)
+    return b"".join((head, states.astype("<u4").tobytes(),
                      counts.astype("<u2").tobytes(), words[used].astype("<u2").tobytes()))
 
 
@@ -271,20 +287,41 @@ class LanePayload:
     words: np.ndarray       # u16 [sum of word counts]
 
 
+def _section_plan(profile: Profile, slot: int, layer: int, coded_tokens: int, payload: memoryview
+                  ) -> LayerPlan:
+    """A version 5 section's plan: its own steps and kept rows, each checked before use
+    (a step a finite normal float32 in [MIN_STEP, MAX_STEP]; kept rows at most the
+    profile's stored basis rows, every channel for an identity profile)."""
+    if len(payload) < LANE_HEAD.size:
+        raise CorruptBitstream(f"layer {layer}: lane table truncated")
+    *_, step_k, step_v, kept_k, kept_v = LANE_HEAD.unpack_from(payload, 0)
+    for name, step in (("K", step_k), ("V", step_v)):
+        if not control.MIN_STEP <= step <= control.MAX_STEP:  # False for NaN
+            raise CorruptBitstream(f"layer {layer}: {name} step {step!r} outside "
+                                   f"[{control.MIN_STEP!r}, {control.MAX_STEP!r}]")
+    rows = profile.channels if profile.basis is None else profile.basis.shape[2]
+    for name, kept in (("K", kept_k), ("V", kept_v)):
+        if kept > rows or (profile.basis is None and kept != rows):
+            raise CorruptBitstream(f"layer {layer}: {kept} kept {name} rows, the profile "
+                                   f"{'codes every one of' if profile.basis is None else 'stores'} {rows}")
+    return plan_layer(profile, slot, layer, coded_tokens, (step_k, step_v), (kept_k, kept_v))
+
+
 def _lane_table(plan: LayerPlan, layer: int, payload: memoryview, version: int
                 ) -> tuple[LayerPlan, int, str, str]:
     """(plan with the payload's lane shape, lane table offset, state dtype, word count
     dtype), the shape checked against FORMAT.md before the lane count is compared with it.
     Versions 2 and 3 have no shape fields: whole rows, G = ceil(4096 / N), u32 counts."""
     if version >= 4:
-        if len(payload) < LANE_HEAD.size:
+        head = LANE_HEAD if version >= 5 else V4_LANE_HEAD
+        if len(payload) < head.size:
             raise CorruptBitstream(f"layer {layer}: lane table truncated")
-        _, piece, rows_per_lane = LANE_HEAD.unpack_from(payload, 0)
+        _, piece, rows_per_lane = V4_LANE_HEAD.unpack_from(payload, 0)
         plan = plan.with_lanes(rows_per_lane, piece)
         error = plan.shape_error()
         if error:
             raise CorruptBitstream(f"layer {layer}: impossible lane shape: {error}")
-        return plan, LANE_HEAD.size, "<u4", "<u2"
+        return plan, head.size, "<u4", "<u2"
     if len(payload) < LEGACY_LANE_HEAD.size:
         raise CorruptBitstream(f"layer {layer}: lane table truncated")
     return plan.with_lanes(-(-LEGACY_LANE_VALUES // max(plan.tokens, 1)), 0), LEGACY_LANE_HEAD.size, "<u4", "<u4"
@@ -293,9 +330,16 @@ def _lane_table(plan: LayerPlan, layer: int, payload: memoryview, version: int
 def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int, payload: memoryview,
                 version: int) -> LanePayload:
     """Split a lane payload of a blob of format ``version`` into its parts, checking
-    every length against the plan before sizing anything from it."""
-    plan, offset, state_type, count_type = _lane_table(plan_layer(profile, slot, layer, coded_tokens), layer,
-                                                       memoryview(payload), version)
+    every length against the plan before sizing anything from it.
+
+    The result's ``plan`` is what every decoder (CPU or GPU) dequantizes with:
+    ``plan.step`` (f32, one per row) and ``plan.steps`` / ``plan.kept`` (K, V): the
+    section's own in version 5, the profile's level ``slot`` before.
+    """
+    payload = memoryview(payload)
+    plan = _section_plan(profile, slot, layer, coded_tokens, payload) if version >= 5 else \
+        plan_layer(profile, slot, layer, coded_tokens)
+    plan, offset, state_type, count_type = _lane_table(plan, layer, payload, version)
     (lanes,) = LEGACY_LANE_HEAD.unpack_from(payload, 0)
     if lanes != plan.lanes:
         raise CorruptBitstream(f"layer {layer}: {lanes} lanes, profile and shape imply {plan.lanes}")

@@ -14,7 +14,10 @@ Files in tests/data/:
 * ``golden_blob_pieces.bin``: ``golden_input(tokens=PIECES_TOKENS)`` at PIECES_LEVEL with the
   golden profile: rows long enough to be cut into pieces (FORMAT.md, "Rows and lanes")
 * ``golden_blob_v3.bin``: golden_blob.bin as format version 3 wrote it (kept, not
-  regenerated: version 4 readers still read version 3; its lanes are whole rows)
+  regenerated: version 5 readers still read version 3; its lanes are whole rows)
+* ``golden_blob_v4.bin``: golden_blob.bin as format version 4 wrote it (kept, not
+  regenerated: no per-section steps, the profile's), and ``golden_decoded_v4.npy``,
+  what it (and the version 3 blob: same values, other lanes) decodes to
 
 The tests check that (a) the committed blobs decode, with the committed profile, to the
 committed tensors (to float32 GEMM rounding, as FORMAT.md allows) and to the formula
@@ -23,8 +26,9 @@ committed bytes exactly, so any change of the format is deliberate. They also re
 blob with nothing but FORMAT.md (header fields, CRCs, sinks, lane table, profile id).
 
 The profile is loaded, never re-calibrated (calibration runs a float64 eigh whose last
-bits may differ across machines). To regenerate after a deliberate format change (and
-bump the format version):
+bits may differ across machines, and the kept older-version blobs name its id); it is
+calibrated only when missing. To regenerate after a deliberate format change (and bump
+the format version):
 
     KVWIRE_REGEN_GOLDEN=1 python -m pytest -q tests/test_codec_golden.py
     # or: python tests/test_codec_golden.py
@@ -57,6 +61,8 @@ DECODED_EMBEDDED_FILE = DATA / "golden_decoded_embedded.npy"
 ROTARY_FILE = DATA / "golden_blob_rotary.bin"
 PIECES_FILE = DATA / "golden_blob_pieces.bin"
 V3_FILE = DATA / "golden_blob_v3.bin"
+V4_FILE = DATA / "golden_blob_v4.bin"
+DECODED_V4_FILE = DATA / "golden_decoded_v4.npy"
 DECODED_ROTARY_FILE = DATA / "golden_decoded_rotary.npy"
 REGEN = os.environ.get("KVWIRE_REGEN_GOLDEN") == "1"
 
@@ -104,8 +110,8 @@ def rotary_profile(profile: codec.Profile) -> codec.Profile:
 
 def _regenerate() -> None:
     DATA.mkdir(parents=True, exist_ok=True)
-    profile = codec.calibrate([golden_input(phase=1.0, tokens=600, dtype=torch.float32)])
-    profile.save(PROFILE_FILE)
+    if not PROFILE_FILE.is_file():
+        codec.calibrate([golden_input(phase=1.0, tokens=600, dtype=torch.float32)]).save(PROFILE_FILE)
     profile = codec.Profile.load(PROFILE_FILE)
     blob = codec.encode(golden_input(), LEVEL, profile)
     BLOB_FILE.write_bytes(blob)
@@ -125,7 +131,8 @@ def golden():
     if REGEN:
         _regenerate()
     missing = [p.name for p in (PROFILE_FILE, BLOB_FILE, EMBEDDED_FILE, DECODED_FILE, DECODED_EMBEDDED_FILE,
-                                ROTARY_FILE, DECODED_ROTARY_FILE, PIECES_FILE, V3_FILE) if not p.is_file()]
+                                ROTARY_FILE, DECODED_ROTARY_FILE, PIECES_FILE, V3_FILE, V4_FILE,
+                                DECODED_V4_FILE) if not p.is_file()]
     if missing:
         pytest.fail(f"golden files missing: {missing}; regenerate with KVWIRE_REGEN_GOLDEN=1")
     return {
@@ -138,6 +145,8 @@ def golden():
         "decoded_rotary": torch.from_numpy(np.load(DECODED_ROTARY_FILE)).float(),
         "pieces": PIECES_FILE.read_bytes(),
         "v3": V3_FILE.read_bytes(),
+        "v4": V4_FILE.read_bytes(),
+        "decoded_v4": torch.from_numpy(np.load(DECODED_V4_FILE)).float(),
     }
 
 
@@ -182,11 +191,28 @@ def test_golden_pieces_blob_decodes(golden):
     assert float((out[:, :, :SHAPE[2]].float() - short.float()).abs().max()) <= 2 * float(short.float().abs().max()) * 2 ** -10
 
 
-def test_golden_v3_blob_still_decodes(golden):
-    """FORMAT.md "Versioning": version 3 lanes (whole rows, u32 counts) are still read."""
-    assert codec.parse_header(golden["v3"]).version == 3
-    out = codec.decode(golden["v3"], golden["profile"])
-    torch.testing.assert_close(out.float(), golden["decoded"], rtol=2e-3, atol=2e-3)
+@pytest.mark.parametrize("version", [3, 4])
+def test_golden_older_blobs_still_decode(golden, version):
+    """FORMAT.md "Versioning": version 3 lanes (whole rows, u32 counts) and version 4 lanes
+    (the profile's steps and kept rows) are still read, to what version 4 decoded them to."""
+    blob = golden[f"v{version}"]
+    assert codec.parse_header(blob).version == version
+    out = codec.decode(blob, golden["profile"])
+    torch.testing.assert_close(out.float(), golden["decoded_v4"], rtol=2e-3, atol=2e-3)
+
+
+def test_golden_v4_sections_dequantize_with_the_profiles_steps(golden):
+    """A version 4 section has no step of its own: the plan every decoder (CPU and GPU)
+    dequantizes with is the profile's level's steps and kept rows, as version 4 wrote it."""
+    from codec import container, layer_codec
+
+    profile, blob = golden["profile"], golden["v4"]
+    header = codec.parse_header(blob)
+    for layer in range(header.layers):
+        payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
+        plan = layer_codec.parse_lanes(profile, header.level, layer, header.coded_tokens, payload, 4).plan
+        assert plan.steps == tuple(float(profile.steps[header.level, layer, kv]) for kv in range(2))
+        assert plan.kept == tuple(int(profile.kept[header.level, layer, kv]) for kv in range(2))
 
 
 def test_golden_embedded_blob_decodes(golden):
@@ -255,10 +281,14 @@ def test_golden_profile_file_is_stable(golden):
 
 
 # ------------------------------------------------------------------ FORMAT.md conformance
-def _lane_table(section: bytes, sink_len: int, kept: tuple[int, int], coded: int, groups: tuple[int, int]
-                ) -> tuple[int, int, int]:
-    """(n_lanes, rows_per_lane, pieces) of a version 4 coded section, by FORMAT.md alone."""
-    n_lanes, piece, per_lane = struct.unpack_from("<IHH", section, sink_len)
+def _lane_table(section: bytes, sink_len: int, rows: int, coded: int, groups: tuple[int, int]
+                ) -> tuple[int, int, int, tuple[float, float]]:
+    """(n_lanes, rows_per_lane, pieces, steps) of a version 5 coded section, by FORMAT.md
+    alone (``rows``: the profile's stored basis rows, the most a section may keep)."""
+    n_lanes, piece, per_lane, step_k, step_v, kept_k, kept_v = struct.unpack_from("<IHHffHH", section, sink_len)
+    kept = (kept_k, kept_v)
+    assert all(2.0 ** -126 <= step <= 2.0 ** 96 for step in (step_k, step_v))
+    assert max(kept) <= rows
     assert per_lane >= 1
     if piece == 0:
         assert per_lane * coded <= 16383
@@ -268,11 +298,11 @@ def _lane_table(section: bytes, sink_len: int, kept: tuple[int, int], coded: int
         assert all(piece % g == 0 for g, k in zip(groups, kept) if g and k)
         pieces = math.ceil(coded / piece)
     assert n_lanes == (math.ceil(kept[0] / per_lane) + math.ceil(kept[1] / per_lane)) * pieces
-    states = struct.unpack_from(f"<{n_lanes}I", section, sink_len + 8)
-    counts = struct.unpack_from(f"<{n_lanes}H", section, sink_len + 8 + 4 * n_lanes)
+    states = struct.unpack_from(f"<{n_lanes}I", section, sink_len + 20)
+    counts = struct.unpack_from(f"<{n_lanes}H", section, sink_len + 20 + 4 * n_lanes)
     assert all(2 ** 16 <= s < 2 ** 32 for s in states)
-    assert sink_len + 8 + 6 * n_lanes + 2 * sum(counts) == len(section)
-    return n_lanes, per_lane, pieces
+    assert sink_len + 20 + 6 * n_lanes + 2 * sum(counts) == len(section)
+    return n_lanes, per_lane, pieces, (step_k, step_v)
 
 
 def test_blob_layout_matches_format_md(golden):
@@ -283,7 +313,7 @@ def test_blob_layout_matches_format_md(golden):
         blob = golden[name]
         (magic, version, dtype, level, flags, layers, heads, head_dim, sinks, tokens, pid,
          embedded_len) = struct.unpack_from("<4sBBBBHHHHI8sI", blob, 0)
-        assert magic == b"KVWB" and version == 4
+        assert magic == b"KVWB" and version == 5
         (start,) = struct.unpack_from("<I", blob, 32)
         assert start == 0
         assert dtype == 1  # float16
@@ -308,9 +338,11 @@ def test_blob_layout_matches_format_md(golden):
             sink_len = 2 * sinks * channels * 2
             expected_sinks = x[l, :, :sinks].contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
             assert section[:sink_len] == expected_sinks
-            kept = tuple(int(profile.kept[level, l, kv]) for kv in range(2))
             groups = tuple(int(profile.delta_group[l, kv]) for kv in range(2))
-            n_lanes, per_lane, pieces = _lane_table(section, sink_len, kept, tokens - sinks, groups)
+            n_lanes, per_lane, pieces, steps = _lane_table(section, sink_len, profile.basis.shape[2],
+                                                           tokens - sinks, groups)
+            # closed-loop steps: near the profile's on data like its calibration, not equal
+            assert all(0.25 < step / float(profile.steps[level, l, kv]) < 4 for kv, step in enumerate(steps))
             shapes.append((name, per_lane, pieces))
             lanes.append(n_lanes)
             pos += length

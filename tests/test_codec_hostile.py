@@ -79,8 +79,8 @@ def test_whole_blob_decode_checks_every_section_before_allocating(small_profile,
     good = codec.encode(kv, 1, profile)
     header = codec.parse_header(good)
     first = bytes(container.section(good, header, 0))
-    lanes = layer_codec.plan_layer(profile, 1, 1, 40).lanes
-    blob = hand_blob(tokens=40, heads=1, head_dim=2, sections=[first, lane_payload(lanes, 0)],
+    plan = layer_codec.plan_layer(profile, 1, 1, 40)
+    blob = hand_blob(tokens=40, heads=1, head_dim=2, sections=[first, lane_payload(plan.lanes, 0, kept=plan.kept)],
                      profile_id=profile.id, dtype=3, level=1)
     allocated = []
     real_empty = torch.empty
@@ -159,11 +159,11 @@ def test_raw_section_by_hand_decodes_to_its_bytes(small_profile) -> None:
 def test_old_format_version_is_refused_by_name(small_profile) -> None:
     blob = hand_blob(tokens=8, heads=1, head_dim=2, sections=[lane_payload(2, 0)], profile_id=small_profile.id,
                      version=1)
-    with pytest.raises(codec.CorruptBitstream, match="unsupported blob format version 1 .*reads 2, 3, 4"):
+    with pytest.raises(codec.CorruptBitstream, match="unsupported blob format version 1 .*reads 2, 3, 4, 5"):
         codec.decode(blob, small_profile)
 
 
-# ------------------------------------------------------------------ version 4 lane tables (issue #16)
+# ------------------------------------------------------------------ version 4-5 lane tables (issue #16)
 def _lane_blob(profile, tokens: int, payload: bytes) -> bytes:
     return hand_blob(tokens=tokens, heads=1, head_dim=2, sections=[payload], profile_id=profile.id, dtype=3, level=1)
 
@@ -192,18 +192,18 @@ def test_impossible_lane_shapes_are_corrupt(delta_profile, piece, rows_per_lane,
 
 
 def test_lane_count_must_follow_from_the_shape(delta_profile) -> None:
-    kept = int(delta_profile.kept[1, 0].sum())
-    lanes = kept * 4  # pieces of 10 tokens over 40
+    kept = (int(delta_profile.kept[1, 0, 0]), int(delta_profile.kept[1, 0, 1]))
+    lanes = sum(kept) * 4  # pieces of 10 tokens over 40
     with pytest.raises(codec.CorruptBitstream, match=f"{lanes + 1} lanes, profile and shape imply {lanes}"):
-        codec.decode(_lane_blob(delta_profile, 40, lane_payload(lanes + 1, 0, 10)), delta_profile)
+        codec.decode(_lane_blob(delta_profile, 40, lane_payload(lanes + 1, 0, 10, kept=kept)), delta_profile)
     # the right count, but the table is cut: refused before any array is sized from it
-    cut = lane_payload(lanes, 0, 10)[:-3]
+    cut = lane_payload(lanes, 0, 10, kept=kept)[:-3]
     with pytest.raises(codec.CorruptBitstream, match="lane table truncated"):
         codec.decode(_lane_blob(delta_profile, 40, cut), delta_profile)
     with pytest.raises(codec.CorruptBitstream, match="lane table truncated"):
         codec.decode(_lane_blob(delta_profile, 40, struct.pack("<I", lanes)), delta_profile)
     # the right count and shape, word counts adding up to more than the words present
-    payload = bytearray(lane_payload(lanes, 3, 10))
+    payload = bytearray(lane_payload(lanes, 3, 10, kept=kept))
     with pytest.raises(codec.CorruptBitstream, match="lane lengths disagree"):
         codec.decode(_lane_blob(delta_profile, 40, bytes(payload[:-2])), delta_profile)
 
@@ -290,7 +290,7 @@ def test_hand_blob_agrees_with_the_encoder(small_profile) -> None:
     again = hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
                       profile_id=small_profile.id, dtype=3, sinks=0)
     assert again == blob
-    assert struct.unpack_from("<B", blob, 4)[0] == container.FORMAT_VERSION == 4
+    assert struct.unpack_from("<B", blob, 4)[0] == container.FORMAT_VERSION == 5
     moved = codec.encode(kv, 0, small_profile, start=7)
     assert hand_blob(tokens=12, heads=1, head_dim=2, sections=sections, modes=list(header.modes),
                      profile_id=small_profile.id, dtype=3, sinks=0, start=7) == moved
@@ -304,7 +304,7 @@ def test_version_2_and_3_blobs_still_read() -> None:
     v3 = (data / "golden_blob_v3.bin").read_bytes()
     header = codec.parse_header(v3)
     assert header.version == 3
-    expected = torch.from_numpy(np.load(data / "golden_decoded.npy"))
+    expected = torch.from_numpy(np.load(data / "golden_decoded_v4.npy"))  # v3 and v4: the same values
     out = codec.decode(v3, profile)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-3, atol=2e-3)
     sections = [bytes(container.section(v3, header, l)) for l in range(header.layers)]

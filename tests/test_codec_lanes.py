@@ -1,4 +1,4 @@
-"""The version 4 lane layout (FORMAT.md, "Rows and lanes"): the lane -> rows x tokens
+"""The lane layout of versions 4 and 5 (FORMAT.md, "Rows and lanes"): the lane -> rows x tokens
 map and the encoder's choice of lane shape, as pure functions."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from codec.layer_codec import LANE_BITS, MAX_LANE_VALUES, LayerPlan
 
 def _plan(kept: tuple[int, int], tokens: int, groups: tuple[int, int] = (0, 0)) -> LayerPlan:
     rows = sum(kept)
-    return LayerPlan(kept=kept, step=np.ones(rows, np.float32),
+    return LayerPlan(kept=kept, steps=(1.0, 1.0), step=np.ones(rows, np.float32),
                      group=np.array([groups[0]] * kept[0] + [groups[1]] * kept[1], np.int32),
                      table=np.zeros((rows, 2), np.uint8), shift=np.zeros((rows, 2), np.uint8), tokens=tokens)
 

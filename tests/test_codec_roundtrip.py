@@ -286,10 +286,19 @@ def test_numpy_integer_level(codec_profile, codec_test_kv):
     assert codec.encode(codec_test_kv, np.int64(2), codec_profile) == codec.encode(codec_test_kv, 2, codec_profile)
 
 
-def _project_kept(profile, level, layer, kv, x):
-    """What the codec can reconstruct of tokens x [N, C]: mean + projection on kept rows."""
+def _section_kept(blob, profile, layer, kv) -> int:
+    """The kept rows of ``kv`` that layer ``layer``'s section records (FORMAT.md, version 5)."""
+    from codec import container, layer_codec
+
+    header = codec.parse_header(blob)
+    payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
+    return layer_codec.parse_lanes(profile, header.level, layer, header.coded_tokens, payload,
+                                   header.version).plan.kept[kv]
+
+
+def _project_kept(profile, kept, layer, kv, x):
+    """What the codec can reconstruct of tokens x [N, C] from ``kept`` rows: mean + projection on them."""
     mean = torch.from_numpy(profile.mean[layer, kv]).double()
-    kept = int(profile.kept[level, layer, kv])
     if profile.basis is None:
         return x.double()
     basis = torch.from_numpy(profile.basis[layer, kv, :kept]).double()
@@ -312,9 +321,11 @@ def test_outliers_far_outside_calibration(codec_make_kv, codec_test_kv, transfor
     spike = kv[0, 1, token].clone() * factor
     kv[0, 1, token] = spike
     for level in LEVELS:
-        out = codec.decode(codec.encode(kv, level, profile), profile)
+        blob = codec.encode(kv, level, profile)
+        out = codec.decode(blob, profile)
         assert bool(torch.isfinite(out).all())
-        reachable = _project_kept(profile, level, 0, 1, spike.reshape(1, -1)).reshape(heads, head_dim)
+        kept = _section_kept(blob, profile, 0, 1)
+        reachable = _project_kept(profile, kept, 0, 1, spike.reshape(1, -1)).reshape(heads, head_dim)
         err = (out[0, 1, token].double() - reachable).norm() / spike.double().norm()
         assert err < 0.01, (level, float(err))
         if transform == "identity":
@@ -433,7 +444,7 @@ def test_inspect(codec_profile, codec_test_kv):
     assert info["sink_tokens"] == 4
     assert info["total_bytes"] == len(blob)
     assert info["complete"] is True
-    assert info["format_version"] == 4
+    assert info["format_version"] == 5
     assert info["start"] == 0
     sections = info["sections"]
     assert len(sections["layers"]) == kv.shape[0]

@@ -83,8 +83,9 @@ def size_rows(layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int 
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")   # FORMAT.md, "Fixed header"
 ENTRY = struct.Struct("<IIB")              # FORMAT.md: (length, crc32, mode) per section
 START = struct.Struct("<I")                # FORMAT.md: version 3's start position, after the fixed header
-LANE_HEAD = struct.Struct("<IHH")          # FORMAT.md, version 4: n_lanes, piece, rows_per_lane
-FORMAT_VERSION = 4
+#: FORMAT.md, version 5: n_lanes, piece, rows_per_lane, the section's K and V steps and kept rows
+LANE_HEAD = struct.Struct("<IHHffHH")
+FORMAT_VERSION = 5
 
 
 def table_offset(version: int) -> int:
@@ -111,11 +112,14 @@ def seal(fixed: bytes, sections: list[bytes], modes: list[int], embedded: bytes 
     return body + struct.pack("<I", zlib.crc32(body)) + b"".join(sections)
 
 
-def lane_payload(lanes: int, words: int, piece: int = 0, rows_per_lane: int = 1) -> bytes:
-    """A version 4 lane section (no sinks) of ``lanes`` lanes of the given shape (FORMAT.md,
-    "Rows and lanes"), the last lane holding ``words`` zero words (< 2^16), the others none."""
+def lane_payload(lanes: int, words: int, piece: int = 0, rows_per_lane: int = 1, *,
+                 kept: tuple[int, int] = (1, 1), steps: tuple[float, float] = (1.0, 1.0)) -> bytes:
+    """A version 5 lane section (no sinks) of ``lanes`` lanes of the given shape, kept rows
+    and steps (FORMAT.md, "Rows and lanes"), the last lane holding ``words`` zero words
+    (< 2^16), the others none."""
     counts = [0] * (lanes - 1) + [words]
-    return (LANE_HEAD.pack(lanes, piece, rows_per_lane) + struct.pack(f"<{lanes}I", *([1 << 16] * lanes))
+    return (LANE_HEAD.pack(lanes, piece, rows_per_lane, *steps, *kept)
+            + struct.pack(f"<{lanes}I", *([1 << 16] * lanes))
             + struct.pack(f"<{lanes}H", *counts) + bytes(2 * words))
 
 
@@ -134,9 +138,10 @@ def _many_tokens():
     """FORMAT.md: 2^21 tokens are cut into pieces of at most 16383 tokens, 129 per kept
     row (one lane each); 8 words in all."""
     profile = _small_profile()
-    lanes = int(profile.kept[0, 0].sum()) * -(-(1 << 21) // _LONGEST_PIECE)
-    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[lane_payload(lanes, 8, _LONGEST_PIECE)],
-                     profile_id=profile.id, dtype=3)
+    kept = (int(profile.kept[0, 0, 0]), int(profile.kept[0, 0, 1]))
+    lanes = sum(kept) * -(-(1 << 21) // _LONGEST_PIECE)
+    payload = lane_payload(lanes, 8, _LONGEST_PIECE, kept=kept, steps=tuple(map(float, profile.steps[0, 0])))
+    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[payload], profile_id=profile.id, dtype=3)
     return blob, profile
 
 
