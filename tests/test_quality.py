@@ -112,8 +112,9 @@ def test_bench_quality_table_names_the_texts_and_the_spread():
     from streamer.tools.bench_quality import render
 
     def row(method, level, change, spread, target=None):
-        windows = [{"text": "GPL-3", "perplexity_change": spread[0], "top1_agreement": 0.99},
-                   {"text": "python-reference", "perplexity_change": spread[1], "top1_agreement": 0.97}]
+        windows = [{"text": "GPL-3", "perplexity_change": spread[0], "top1_agreement": 0.99, "distortion": 1.1e-3},
+                   {"text": "python-reference", "perplexity_change": spread[1], "top1_agreement": 0.97,
+                    "distortion": 0.9e-3}]
         return QualityRow(method, level, 4.0, 1e-3, [0.01] * 30, 0.01, perplexity=10.0, perplexity_change=change,
                           top1_agreement=0.98, rotary=level is not None, target_distortion=target, windows=windows)
 
@@ -133,6 +134,9 @@ def test_bench_quality_table_names_the_texts_and_the_spread():
     assert "+2.00%" in cachegen and "+1.00..+3.00" in cachegen
     assert "-0.10%" in kvwire and "-0.40..+0.20" in kvwire and "1.0e-03" in kvwire and "0.970" in kvwire
     assert "1.0e-02 1.0e-02" not in text   # 30 per-layer errors are not listed
+    # each level's MSE/var against its target, text by text (issue #14: held on unseen text)
+    held = next(line for line in lines if line.strip().startswith("kvwire+rope L1: target"))
+    assert "GPL-3 1.10e-03 (1.10x)" in held and "python-reference 9.00e-04 (0.90x)" in held
 
 
 @pytest.mark.model

@@ -24,6 +24,30 @@ def _spread(row, key: str) -> tuple[float, float] | None:
     return (min(values), max(values)) if values else None
 
 
+def _per_text(row) -> dict[str, float]:
+    """Mean MSE/var over each measured text's windows (in the order they were measured)."""
+    texts: dict[str, list[float]] = {}
+    for w in row.windows:
+        if w.get("distortion") is not None:
+            texts.setdefault(w["text"], []).append(w["distortion"])
+    return {text: sum(values) / len(values) for text, values in texts.items()}
+
+
+def _target_lines(report: QualityReport) -> list[str]:
+    """Each level's MSE/var against its target, text by text: whether the levels hold on
+    text unlike the calibration (issue #14: within +-15%)."""
+    lines = []
+    for r in report.rows:
+        if r.target_distortion is None:
+            continue
+        texts = "  ".join(f"{text} {value:.2e} ({value / r.target_distortion:.2f}x)"
+                          for text, value in _per_text(r).items())
+        lines.append(f"  {_label(r)} L{r.level}: target {r.target_distortion:.2e}  {texts}")
+    if lines:
+        lines.insert(0, "MSE/var vs each level's target, per measured text (mean over its windows):")
+    return lines
+
+
 #: Per-layer attention errors are listed only for models this shallow (the JSON has them all).
 _PER_LAYER_COLUMNS = 8
 
@@ -60,6 +84,7 @@ def render(report: QualityReport) -> str:
         lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
                      f"{report.reference['scored_tokens']} tokens; ppl chg pooled over all windows, "
                      "min..max across windows (%); top-1 pooled, min across windows")
+    lines += _target_lines(report)
     lines.append("attn err: ||A_hat - A||_F / ||A||_F of softmax(QK^T/sqrt(d))V with the model's own "
                  "queries (mean over layers" + ("; per layer alongside)." if per_layer else "; per layer in --json).")
                  + " cachegen: CacheGen's design (groups of 10, 8-bit anchors, binned deltas) at its entropy.")
