@@ -434,3 +434,21 @@ async def test_an_invalid_context_id_is_a_typed_error_naming_the_cause(sender) -
         async with streamer.StreamSession("127.0.0.1", sender.port, "../etc", max_reconnects=3):
             pass
     assert caught.value.code == "bad_request" and "context id" in str(caught.value)
+
+
+def test_a_senders_memory_is_forgotten_after_its_ttl() -> None:
+    """A memory too slow to probe under a tight deadline plans every fetch as text, which
+    measures nothing; only its age lets a recovered link be tried again."""
+    from streamer.adapt.estimator import LinkMemory
+    from streamer.net import session as session_module
+
+    address = ("203.0.113.7", 9)
+    memory = LinkMemory(rate=1e5, errors=(-0.1,))
+    session_module._server_priors[address] = (100.0, memory)
+    try:
+        assert session_module._recall(address, 100.0 + session_module.MEMORY_TTL_S) is memory
+        assert session_module._recall(address, 100.1 + session_module.MEMORY_TTL_S) is None
+        assert address not in session_module._server_priors
+        assert session_module._recall(address, 0.0) is None
+    finally:
+        session_module._server_priors.pop(address, None)

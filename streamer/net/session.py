@@ -73,8 +73,21 @@ MAX_CORRUPT_RETRIES = 2
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 _PROFILE_CACHE_SIZE = 8
 #: Per sender address: the prior of the next fetch (a reused connection, the receiver
-#: daemon and successive sessions of one process all carry it).
-_server_priors: dict[tuple[str, int], estimator.LinkMemory] = {}
+#: daemon and successive sessions of one process all carry it), with when it was measured.
+_server_priors: dict[tuple[str, int], tuple[float, estimator.LinkMemory]] = {}
+#: A sender's memory is forgotten this long after its last measurement. A fetch that a slow
+#: memory plans all as text measures nothing and leaves the memory as it was, so without an
+#: age a link that recovered would not be tried again while deadlines stay too tight to probe.
+MEMORY_TTL_S = 60.0
+
+
+def _recall(address: tuple[str, int], now: float) -> estimator.LinkMemory | None:
+    """The memory of ``address`` if it is younger than ``MEMORY_TTL_S``."""
+    entry = _server_priors.get(address)
+    if entry is None or now - entry[0] > MEMORY_TTL_S:
+        _server_priors.pop(address, None)
+        return None
+    return entry[1]
 
 
 async def connect(config: SessionConfig, host: str, port: int, *, timeout: float | None = None,
@@ -343,7 +356,7 @@ class _Fetch:
                                         on_layer=session._on_layer, on_text=session._on_text,
                                         on_corrupt=self._on_corrupt, executor=session._executor,
                                         decode=session._decode)
-        memory = _server_priors.get(session.address)
+        memory = _recall(session.address, time.monotonic())
         #: the first decision's rate: the caller's prior, else the last fetch's from this
         #: sender, else what the handshake measured (a lower bound: it includes round trips)
         self.prior = session.config.prior_bps or (memory.rate if memory else session.handshake_bps)
@@ -403,7 +416,7 @@ class _Fetch:
         self._finish()
         memory = estimator.remember(self.history, self.prior_errors)
         if memory is not None:
-            _server_priors[self.s.address] = memory
+            _server_priors[self.s.address] = (time.monotonic(), memory)
         return self.report
 
     def _finish(self) -> None:
