@@ -11,6 +11,8 @@ serving processes next to it over a small HTTP/JSON API.
 * ``requests`` - what a request says (route, parameters, fetch body), parsed sans-I/O
   within stated size limits, or a typed 4xx
 * ``sse``     - the event stream's encoding (no value can start a field or an event)
+* ``connections`` - the cap on concurrent client connections (503 past it, unread)
+* ``server_log`` - aiohttp's log of malformed requests, one throttled line each
 * ``daemon``  - ``Receiver``: configuration, start, graceful close
 * ``malloc``  - glibc malloc tuned and trimmed, so RSS follows what is in use
 * ``cli``     - ``kvwire receive``

@@ -4,6 +4,10 @@
     ...
     await receiver.close()   # what SIGTERM does
 
+At most ``max_connections`` client connections are served at once; one more is answered
+503 (``Retry-After``) without its request being read, and closed
+(``streamer.receiver.connections``).
+
 Shutdown: stop accepting connections, answer 503 to requests still arriving on open
 ones, give running fetches ``shutdown_grace`` seconds to finish (their results are
 cached), cancel the rest (their waiters get 503, their event streams an ``error``
@@ -21,14 +25,16 @@ from typing import Any
 
 from aiohttp import web
 
-from streamer.net.config import SessionConfig
+from streamer.net.config import SessionConfig, require_int
 from streamer.net.devices import close_devices
 from streamer.receiver import malloc
 from streamer.receiver.cache import ContextCache
+from streamer.receiver.connections import DEFAULT_MAX_CONNECTIONS, ConnectionGate, check_descriptors
 from streamer.receiver.fetcher import Fetcher
 from streamer.receiver.http import make_app
 from streamer.receiver.metrics import Metrics
 from streamer.receiver.requests import server_options
+from streamer.receiver.server_log import server_logger
 
 log = logging.getLogger("kvwire.receiver")
 
@@ -51,6 +57,8 @@ class ReceiverConfig:
     #: (``streamer.model.recompute_seconds_per_token``) instead of ``session``'s figure
     measure_recompute: bool = True
     shutdown_grace: float = 5.0
+    #: client connections served at once (each holds a descriptor); one more gets a 503
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     #: glibc malloc tuned at start and trimmed every this many seconds, so that RSS follows
     #: what is in use instead of its high-water mark (see ``streamer.receiver.malloc``);
     #: None: malloc left as it is
@@ -67,6 +75,7 @@ class ReceiverConfig:
         overrides = {name: value for name in ("device", "slo", "policy")
                      if (value := getattr(self, name)) is not None}
         self.session = dataclasses.replace(self.session, **overrides)   # validates
+        require_int("ReceiverConfig", "max_connections", self.max_connections, 1)
         if self.trim_seconds is not None and not self.trim_seconds > 0:
             raise ValueError(f"trim_seconds must be > 0 (or None), not {self.trim_seconds!r}")
         self.device, self.slo, self.policy = self.session.device, self.session.slo, self.session.policy
@@ -80,7 +89,8 @@ class Receiver:
         self.fetcher = Fetcher(config.servers, self.cache, self.metrics, config.session, model=model)
         self.closing = False
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._listener: asyncio.Server | None = None
+        self._gate: ConnectionGate | None = None
         self._malloc: malloc.Tuning | None = None
         self.address: tuple[str, int] = ("", 0)
 
@@ -100,13 +110,16 @@ class Receiver:
         self.metrics.cache_bytes.set(self.cache.total_bytes)
         self.metrics.cache_entries.set(len(self.cache))
         self._runner = web.AppRunner(make_app(self), handle_signals=False, access_log=None,
-                                     shutdown_timeout=1.0, **server_options())
+                                     shutdown_timeout=1.0, logger=server_logger(), **server_options())
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, host, port)
-        await self._site.start()
-        server = self._site._server
-        sockets = getattr(server, "sockets", None) or ()
-        self.address = tuple(sockets[0].getsockname()[:2]) if sockets else (host, port)  # type: ignore[assignment]
+        assert self._runner.server is not None
+        check_descriptors(self.config.max_connections)
+        # no aiohttp site: the listener's protocol factory is the gate that caps connections
+        gate = self._gate = ConnectionGate(self._runner.server, self.config.max_connections,
+                                           self.metrics.connections_refused.inc)
+        self.metrics.connections_open.set_function(lambda: gate.open)
+        self._listener = await asyncio.get_running_loop().create_server(self._gate, host, port, backlog=128)
+        self.address = tuple(self._listener.sockets[0].getsockname()[:2])  # type: ignore[assignment]
         if self.config.trim_seconds is not None:
             self._malloc = malloc.Tuning(os.environ, self.config.trim_seconds)
         return self
@@ -135,8 +148,10 @@ class Receiver:
         if self.closing:
             return
         self.closing = True
-        if self._site is not None:
-            await self._site.stop()  # no new connections
+        if self._listener is not None:
+            self._listener.close()  # no new connections
+        if self._gate is not None:
+            self._gate.close()
         await self.fetcher.close(self.config.shutdown_grace)
         await asyncio.to_thread(close_devices)   # GPU decode workers finish, devices released
         if self._runner is not None:

@@ -28,6 +28,9 @@ class Metrics:
                                     "(absent, or cached at a worse quality)", ["reason"], registry=r)
         self.evictions = Counter(f"{p}_cache_evictions", "Entries evicted from the local cache", registry=r)
         self.errors = Counter(f"{p}_errors", "Errors answered, by HTTP status", ["status"], registry=r)
+        self.connections_refused = Counter(f"{p}_connections_refused", "Client connections refused "
+                                           "at max_connections (503, request not read)", registry=r)
+        self.connections_open = Gauge(f"{p}_connections_open", "Client connections being served", registry=r)
         self.inflight = Gauge(f"{p}_fetches_in_flight", "Fetches running now", registry=r)
         self.cache_bytes = Gauge(f"{p}_cache_bytes", "Bytes held by the local cache", registry=r)
         self.cache_entries = Gauge(f"{p}_cache_entries", "Contexts held by the local cache", registry=r)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from streamer.receiver.connections import DEFAULT_MAX_CONNECTIONS
 from streamer.receiver.daemon import DEFAULT_CACHE_BYTES, DEFAULT_PORT
 from streamer.tools.serve_fetch import parse_address
 
@@ -39,7 +40,8 @@ async def _receive(args: argparse.Namespace) -> int:
 
     session = session_config(args, slo=args.slo, policy=args.policy, device=args.device)
     config = ReceiverConfig(servers=args.servers, cache_dir=args.cache, cache_bytes=args.cache_bytes,
-                            model=args.model, shutdown_grace=args.grace, session=session)
+                            model=args.model, shutdown_grace=args.grace, session=session,
+                            max_connections=args.max_connections)
     if args.model:
         import sys
 
@@ -103,6 +105,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     receive.add_argument("--tls", action="store_true", help="connect to the senders with TLS (system CAs)")
     receive.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA / certificate")
     receive.add_argument("--tls-server-name", help="host name to verify in the senders' certificates")
+    receive.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                         help=f"client connections served at once (default {DEFAULT_MAX_CONNECTIONS}); one "
+                              "more is answered 503 with Retry-After, unread, and closed")
     receive.add_argument("--grace", type=float, default=5.0,
                          help="on SIGTERM, seconds running fetches may take to finish (default 5)")
     receive.set_defaults(handler=_runner(_receive))
