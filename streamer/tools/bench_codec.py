@@ -118,15 +118,21 @@ def _best_time(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
 
 def coder_overhead(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
                    blobs: Sequence[bytes]) -> float:
-    """Lane payload bits (final states and lane tables included) over the ideal bits."""
+    """Lane payload bits (final states and lane tables included) over the ideal bits of
+    the values each coded section holds (at the steps and kept rows it records)."""
     ideal = real = 0.0
     for chunk, blob in zip(chunks, blobs):
         header = api.parse_header(blob)
         body = split_tokens(chunk, header.sink_tokens)
         for layer in range(header.layers):
-            plan, q, _ = layer_codec.quantize_layer(profile, level, layer, body[layer][0], body[layer][1])
+            if header.is_raw(layer):
+                continue
+            payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
+            coded = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version).plan
+            plan, q, _ = layer_codec.quantize_layer(profile, level, layer, body[layer][0], body[layer][1],
+                                                    coded.steps, coded.kept)
             ideal += layer_codec.ideal_layer_bits(profile, plan, q)
-            real += 8 * len(container.split_section(container.section(blob, header, layer), header, layer)[1])
+            real += 8 * len(payload)
     return real / ideal - 1.0 if ideal else 0.0
 
 
