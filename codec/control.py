@@ -15,7 +15,7 @@ chunk's coded tokens around their own mean, in the KV's own frame (keys as the m
 holds them, with RoPE): what a user gets comparing the decoded chunk with the
 original, chunk by chunk. Not the calibration variance: a chunk quieter than the
 calibration text would otherwise get an error large against its own signal. One
-robustness rule: a token whose energy around the channels' medians passes
+robustness rule: a token whose energy around the sample's (so weighted) mean passes
 ``OUTLIER_FACTOR`` times the median token's counts, in both the variance (taken around the mean of the tokens so weighted) and the
 error, as if scaled down to that, so a single huge token (escape-coded, exact to its
 step) does not make every other token of the chunk coarser. The error is the
@@ -25,7 +25,8 @@ position-free keys the transform sees.
 
 Kept rows follow reverse water-filling on the chunk's own components: a leading row
 is coded when its energy exceeds ``KEEP_THRESHOLD`` times the step's noise, counted
-over the profile's stored basis rows (so kept never exceeds what the decoder holds).
+over the profile's stored basis rows (so kept never exceeds what the decoder holds),
+at most ``ROW_FACTOR`` times the profile's kept rows plus ``ROW_MARGIN``.
 """
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ SAMPLE_TOKENS = 256
 #: to it (module docstring): on real KV (hundreds of channels) ordinary tokens' energies
 #: lie within a few times the median
 OUTLIER_FACTOR = 16.0
+#: passes of judging outliers around the mean the previous pass weighted: a huge token
+#: shifts the plain mean (and so every token's energy) until it is weighted down
+OUTLIER_PASSES = 3
+#: rows the control transforms: at most this many times the profile's kept rows (plus
+#: ROW_MARGIN); the rest count as dropped. Transforming every stored row cost more than
+#: the coarse levels' whole encode
+ROW_FACTOR = 2
+ROW_MARGIN = 16
 #: distortion evaluations per section at most (the first is the profile's step)
 MAX_EVALUATIONS = 8
 #: the step stays within this factor of the profile's: data 256x off is not coded better
@@ -86,10 +95,10 @@ class _Part:
     """The chunk's sample of one (layer, K/V), transformed once; distortion per step."""
 
     def __init__(self, profile: Profile, layer: int, kind: int, sample: np.ndarray, variance: float,
-                 weights: np.ndarray) -> None:
+                 weights: np.ndarray, rows: int) -> None:
         centered = (sample - profile.mean[layer, kind]) * np.sqrt(weights, dtype=np.float32)[:, None]
         self.drop = profile.basis is not None
-        self.coef = centered @ profile.basis[layer, kind].T if self.drop else centered  # [n, R]
+        self.coef = centered @ profile.basis[layer, kind, :rows].T if self.drop else centered  # [n, rows]
         self.tokens = max(sample.shape[0], 1)
         self.energy = np.square(self.coef, dtype=np.float64).sum(axis=0) / self.tokens  # per row
         self.token_energy = np.square(centered, dtype=np.float64).sum(axis=1)
@@ -139,19 +148,20 @@ def control_part(profile: Profile, slot: int, layer: int, kind: int, sample: np.
     does not move.
     """
     weights = np.ones(own.shape[0])
-    if own.shape[0]:  # outliers judged around the channels' medians, which they do not move
-        spread = np.square(own - np.median(own, axis=0), dtype=np.float64).sum(axis=1)
+    for _ in range(OUTLIER_PASSES if own.shape[0] else 0):  # each pass centers on the last one's weights
+        center = (weights[:, None] * own).sum(axis=0) / float(weights.sum())
+        spread = np.square(own - center, dtype=np.float64).sum(axis=1)
         cap = OUTLIER_FACTOR * float(np.median(spread))
         with np.errstate(divide="ignore", invalid="ignore"):
             weights = np.where(spread > cap, cap / np.where(spread > 0, spread, 1.0), 1.0)
     center = (weights[:, None] * own).sum(axis=0) / max(float(weights.sum()), 1e-300)
     energy = np.square(own - center, dtype=np.float64).sum(axis=1)  # per token, around the robust mean
     variance = float((weights * energy).sum()) / max(own.shape[0], 1)
-    part = _Part(profile, layer, kind, sample, variance, weights)
+    kept0 = int(profile.kept[slot, layer, kind])
+    part = _Part(profile, layer, kind, sample, variance, weights, ROW_FACTOR * kept0 + ROW_MARGIN)
     typical = float(np.median(energy)) if energy.size else 0.0
     target = float(profile.targets[slot])
     step0 = clamp_step(profile.steps[slot, layer, kind])
-    kept0 = int(profile.kept[slot, layer, kind])
     at_profile = part.distortion(step0, kept0)
     dropped = part.dropped_share(kept0, typical)
     if part.variance <= 0 or not math.isfinite(at_profile):
