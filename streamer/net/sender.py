@@ -43,6 +43,7 @@ from streamer.wire.manifest import Manifest, ManifestError, validate_context_id
 from streamer.net.client import MAX_PROFILE_BYTES
 from streamer.net.config import require_int, require_max_frame, require_positive
 from streamer.net.sender_metrics import SenderMetrics, new_session_id, session_logger
+from streamer.net.throttle import Throttle
 from streamer.store import ChunkNotFound, ContextNotFound, ProfileNotFound, Store, StoreError
 
 log = logging.getLogger("kvwire.server")
@@ -56,6 +57,10 @@ _READ_SIZE = 256 * 1024
 _WRITE_HIGH_WATER = 128 * 1024
 _NOTSENT_LOWAT = 64 * 1024
 _PART_BYTES = 128 * 1024
+#: connections refused at max_sessions that wait (up to a second) for their peer to read
+#: the ERROR; past that many at once, one is closed straight after it (a connection
+#: flood must not hold descriptors beyond max_sessions + this)
+MAX_REFUSING = 64
 
 
 class InsecureConfiguration(ValueError):
@@ -503,6 +508,10 @@ class Sender:
         self.metrics: SenderMetrics | None = self.config.metrics
         self._server: asyncio.base_events.Server | None = None
         self._handlers: dict[asyncio.Task, _ConnectionHandler] = {}
+        #: refused connections waiting for their peer to read the ERROR
+        self._refusing = 0
+        #: one log line per second at most for refusals: a connection flood must not flood the log
+        self._refusal_log = Throttle()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Sender":
         """Listen on ``host:port``; InsecureConfiguration off loopback without auth."""
@@ -562,22 +571,26 @@ class Sender:
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """At capacity: a fatal ERROR "unavailable" (the receiver tries another sender)."""
         limit = self.config.max_sessions
-        log.warning("refusing %s: %d sessions already (max_sessions)",
-                    writer.get_extra_info("peername"), limit)
+        if (missed := self._refusal_log.take()) is not None:
+            log.warning("refusing %s: %d sessions already (max_sessions)%s", writer.get_extra_info("peername"),
+                        limit, f"; {missed} more refused since the last line" if missed else "")
         frame = p.Connection(p.Role.SERVER).send(p.Error(
             "unavailable", f"sender at capacity ({limit} sessions); try another sender", fatal=True))
+        self._refusing += 1
         try:
             writer.write(frame)
             if writer.can_write_eof():
                 writer.write_eof()
-            # read what the client already sent (its HELLO) until it closes, briefly, so
-            # closing does not reset the connection before it read the ERROR
-            async with asyncio.timeout(min(1.0, self.config.read_timeout)):
-                while await reader.read(_READ_SIZE):
-                    pass
+            if self._refusing <= MAX_REFUSING:
+                # read what the client already sent (its HELLO) until it closes, briefly, so
+                # closing does not reset the connection before it read the ERROR
+                async with asyncio.timeout(min(1.0, self.config.read_timeout)):
+                    while await reader.read(_READ_SIZE):
+                        pass
         except (Exception, asyncio.TimeoutError):
             pass
         finally:
+            self._refusing -= 1
             if writer.transport.get_write_buffer_size():
                 writer.transport.abort()
             else:
