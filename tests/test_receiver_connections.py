@@ -40,7 +40,7 @@ async def _open(port: int, n: int) -> list[tuple[asyncio.StreamReader, asyncio.S
 
 async def _released(receiver, open_now: int) -> None:
     """Wait (no time limit but the test's) until the daemon has seen the closes."""
-    while receiver._gate.open != open_now:
+    while receiver.open_connections != open_now:
         await asyncio.sleep(0.01)
 
 

@@ -124,6 +124,11 @@ class Receiver:
             self._malloc = malloc.Tuning(os.environ, self.config.trim_seconds)
         return self
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections being served now (refused ones not counted)."""
+        return self._gate.open if self._gate is not None else 0
+
     async def probe_senders(self) -> list[dict[str, Any]]:
         """Handshake with every sender at once (authenticated, over TLS, as a fetch would)
         and hang up: {"address", "reachable", "handshake_ms" or "error"} each."""

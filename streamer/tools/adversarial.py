@@ -12,7 +12,8 @@ a few bytes of lanes, zstd bombs as embedded profiles, a profile whose kept rows
 exceed its channels, impossible shapes), and hostile HTTP requests to the receiver
 daemon (``streamer.tools.adversarial_http``: oversized request line and headers, a
 huge Content-Length, chunked and gzip bodies past the limit, JSON too deep, invalid
-UTF-8 in the path, slowloris). Each runs in a fresh subprocess, after the codec's
+UTF-8 in the path, slowloris, a flood of connections past the cap, a flood of
+malformed requests). Each runs in a fresh subprocess, after the codec's
 kernels (and the daemon) are warm, and reports the error, the seconds and the growth
 of peak RSS while it was rejected (and for HTTP whether the daemon still answers).
 """

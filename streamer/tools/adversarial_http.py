@@ -7,17 +7,26 @@ the seconds from the first byte sent to the response read, the growth of peak RS
 and whether the daemon then still answers ``GET /contexts``. ``slowloris`` holds
 partial request heads open instead: its seconds are those of an ordinary request
 made meanwhile, and its response says when the daemon closed the partial ones.
+``connection_flood`` starts ``FLOOD_CONNECTIONS`` clients at once, each asking
+``GET /contexts`` and holding its connection: its seconds run to the last answer, and
+its response counts the answers (200 up to the cap, 503 past it) and the daemon's log
+lines meanwhile. ``malformed_request_flood`` sends ``MALFORMED_REQUESTS`` malformed
+requests one after another: its seconds are theirs, and its response counts the log
+lines they caused.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import logging
 import socket
 import time
 import zlib
 from typing import Callable
 
 from streamer.receiver import requests
+from streamer.receiver.connections import DEFAULT_MAX_CONNECTIONS
 
 HOST = b"Host: 127.0.0.1\r\n"
 
@@ -55,6 +64,12 @@ REQUESTS: dict[str, Callable[[], bytes]] = {
 }
 #: partial request heads held open, and the byte trickled into each every 0.1 s
 SLOWLORIS_CONNECTIONS = 100
+#: connections opened at once by connection_flood: four times the daemon's default cap
+FLOOD_CONNECTIONS = 4 * DEFAULT_MAX_CONNECTIONS
+#: the longest a flood client waits for its answer (a bound for the bench, not a limit of the daemon)
+FLOOD_ANSWER_TIMEOUT = 60.0
+#: requests sent by malformed_request_flood (each a request line over the limit)
+MALFORMED_REQUESTS = 5000
 
 
 async def _response(reader: asyncio.StreamReader) -> str:
@@ -121,6 +136,81 @@ async def _slowloris(port: int) -> tuple[str, float]:
             f"{time.monotonic() - start:.1f} s (HEAD_TIMEOUT {requests.HEAD_TIMEOUT:.0f} s)"), seconds
 
 
+class _LogLines(logging.Handler):
+    """Counts the records of the daemon's loggers (kvwire.*, aiohttp.*) while installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+        self.tracebacks = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        self.tracebacks += record.exc_info is not None
+
+    def __enter__(self) -> "_LogLines":
+        for name in ("kvwire", "aiohttp"):
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in ("kvwire", "aiohttp"):
+            logging.getLogger(name).removeHandler(self)
+
+
+async def _flood_client(port: int) -> tuple[str, asyncio.StreamWriter | None]:
+    """One flood connection asking GET /contexts: (the answer's status, or why there is
+    none; the connection, left open so that an admitted one keeps its place)."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError as exc:
+        return f"no connection ({type(exc).__name__})", None
+    writer.write(b"GET /contexts HTTP/1.1\r\n" + HOST + b"\r\n")
+    try:
+        return (await asyncio.wait_for(_response(reader), FLOOD_ANSWER_TIMEOUT)).split(":")[0], writer
+    except ConnectionResetError:
+        return "reset", writer
+    except asyncio.IncompleteReadError:
+        return "closed without an answer", writer
+    except TimeoutError:
+        return f"no answer in {FLOOD_ANSWER_TIMEOUT:.0f} s", writer
+
+
+async def _flood(receiver) -> tuple[str, float]:
+    """FLOOD_CONNECTIONS clients at once, each asking GET /contexts and holding its
+    connection; (what they got and the daemon's log lines, the seconds to the last answer)."""
+    while receiver.open_connections:   # the warm-up request's close is seen first
+        await asyncio.sleep(0.01)
+    with _LogLines() as lines:
+        start = time.perf_counter()
+        clients = await asyncio.gather(*(_flood_client(receiver.port) for _ in range(FLOOD_CONNECTIONS)))
+        seconds = time.perf_counter() - start
+        for _, writer in clients:
+            if writer is not None:
+                writer.close()
+        while receiver.open_connections:   # the daemon sees the closes
+            await asyncio.sleep(0.01)
+    got = collections.Counter(answer for answer, _ in clients)
+    answers = ", ".join(f"{n} x {what}" for what, n in sorted(got.items()))
+    return (f"{FLOOD_CONNECTIONS} clients at once (max_connections {receiver.config.max_connections}): "
+            f"{answers}; all released on close; {lines.count} log lines "
+            f"({lines.tracebacks} with a traceback)"), seconds
+
+
+async def _malformed(port: int) -> tuple[str, float]:
+    """Send MALFORMED_REQUESTS malformed requests in turn; (their answers and the log
+    lines they caused, their seconds)."""
+    data = b"GET /contexts/" + b"a" * (16 << 10) + b" HTTP/1.1\r\n" + HOST + b"\r\n"   # line too long
+    statuses: collections.Counter[str] = collections.Counter()
+    with _LogLines() as lines:
+        start = time.perf_counter()
+        for _ in range(MALFORMED_REQUESTS):
+            statuses[(await _send(port, data)).split(":")[0]] += 1
+        seconds = time.perf_counter() - start
+    answers = ", ".join(f"{n} x {status}" for status, n in sorted(statuses.items()))
+    return f"{answers}; {lines.count} log lines ({lines.tracebacks} with a traceback)", seconds
+
+
 async def _measure(name: str, reset: Callable[[], None], peak: Callable[[], int]) -> dict:
     from streamer.receiver import ReceiverConfig, start_receiver
 
@@ -136,6 +226,10 @@ async def _measure(name: str, reset: Callable[[], None], peak: Callable[[], int]
         before = peak()
         if name == "slowloris":
             error, seconds = await _slowloris(receiver.port)
+        elif name == "connection_flood":
+            error, seconds = await _flood(receiver)
+        elif name == "malformed_request_flood":
+            error, seconds = await _malformed(receiver.port)
         else:
             start = time.perf_counter()
             error = await _send(receiver.port, data)
@@ -152,7 +246,7 @@ async def _measure(name: str, reset: Callable[[], None], peak: Callable[[], int]
             "daemon_up": up}
 
 
-NAMES = tuple(REQUESTS) + ("slowloris",)
+NAMES = tuple(REQUESTS) + ("slowloris", "connection_flood", "malformed_request_flood")
 
 
 def run_one(name: str, reset: Callable[[], None], peak: Callable[[], int]) -> dict:
