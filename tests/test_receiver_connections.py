@@ -19,10 +19,13 @@ CAP = 4
 HEAD = b"GET /contexts HTTP/1.1\r\nHost: x\r\n"
 
 
+def _config() -> ReceiverConfig:
+    return ReceiverConfig(servers=[("127.0.0.1", closed_port())], trim_seconds=None, max_connections=CAP)
+
+
 @pytest.fixture
 async def receiver():
-    receiver = await start_receiver(ReceiverConfig(servers=[("127.0.0.1", closed_port())], trim_seconds=None,
-                                                   max_connections=CAP), "127.0.0.1", 0)
+    receiver = await start_receiver(_config(), "127.0.0.1", 0)
     yield receiver
     await receiver.close()
 
@@ -102,6 +105,31 @@ async def test_refusals_past_max_refusing_are_closed_at_once(receiver, monkeypat
     assert not receiver._gate.refusing
     for _, w in held + [(reader, writer)]:
         w.close()
+
+
+def test_the_cap_holds_on_uvloop() -> None:
+    """``kvwire receive`` runs on uvloop, whose transports are not asyncio's classes."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> None:
+        receiver = await start_receiver(_config(), "127.0.0.1", 0)
+        try:
+            held = await _open(receiver.port, CAP)
+            reader, writer = (await _open(receiver.port, 1))[0]
+            status, headers, _ = await _answer(reader)
+            assert status == 503 and headers["Retry-After"] == str(connections.RETRY_AFTER)
+            assert await reader.read() == b""
+            for _, w in held + [(reader, writer)]:
+                w.close()
+            await _released(receiver, 0)
+            reader, writer = (await _open(receiver.port, 1))[0]
+            writer.write(HEAD + b"\r\n")
+            assert (await _answer(reader))[0] == 200
+            writer.close()
+        finally:
+            await receiver.close()
+
+    uvloop.run(scenario())
 
 
 def test_max_connections_is_validated() -> None:

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import resource
-from typing import Callable
+from typing import Callable, cast
 
 from aiohttp import web
 
@@ -56,8 +56,8 @@ class _Refusal(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # (uvloop's TCP transport is not an asyncio.Transport subclass, but is one)
+        transport = self.transport = cast(asyncio.Transport, transport)
         transport.write(self.gate.response)
         if len(self.gate.refusing) >= MAX_REFUSING or not transport.can_write_eof():
             transport.close()
