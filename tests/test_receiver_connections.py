@@ -181,6 +181,17 @@ def test_records_other_than_malformed_requests_pass_unchanged() -> None:
         assert only.filter(record) and record.exc_info is not None and record.levelno == logging.ERROR
 
 
+def test_a_malformed_request_logged_below_warning_stays_there() -> None:
+    from aiohttp.http_exceptions import BadHttpMethod
+
+    only = server_log.MalformedRequests(Throttle(1.0, _Clock()))
+    exc = BadHttpMethod("\x16\x03\x01")   # TLS on the HTTP port: aiohttp logs it at DEBUG
+    record = logging.LogRecord("x", logging.DEBUG, __file__, 1, "Error handling request from %s", ("h",),
+                               (type(exc), exc, None))
+    assert only.filter(record) and record.levelno == logging.DEBUG and record.exc_info is None
+    assert record.getMessage().startswith("Error handling request from h: BadHttpMethod: ")
+
+
 async def test_100_malformed_requests_log_one_short_line_then_the_count(receiver, caplog, monkeypatch) -> None:
     clock = _Clock()   # frozen: the bound is exact, whatever the machine's speed
     only = next(f for f in server_log.server_logger().filters if isinstance(f, server_log.MalformedRequests))

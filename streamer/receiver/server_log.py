@@ -4,9 +4,10 @@ aiohttp logs every request its parser refuses (a bad request line, a header over
 limits, a broken chunked body: an ``HttpProcessingError``, answered 400) at ERROR with
 a full traceback, so any local client could flood the daemon's log with malformed
 requests. The daemon gives aiohttp the logger ``LOGGER``, whose ``MalformedRequests``
-filter turns each such record into one WARNING line without a traceback, at most one
-per second (``streamer.net.throttle``), saying how many were not logged since the
-last; every other record (an unexpected failure keeps its traceback) passes unchanged.
+filter turns each such record into one line at WARNING (or below) without a traceback,
+at most one per second (``streamer.net.throttle``), saying how many were not logged
+since the last; every other record (an unexpected failure keeps its traceback) passes
+unchanged.
 The throttle is the process's: daemons in one process share it.
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ class MalformedRequests(logging.Filter):
         note = f" ({missed} more since the last line, not logged)" if missed else ""
         record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {reason}{note}", None
         record.exc_info, record.exc_text = None, None
-        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        if record.levelno > logging.WARNING:   # (aiohttp logs a first request's bad method at DEBUG)
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
         return True
 
 
