@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,14 @@ def realistic():
     profile = codec.calibrate([synthetic_kv(4, 4, 16, 600, seed=1)])
     kv = synthetic_kv(4, 4, 16, 300, seed=2)
     return profile, kv
+
+
+def test_the_warm_up_codes_its_data_without_a_misfit_warning() -> None:
+    """Its data is coded, not stored raw: every daemon start-up and session would
+    otherwise print a ProfileMismatchWarning, and the coded paths would go unexercised."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", codec.errors.ProfileMismatchWarning)
+        warmup._exercise()
 
 
 def test_warm_up_returns_seconds_and_is_idempotent(warm: warmup.WarmupResult) -> None:
