@@ -171,11 +171,14 @@ async def test_first_layer_arrives_before_the_last_chunk_is_sent(context, sender
 
 
 async def test_requests_are_pipelined_so_the_link_never_idles(context, sender) -> None:
-    """Over a link with 20 ms one-way delay, 12 chunks must not cost 12 round trips."""
+    """Over a link with 20 ms one-way delay, the 11 chunks after the first must not cost
+    11 round trips. Counted from the first layer: what comes before it (the first request's
+    round trip, a busy CI machine's stalls) is not what pipelining is about."""
     async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), delay_ms=20.0) as proxy:
         async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=10.0, policy="fixed:3") as session:
             report = await session.fetch()
-    assert report.total_seconds < 12 * 0.040 * 0.75, report.total_seconds
+    after_first = report.total_seconds - report.first_layer_seconds
+    assert after_first < 11 * 0.040 * 0.75, (after_first, report.total_seconds)
 
 
 @pytest.mark.parametrize("fault", ["reset", "close", "stall"])
