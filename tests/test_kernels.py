@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -350,6 +351,8 @@ class _HostDecoder:
     launch_layer = gpu.GpuDecoder.launch_layer
     coder_tables = gpu.GpuDecoder.coder_tables
     decode_into = gpu.GpuDecoder.decode_into
+    decode_layers = gpu.GpuDecoder.decode_layers
+    decode_section = gpu.GpuDecoder.decode_section
 
     def __init__(self, kernel, group_layers: int) -> None:
         import contextlib
@@ -407,6 +410,39 @@ def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.
     assert torch.equal(got[0], kv[0]) and torch.equal(got[1][:, :4], kv[1][:, :4])
     want = codec.decode(blob, profile)[1]
     assert (got[1].view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
+
+
+def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """codec.decode_layers(device="cuda") (and codec.decode's device path: both go through
+    codec.api._device_layers) with the host decoder registered for "cuda": every
+    section's CRC is computed exactly once, by the decoder's Verify, and a corrupt or
+    truncated section is still refused."""
+    profile = codec.calibrate([torch.cat([_kv(1, tokens=300), _kv(2, tokens=300)])])
+    blob = codec.encode(torch.cat([_kv(5), _kv(6)]).half(), 1, profile)
+    header = codec.parse_header(blob)
+    want = codec.decode(blob, profile)
+    decoder = _HostDecoder(host_kernel, group_layers=3)
+    monkeypatch.setitem(codec.backends._factories, "cuda", lambda device: decoder)
+    computed: Counter = Counter()
+    crc32 = container.crc32
+
+    def counting_crc32(data) -> int:
+        computed[bytes(data)] += 1
+        return crc32(data)
+
+    monkeypatch.setattr(container, "crc32", counting_crc32)
+    got = {l: torch.stack([k, v]) for l, k, v in codec.decode_layers(blob, profile, device="cuda")}
+    at = header.offsets
+    assert [computed[bytes(blob[at[l]:at[l + 1]])] for l in range(header.layers)] == [1] * header.layers
+    assert sorted(got) == list(range(header.layers))
+    for layer, kv in got.items():
+        assert (kv.view(torch.int16).int() - want[layer].view(torch.int16).int()).abs().max() <= 1
+    damaged = bytearray(blob)
+    damaged[at[2] + 9] ^= 0x10
+    with pytest.raises(codec.CorruptBitstream, match="layer 2's section checksum"):
+        list(codec.decode_layers(bytes(damaged), profile, device="cuda"))
+    with pytest.raises(codec.CorruptBitstream, match="layer 3's section is"):
+        list(codec.decode_layers(blob[:-1], profile, device="cuda"))
 
 
 def test_stream_decoder_overlaps_chunks_and_reports_corrupt_sections(host_kernel) -> None:
