@@ -11,8 +11,9 @@ a group (the kernel takes one layer's lane table; a group shares one upload and 
 
 Context safety: one primary context per device, retained once (``pycuda.driver.Device(n)
 .retain_primary_context()``, the context torch uses too) and pushed around every call in
-whatever thread makes it, popped after; ``cuda:N`` decodes on device N; :func:`close_all`
-synchronizes and releases every decoder (the receiver daemon calls it on shutdown).
+whatever thread makes it, popped after; ``cuda:N`` decodes on device N; one decoder per
+device (:func:`decoder`, in ``kernels.devices``' registry, whose ``close_all`` the receiver
+daemon calls on shutdown: it synchronizes and releases every decoder).
 
 Entropy decoding and dequantization are bit-identical to the CPU decoder; the GEMM's
 summation order differs (cuBLAS vs MKL), so output agrees with the CPU to float32
@@ -38,7 +39,8 @@ from codec.errors import GpuUnavailable
 from codec.profile import Profile
 
 from . import packing, reconstruct
-from .devices import availability, device_index, require  # noqa: F401  (availability: kernels.gpu's API)
+from . import devices
+from .devices import availability, require  # noqa: F401  (availability: kernels.gpu's API)
 from .schedule import Deliver, Event, Launch, Scheduler, Upload, Verify
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -347,23 +349,7 @@ def _raise_first(delivered: list[Delivered]) -> Iterator[tuple[int, torch.Tensor
         yield layer, k, v
 
 
-_decoders: dict[int, GpuDecoder] = {}
-_decoders_lock = threading.Lock()
-
-
 def decoder(device: str | torch.device = "cuda") -> GpuDecoder:
-    """The process-wide decoder of a device (compiles the kernel once per device)."""
-    index = device_index(device)
-    with _decoders_lock:
-        if index not in _decoders:
-            _decoders[index] = GpuDecoder(torch.device("cuda", index))
-        return _decoders[index]
-
-
-def close_all() -> None:
-    """Close every decoder this process built (clean shutdown; a later decode builds anew)."""
-    with _decoders_lock:
-        decoders = list(_decoders.values())
-        _decoders.clear()
-    for d in decoders:
-        d.close()
+    """The process-wide decoder of a device (compiles the kernel and retains the primary
+    context once per device; ``kernels.devices.close_all`` releases it)."""
+    return devices.shared(device, "decoder", lambda index: GpuDecoder(torch.device("cuda", index)))

@@ -22,7 +22,9 @@ import torch
 import codec
 from codec.profile import Profile
 
-from .gpu import Buffers, ChunkRun, EventTable, GpuDecoder
+from . import devices
+from .devices import close_all  # noqa: F401  (the daemon's shutdown: streams, then their decoders)
+from .gpu import Buffers, ChunkRun, EventTable, GpuDecoder, decoder
 from .schedule import Scheduler
 
 _STOP = object()
@@ -149,29 +151,7 @@ class _StreamState:
         self.by_header.clear()
 
 
-_streams: dict[int, StreamDecoder] = {}
-_streams_lock = threading.Lock()
-
-
 def stream_decoder(device: str | torch.device = "cuda") -> StreamDecoder:
-    """The process-wide stream decoder of a device (sessions and the daemon share it)."""
-    from .devices import device_index
-    from .gpu import decoder
-
-    index = device_index(device)
-    with _streams_lock:
-        if index not in _streams:
-            _streams[index] = StreamDecoder(decoder(torch.device("cuda", index)))
-        return _streams[index]
-
-
-def close_all() -> None:
-    """Finish and stop every stream decoder, then release every device (clean shutdown)."""
-    from .gpu import close_all as close_decoders
-
-    with _streams_lock:
-        streams = list(_streams.values())
-        _streams.clear()
-    for stream in streams:
-        stream.close()
-    close_decoders()
+    """The process-wide stream decoder of a device (sessions and the daemon share it),
+    running on that device's decoder (``kernels.gpu.decoder``)."""
+    return devices.shared(device, "stream", lambda index: StreamDecoder(decoder(torch.device("cuda", index))))

@@ -479,6 +479,53 @@ def test_stream_decoder_overlaps_chunks_and_reports_corrupt_sections(host_kernel
         stream.close()
 
 
+def test_one_registry_holds_one_decoder_and_one_stream_decoder_per_device(host_kernel,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.devices' registry: gpu.decoder and stream.stream_decoder share it, so
+    ``cuda`` and ``cuda:0`` get one decoder (one primary context) and one stream decoder
+    on it, ``cuda:1`` device 1's; close_all stops each stream before its decoder and
+    forgets them; a device that cannot be opened registers nothing."""
+    from kernels import devices, stream
+
+    monkeypatch.setattr(devices, "_opened", {})
+    built, closed = [], []
+
+    def fake_decoder(device: torch.device) -> _HostDecoder:
+        d = _HostDecoder(host_kernel, group_layers=2)
+        d.index = device.index
+        d.close = lambda: closed.append(("decoder", d.index))
+        built.append(device.index)
+        return d
+
+    stream_close = stream.StreamDecoder.close
+
+    def logged_close(self) -> None:
+        closed.append(("stream", self.decoder.index))
+        stream_close(self)
+
+    monkeypatch.setattr(gpu, "GpuDecoder", fake_decoder)
+    monkeypatch.setattr(stream.StreamDecoder, "close", logged_close)
+    s0 = stream.stream_decoder("cuda")
+    assert stream.stream_decoder("cuda:0") is s0 and gpu.decoder(torch.device("cuda", 0)) is s0.decoder
+    s1 = stream.stream_decoder("cuda:1")
+    assert s1.decoder.index == 1 and gpu.decoder("cuda:1") is s1.decoder and built == [0, 1]
+    stream.close_all()
+    assert closed == [("stream", 0), ("decoder", 0), ("stream", 1), ("decoder", 1)]
+    assert not s0._thread.is_alive() and not s1._thread.is_alive()
+    assert gpu.decoder("cuda") is not s0.decoder and built == [0, 1, 0]   # built anew after close_all
+    devices.close_all()
+
+    def unavailable(device: torch.device):
+        raise codec.GpuUnavailable("no device here")
+
+    monkeypatch.setattr(gpu, "GpuDecoder", unavailable)
+    with pytest.raises(codec.GpuUnavailable, match="no device here"):
+        stream.stream_decoder("cuda:2")
+    with pytest.raises(ValueError):
+        stream.stream_decoder("cpu")
+    assert devices._opened == {}
+
+
 # ------------------------------------------------------------------ occupancy (bench_gpu --dry-run)
 def test_occupancy_arithmetic_on_an_h200() -> None:
     from kernels import occupancy
