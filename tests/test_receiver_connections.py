@@ -47,6 +47,13 @@ async def _released(receiver, open_now: int) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _busy(receiver) -> None:
+    """Wait (no time limit but the test's) until the daemon has read every connection's
+    new bytes, so none counts as idle."""
+    while receiver.gate.idle:
+        await asyncio.sleep(0.01)
+
+
 def _sample(receiver, name: str) -> float:
     return receiver.metrics.registry.get_sample_value(name) or 0.0
 
@@ -79,6 +86,8 @@ async def test_connections_past_the_cap_get_503_unread_and_places_are_freed_on_c
         writer.write(HEAD + b"\r\n")
         status, _, _ = await _answer(reader)
         assert status == 200
+        writer.write(HEAD)   # a next request begun: busy, so its place is not reclaimed
+    await _busy(receiver)
     reader, writer = (await _open(receiver.port, 1))[0]
     writer.write(HEAD + b"\r\n")
     assert (await _answer(reader))[0] == 503
@@ -220,3 +229,53 @@ async def test_100_malformed_requests_log_one_short_line_then_the_count(receiver
     assert "99 more since the last line, not logged" in lines[1].getMessage()
     assert len(lines[1].getMessage()) < 400
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def _served(port: int, n: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """``n`` keep-alive connections, each answered once and left idle."""
+    held = await _open(port, n)
+    for reader, writer in held:
+        writer.write(HEAD + b"\r\n")
+        assert (await _answer(reader))[0] == 200
+    return held
+
+
+async def test_at_the_cap_a_new_connection_takes_the_place_of_the_longest_idle_one(receiver) -> None:
+    held = await _served(receiver.port, CAP)
+    reader, writer = held[1]   # connection 1 asks again: now connection 0 is the longest idle
+    writer.write(HEAD + b"\r\n")
+    assert (await _answer(reader))[0] == 200
+
+    newcomer = (await _open(receiver.port, 1))[0]
+    newcomer[1].write(HEAD + b"\r\n")
+    assert (await _answer(newcomer[0]))[0] == 200   # admitted, not refused
+    assert await held[0][0].read() == b""   # the longest idle one was closed
+    assert _sample(receiver, "kvwire_receiver_connections_reclaimed_total") == 1
+    assert _sample(receiver, "kvwire_receiver_connections_refused_total") == 0
+    await _released(receiver, CAP)
+
+    for reader, writer in held[1:]:   # the others are still served
+        writer.write(HEAD + b"\r\n")
+        assert (await _answer(reader))[0] == 200
+    for _, w in held + [newcomer]:
+        w.close()
+    await _released(receiver, 0)
+
+
+async def test_a_connection_with_a_request_under_way_is_never_reclaimed(receiver) -> None:
+    """Busy connections (a partial head, a request in the handler) keep their places: with
+    no idle connection at the cap the newcomer is refused; the partial one is then served."""
+    held = await _served(receiver.port, CAP)
+    for _, writer in held:
+        writer.write(HEAD)   # a second request begun on each: none is idle any more
+    await _busy(receiver)
+    newcomer = (await _open(receiver.port, 1))[0]
+    newcomer[1].write(HEAD + b"\r\n")
+    assert (await _answer(newcomer[0]))[0] == 503
+    for reader, writer in held:
+        writer.write(b"\r\n")
+        assert (await _answer(reader))[0] == 200
+    assert _sample(receiver, "kvwire_receiver_connections_reclaimed_total") == 0
+    for _, w in held + [newcomer]:
+        w.close()
+    await _released(receiver, 0)

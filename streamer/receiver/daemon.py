@@ -4,8 +4,9 @@
     ...
     await receiver.close()   # what SIGTERM does
 
-At most ``max_connections`` client connections are served at once; one more is answered
-503 (``Retry-After``) without its request being read, and closed
+At most ``max_connections`` client connections are served at once; one more takes the
+place of the longest idle keep-alive connection, which is closed, or, when none is idle,
+is answered 503 (``Retry-After``) without its request being read, and closed
 (``streamer.receiver.connections``).
 
 Shutdown: stop accepting connections, answer 503 to requests still arriving on open
@@ -116,13 +117,19 @@ class Receiver:
         check_descriptors(self.config.max_connections)
         # no aiohttp site: the listener's protocol factory is the gate that caps connections
         gate = self._gate = ConnectionGate(self._runner.server, self.config.max_connections,
-                                           self.metrics.connections_refused.inc)
+                                           self.metrics.connections_refused.inc,
+                                           self.metrics.connections_reclaimed.inc)
         self.metrics.connections_open.set_function(lambda: gate.open)
         self._listener = await asyncio.get_running_loop().create_server(self._gate, host, port, backlog=128)
         self.address = tuple(self._listener.sockets[0].getsockname()[:2])  # type: ignore[assignment]
         if self.config.trim_seconds is not None:
             self._malloc = malloc.Tuning(os.environ, self.config.trim_seconds)
         return self
+
+    @property
+    def gate(self) -> ConnectionGate | None:
+        """The listener's connection cap (None before ``start``)."""
+        return self._gate
 
     @property
     def open_connections(self) -> int:

@@ -218,8 +218,25 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     return await _HANDLERS[head.route](request, head)
 
 
+@web.middleware
+async def _idle_tracking(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Tell the connection gate when a connection is busy and when it is idle again, so
+    that at the cap an idle keep-alive connection gives its place to a new one. The
+    answer is written here, not after the return, so that "idle" means nothing of it is
+    left to write (aiohttp's own prepare/write_eof are then no-ops)."""
+    gate = request.app[RECEIVER_KEY].gate
+    if gate is None:
+        return await handler(request)
+    gate.request_started(request.protocol)
+    response = await handler(request)
+    await response.prepare(request)
+    await response.write_eof()
+    gate.answer_written(request.protocol)
+    return response
+
+
 def make_app(receiver: "Receiver") -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=requests.MAX_BODY)
+    app = web.Application(middlewares=[_idle_tracking, _errors], client_max_size=requests.MAX_BODY)
     app[RECEIVER_KEY] = receiver
     app.router.add_route("*", "/{path:.*}", dispatch)
     return app

@@ -30,6 +30,9 @@ class Metrics:
         self.errors = Counter(f"{p}_errors", "Errors answered, by HTTP status", ["status"], registry=r)
         self.connections_refused = Counter(f"{p}_connections_refused", "Client connections refused "
                                            "at max_connections (503, request not read)", registry=r)
+        self.connections_reclaimed = Counter(f"{p}_connections_reclaimed", "Idle keep-alive client "
+                                             "connections closed at max_connections to admit a new one",
+                                             registry=r)
         self.connections_open = Gauge(f"{p}_connections_open", "Client connections being served", registry=r)
         self.inflight = Gauge(f"{p}_fetches_in_flight", "Fetches running now", registry=r)
         self.cache_bytes = Gauge(f"{p}_cache_bytes", "Bytes held by the local cache", registry=r)

@@ -9,8 +9,10 @@ partial request heads open instead: its seconds are those of an ordinary request
 made meanwhile, and its response says when the daemon closed the partial ones.
 ``connection_flood`` starts ``FLOOD_CONNECTIONS`` clients at once, each asking
 ``GET /contexts`` and holding its connection: its seconds run to the last answer, and
-its response counts the answers (200 up to the cap, 503 past it) and the daemon's log
-lines meanwhile. ``malformed_request_flood`` sends ``MALFORMED_REQUESTS`` malformed
+its response counts the answers (200 for those admitted, 503 for those refused), the
+idle admitted connections closed to make room for later ones (each answered client
+holds an idle keep-alive connection: past the cap a newcomer takes the place of the
+longest idle one) and the daemon's log lines meanwhile. ``malformed_request_flood`` sends ``MALFORMED_REQUESTS`` malformed
 requests one after another: its seconds are theirs, and its response counts the log
 lines they caused.
 """
@@ -192,8 +194,10 @@ async def _flood(receiver) -> tuple[str, float]:
             await asyncio.sleep(0.01)
     got = collections.Counter(answer for answer, _ in clients)
     answers = ", ".join(f"{n} x {what}" for what, n in sorted(got.items()))
+    reclaimed = receiver.metrics.registry.get_sample_value("kvwire_receiver_connections_reclaimed_total")
     return (f"{FLOOD_CONNECTIONS} clients at once (max_connections {receiver.config.max_connections}): "
-            f"{answers}; all released on close; {lines.count} log lines "
+            f"{answers}; {reclaimed:.0f} idle ones closed for newcomers; all released on close; "
+            f"{lines.count} log lines "
             f"({lines.tracebacks} with a traceback)"), seconds
 
 
