@@ -131,9 +131,9 @@ class GpuDecoder:
         resolved, slot = codec.resolve_profile(header, profile)
         with self._lock:  # held for the whole decode: self.buffers are reused across its groups
             run = ChunkRun(self, self.buffers, EventTable(self._cuda, 4 * self._buffer_count), 0, header,
-                       resolved, slot, {} if outs is None else outs)
+                           resolved, slot, {} if outs is None else outs, count)
             scheduler = Scheduler(self.group_layers, self._buffer_count)
-            scheduler.open_chunk(0, header.layers if count is None else count)
+            scheduler.open_chunk(0, run.expected)
             for layer, section in sections:
                 with self.current():  # current only while working, never across a yield
                     run.execute(scheduler.arrived(0, run.arrive(layer, section)))
@@ -234,9 +234,12 @@ class ChunkRun:
     """One chunk's state while its decoder carries out the scheduler's commands."""
 
     def __init__(self, decoder: GpuDecoder, buffers: Buffers, events: EventTable, chunk: int,
-                 header: codec.BlobHeader, profile: Profile, slot: int, outs: dict[int, torch.Tensor]) -> None:
+                 header: codec.BlobHeader, profile: Profile, slot: int, outs: dict[int, torch.Tensor],
+                 expected: int | None = None) -> None:
         self.decoder, self.buffers, self.events, self.chunk = decoder, buffers, events, chunk
         self.header, self.profile, self.slot, self.outs = header, profile, slot, outs
+        #: sections this run takes (all the header's layers, or fewer: one refetched layer)
+        self.expected = header.layers if expected is None else expected
         self.layer_at: list[int] = []    # the scheduler's positions (arrival order) -> layers
         self.sections: dict[int, bytes | memoryview] = {}
         self.parsed: dict[int, reconstruct.ParsedSection] = {}
@@ -254,7 +257,7 @@ class ChunkRun:
         return len(self.layer_at) - 1
 
     def complete(self) -> bool:
-        return len(self.layer_at) == self.header.layers and not self.deliveries
+        return len(self.layer_at) == self.expected and not self.deliveries
 
     def execute(self, commands) -> None:
         """Carry out this chunk's commands; deliveries queue in order for their events."""

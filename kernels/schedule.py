@@ -22,7 +22,11 @@ Rules (each a test):
 * buffers are used round robin: a group's host write waits for the previous copy out of
   that buffer, its device copy for the previous decode of that buffer;
 * layers are delivered in layer order, each after its group's decode (a layer that
-  arrived early waits for the layers before it).
+  arrived early waits for the layers before it);
+* a chunk is held only while it is open: once fully delivered or cancelled
+  (:meth:`Scheduler.cancel`) nothing of it stays, except, until the buffers are used
+  again, the events of its last copy into and decode from each buffer, which the next
+  group in that buffer still waits for.
 """
 from __future__ import annotations
 
@@ -116,6 +120,11 @@ class Scheduler:
         self._next_buffer = 0
         self._chunks: dict[int, _Chunk] = {}
 
+    @property
+    def open_chunks(self) -> tuple[int, ...]:
+        """The chunks opened and neither fully delivered nor cancelled."""
+        return tuple(self._chunks)
+
     def open_chunk(self, chunk: int, layers: int) -> None:
         """Announce a chunk of ``layers`` sections (its header has arrived)."""
         if chunk in self._chunks:
@@ -147,6 +156,15 @@ class Scheduler:
             if state.pending:
                 commands += self._close_group(chunk, state)
         return commands
+
+    def cancel(self, chunk: int) -> None:
+        """Forget a chunk no one waits for any more (its session gave up on it): its
+        arrived layers not yet in a group are dropped, no more of its layers are
+        delivered, and a later ``arrived`` for it is refused as not opened. Groups of it
+        already uploaded or launched still finish on the streams; each buffer keeps the
+        events of its last use, so the next group in that buffer waits for them as
+        always. Cancelling a chunk not open (delivered, or cancelled before) does nothing."""
+        self._chunks.pop(chunk, None)
 
     def _close_group(self, chunk: int, state: _Chunk) -> list[Command]:
         layers, state.pending = tuple(state.pending), []

@@ -9,13 +9,18 @@ for bytes that may be slow to come. The worker is the only thread that touches C
 this stream; it makes the device's primary context current around its work.
 
 A chunk is told apart by its header object (a session parses one per chunk); a layer sent
-again for a chunk (a refetch after a corrupt section) opens a new chunk in the scheduler.
+again for a chunk (a refetch after a corrupt section) is a one-layer chunk of its own in
+the scheduler, so the header's chunk still completes when its other layers have come.
+:meth:`StreamDecoder.cancel` gives up on a chunk (its session cancelled it). Nothing of
+a chunk is held once it is fully delivered or cancelled: a long-lived daemon does not grow.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import queue
 import threading
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +33,11 @@ from .gpu import Buffers, ChunkRun, EventTable, GpuDecoder, decoder
 from .schedule import Scheduler
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    header: codec.BlobHeader
 
 
 class StreamDecoder:
@@ -54,6 +64,13 @@ class StreamDecoder:
         """The blocking form: what ``codec.decode_section`` callers expect."""
         return self.submit(header, profile, layer, section).result()
 
+    def cancel(self, header: codec.BlobHeader) -> None:
+        """Give up on the chunk of ``header``: its futures not resolved yet are cancelled,
+        the worker and its scheduler forget it, and sections submitted for it later are
+        cancelled at once. Its groups already on the streams finish there (their memory
+        is the decode stream's, so nothing later reuses it early)."""
+        self._queue.put(_Cancel(header))
+
     def close(self) -> None:
         """Finish what was submitted, then stop the worker."""
         self._queue.put(_STOP)
@@ -63,8 +80,8 @@ class StreamDecoder:
     def _work(self) -> None:
         """Feed sections to the scheduler; on idle, flush and wait; never die silently."""
         d = self.decoder
-        state = _StreamState(Scheduler(d.group_layers, d._buffer_count), Buffers(d, d._buffer_count),
-                             EventTable(d._cuda, 4 * d._buffer_count))
+        state = self._state = _StreamState(Scheduler(d.group_layers, d._buffer_count), Buffers(d, d._buffer_count),
+                                           EventTable(d._cuda, 4 * d._buffer_count))
         while True:
             try:
                 item = self._queue.get(timeout=self.idle_seconds)
@@ -76,9 +93,10 @@ class StreamDecoder:
                 return
             self._step(state, item)
 
-    def _step(self, state: "_StreamState", item: tuple | None) -> None:
-        """One arrival (or, for None, a flush of every partial group and a wait for every
-        decode); an unexpected error fails every pending future instead of hanging them."""
+    def _step(self, state: "_StreamState", item: tuple | _Cancel | None) -> None:
+        """One arrival or cancel (or, for None, a flush of every partial group and a wait
+        for every decode); an unexpected error fails every pending future instead of
+        hanging them."""
         d = self.decoder
         try:
             with d.current():
@@ -86,7 +104,13 @@ class StreamDecoder:
                     state.dispatch(state.scheduler.flush())
                     state.resolve(block=True)
                     return
+                if isinstance(item, _Cancel):
+                    state.cancel(item.header)
+                    return
                 header, profile, layer, section, future = item
+                if state.cancelled.get(id(header)) is header:
+                    future.cancel()
+                    return
                 try:
                     resolved, slot = codec.resolve_profile(header, profile)
                 except codec.CorruptBitstream as exc:
@@ -106,20 +130,29 @@ class _StreamState:
     def __init__(self, scheduler: Scheduler, buffers: Buffers, events: EventTable) -> None:
         self.scheduler, self.buffers, self.events = scheduler, buffers, events
         self.runs: dict[int, tuple[ChunkRun, dict]] = {}          # scheduler chunk -> (run, layer -> future)
-        self.by_header: dict[int, tuple[codec.BlobHeader, int]] = {}   # id(header) -> (header, chunk)
+        self.by_header: dict[int, tuple[codec.BlobHeader, int]] = {}   # id(header) -> (header, its open chunk)
+        # headers that had a chunk, and those cancelled: weak, so they go with their sessions
+        self.seen: weakref.WeakValueDictionary[int, codec.BlobHeader] = weakref.WeakValueDictionary()
+        self.cancelled: weakref.WeakValueDictionary[int, codec.BlobHeader] = weakref.WeakValueDictionary()
         self.chunks = 0
 
     def run_for(self, d: GpuDecoder, header: codec.BlobHeader, profile: Profile, slot: int, layer: int
                 ) -> tuple[ChunkRun, dict]:
-        """The open chunk of this header, or a new one (a new header, or a layer sent again)."""
+        """The open chunk of this header; else a new one of all its layers (a header not
+        seen before) or of this layer alone (a layer sent again: a refetch)."""
         known = self.by_header.get(id(header))
         entry = self.runs.get(known[1]) if known is not None and known[0] is header else None
-        if entry is None or layer in entry[0].layer_at:
-            chunk, self.chunks = self.chunks, self.chunks + 1
-            self.scheduler.open_chunk(chunk, header.layers)
-            entry = (ChunkRun(d, self.buffers, self.events, chunk, header, profile, slot, {}), {})
-            self.runs[chunk] = entry
+        if entry is not None and layer not in entry[0].layer_at:
+            return entry
+        first = self.seen.get(id(header)) is not header
+        expected = header.layers if first else 1
+        chunk, self.chunks = self.chunks, self.chunks + 1
+        self.scheduler.open_chunk(chunk, expected)
+        entry = (ChunkRun(d, self.buffers, self.events, chunk, header, profile, slot, {}, expected), {})
+        self.runs[chunk] = entry
+        if first:
             self.by_header[id(header)] = (header, chunk)
+            self.seen[id(header)] = header
         return entry
 
     def dispatch(self, commands) -> None:
@@ -138,17 +171,29 @@ class _StreamState:
                 else:
                     future.set_result((k, v))
             if run.complete() and not futures:
-                del self.runs[chunk]
-                if self.by_header.get(id(run.header), (None, None))[1] == chunk:
-                    del self.by_header[id(run.header)]
+                self._forget(chunk)
+
+    def cancel(self, header: codec.BlobHeader) -> None:
+        """Forget every chunk of ``header`` (cancelling its futures) and refuse its later sections."""
+        self.cancelled[id(header)] = header
+        for chunk in [c for c, (run, _) in self.runs.items() if run.header is header]:
+            for future in self.runs[chunk][1].values():
+                future.cancel()
+            self._forget(chunk)
 
     def fail(self, exc: Exception) -> None:
-        for _, futures in self.runs.values():
-            for future in futures.values():
+        """Hand ``exc`` to every waiting future and forget every chunk."""
+        for chunk in list(self.runs):
+            for future in self.runs[chunk][1].values():
                 if not future.done():
                     future.set_exception(exc)
-        self.runs.clear()
-        self.by_header.clear()
+            self._forget(chunk)
+
+    def _forget(self, chunk: int) -> None:
+        run, _ = self.runs.pop(chunk)
+        self.scheduler.cancel(chunk)   # nothing, for a chunk it delivered in full
+        if self.by_header.get(id(run.header), (None, None))[1] == chunk:
+            del self.by_header[id(run.header)]
 
 
 def stream_decoder(device: str | torch.device = "cuda") -> StreamDecoder:

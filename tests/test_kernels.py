@@ -131,7 +131,7 @@ def test_host_compiled_kernel_reads_version_3_lanes(host_kernel) -> None:
     profile = codec.Profile.load(data / "golden_profile.safetensors")
     blob = (data / "golden_blob_v3.bin").read_bytes()
     assert codec.parse_header(blob).version == 3
-    assert {g for g, _ in _assert_kernel_matches(host_kernel, profile, codec.DEFAULT_LEVEL, blob)} == {14}
+    assert {g for g, _ in _assert_kernel_matches(host_kernel, profile, codec.parse_header(blob).level, blob)} == {14}
 
 
 def test_host_compiled_kernel_reads_version_4_and_controlled_version_5_lanes(host_kernel) -> None:
@@ -142,7 +142,7 @@ def test_host_compiled_kernel_reads_version_4_and_controlled_version_5_lanes(hos
     profile = codec.Profile.load(data / "golden_profile.safetensors")
     blob = (data / "golden_blob_v4.bin").read_bytes()
     assert codec.parse_header(blob).version == 4
-    assert _assert_kernel_matches(host_kernel, profile, codec.DEFAULT_LEVEL, blob)
+    assert _assert_kernel_matches(host_kernel, profile, codec.parse_header(blob).level, blob)
     profile = codec.calibrate([_kv(1)])
     kv = _kv(2)
     mean = kv.mean(dim=2, keepdim=True)
@@ -477,6 +477,34 @@ def test_stream_decoder_overlaps_chunks_and_reports_corrupt_sections(host_kernel
         assert (torch.stack([k, v]).float() - codec.decode(blobs[1], profile)[2].float()).abs().max() < 1e-2
     finally:
         stream.close()
+    # the refetch was a one-layer chunk: every chunk completed, nothing is held
+    assert stream._state.runs == {} and stream._state.scheduler.open_chunks == () and not stream._state.by_header
+
+
+def test_stream_decoder_cancel_forgets_a_chunk_with_a_group_in_flight(host_kernel) -> None:
+    """A chunk cancelled with one group decoded and a layer waiting for its group: that
+    layer's future is cancelled, a section sent for it later too, the next chunk decodes
+    through the same buffers, and the worker and its scheduler hold nothing."""
+    from kernels.stream import StreamDecoder
+
+    profile = codec.calibrate([torch.cat([_kv(1, tokens=300), _kv(2, tokens=300)])])
+    blobs = [codec.encode(torch.cat([_kv(30 + i), _kv(40 + i)]).half(), 1, profile, sink_tokens=0) for i in range(2)]
+    (header, sections), (header1, sections1) = (_sections(b) for b in blobs)
+    stream = StreamDecoder(_HostDecoder(host_kernel, group_layers=2), idle_seconds=600)   # no idle flush
+    try:
+        first = [stream.submit(header, profile, l, sections[l][1]) for l in range(3)]
+        stream.cancel(header)
+        late = stream.submit(header, profile, 3, sections[3][1])
+        rest = [stream.submit(header1, profile, l, sections1[l][1]) for l in range(4)]
+        want = codec.decode(blobs[1], profile)
+        for layer, future in enumerate(rest):
+            k, v = future.result(timeout=60)
+            assert (torch.stack([k, v]).view(torch.int16).int() - want[layer].view(torch.int16).int()).abs().max() <= 1
+        assert [f.done() and not f.cancelled() for f in first[:2]] == [True, True]   # decoded before the cancel
+        assert first[2].cancelled() and late.cancelled()
+    finally:
+        stream.close()
+    assert stream._state.runs == {} and stream._state.scheduler.open_chunks == () and not stream._state.by_header
 
 
 def test_one_registry_holds_one_decoder_and_one_stream_decoder_per_device(host_kernel,

@@ -56,11 +56,13 @@ class FakeGpu:
                 self.delivered += [(command.chunk, layer, at) for layer in command.layers]
 
 
-def _stream(scheduler: Scheduler, gpu: FakeGpu, chunks: int, layers: int, order, arrival_s: float = 0.0):
-    """Open each chunk and feed its layers in ``order(chunk)``; returns, per section, how
-    many sections of its chunk arrived after it before its group was uploaded."""
+def _stream(scheduler: Scheduler, gpu: FakeGpu, chunks: int, layers: int, order, arrival_s: float = 0.0,
+            first: int = 0):
+    """Open chunks ``first`` .. ``first + chunks - 1`` and feed each one's layers in
+    ``order(chunk)``; returns, per section, how many sections of its chunk arrived after
+    it before its group was uploaded."""
     waited: dict[tuple[int, int], int] = {}
-    for chunk in range(chunks):
+    for chunk in range(first, first + chunks):
         scheduler.open_chunk(chunk, layers)
         seen: list[int] = []
         for layer in order(chunk):
@@ -120,6 +122,44 @@ def test_a_partial_group_goes_on_flush_and_at_the_chunks_last_layer() -> None:
     commands = [c for layer in range(1, 6) for c in scheduler.arrived(0, layer)]
     assert [c.layers for c in commands if isinstance(c, Upload)] == [(1, 2, 3, 4), (5,)]
     assert [c.layers for c in commands if isinstance(c, Deliver)] == [(1, 2, 3, 4), (5,)]
+
+
+def test_a_cancelled_chunk_leaves_nothing_and_its_buffers_are_reused_in_order() -> None:
+    """Chunk 0 is cancelled while its first group is still being copied (and a second
+    group is half full): the scheduler holds nothing of it, delivers no more of it, and
+    chunk 1's groups in the same buffers still wait for its copy and decode."""
+    scheduler, gpu = Scheduler(group_layers=4, buffers=2), FakeGpu(copy_s=5.0, decode_s=3.0)
+    scheduler.open_chunk(0, 8)
+    for layer in range(6):
+        gpu.run(scheduler.arrived(0, layer))
+    copy_end = gpu.events[Event("copied", 0, 0)]
+    assert gpu.now < copy_end                       # mid-upload
+    scheduler.cancel(0)
+    assert scheduler.open_chunks == ()
+    assert scheduler.flush() == []                  # layers 4 and 5 were dropped, not uploaded
+    with pytest.raises(ValueError, match="not opened"):
+        scheduler.arrived(0, 6)
+    scheduler.cancel(0)                             # cancelling again does nothing
+    _stream(scheduler, gpu, 1, 8, order=lambda c: range(8), first=1)
+    for uses in gpu.uses.values():
+        for before, after in zip(uses, uses[1:]):
+            assert after["host_write"] >= before["copy"][1]
+            assert after["copy"][0] >= before["decode"][1]
+    assert gpu.uses[0][0]["key"] == (0, 0) and gpu.uses[0][1]["key"][0] == 1   # buffer 0 reused after chunk 0
+    assert [layer for c, layer, _ in gpu.delivered if c == 0] == [0, 1, 2, 3]   # delivered before the cancel
+    assert [layer for c, layer, _ in gpu.delivered if c == 1] == list(range(8))
+    assert scheduler.open_chunks == ()
+
+
+def test_cancelled_chunks_do_not_accumulate() -> None:
+    """A long-lived receiver cancelling chunk after chunk holds no more than one."""
+    scheduler, gpu = Scheduler(group_layers=3), FakeGpu()
+    for chunk in range(1000):
+        scheduler.open_chunk(chunk, 32)
+        for layer in range(chunk % 7):
+            gpu.run(scheduler.arrived(chunk, layer))
+        scheduler.cancel(chunk)
+        assert scheduler.open_chunks == ()
 
 
 def test_misuse_is_refused() -> None:
