@@ -401,3 +401,35 @@ def test_cli_serve_and_fetch_with_tls_and_token(store_root, certificate, tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def _fail_auth_once(port: int) -> None:
+    """One connection that offers the wrong token, read until the sender hangs up."""
+    client = p.Connection(p.Role.CLIENT, auth_token=OTHER)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(client.send(p.Hello((1,), "c")))
+    events: list = []
+    while not any(isinstance(e, p.Welcome) for e in events):
+        events += client.receive_data(await reader.read(1 << 16))
+    writer.write(client.send(client.auth_event()))
+    await reader.read()
+    writer.close()
+
+
+async def test_repeated_auth_failures_log_one_line_per_second_with_the_count(store_root, caplog):
+    """A client looping over wrong tokens must not write one warning per try: the first
+    is logged, then at most one line per second that counts the ones left out."""
+    from streamer.net import sender as sender_module
+    from streamer.net.throttle import Throttle
+
+    now = [0.0]
+    async with Sending(store_root, auth_token=TOKEN) as sender:
+        sender._fault_logs = sender_module._PeerFaultLogs(auth=Throttle(clock=lambda: now[0]))
+        with caplog.at_level("WARNING", logger="kvwire"):
+            for _ in range(20):
+                await _fail_auth_once(sender.port)
+            now[0] = 1.5   # a second and a half later, one more
+            await _fail_auth_once(sender.port)
+    lines = [r.getMessage() for r in caplog.records if "authentication failed" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "more since the last line" not in lines[0] and lines[1].endswith("; 19 more since the last line")

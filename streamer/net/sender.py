@@ -203,10 +203,30 @@ def _check_profile_size(size: int, profile_id: str) -> None:
                                 f"more than the {MAX_PROFILE_BYTES} receivers accept")
 
 
+@dataclass
+class _PeerFaultLogs:
+    """One throttle per kind of fault a peer can repeat at will by reconnecting (a wrong
+    token, a malformed frame, a connection dropped for stalling or closed early), shared by all of a sender's connections:
+    a client looping over them must not fill the log, so past the first line each kind
+    logs at most one line per second, saying how many went unlogged."""
+
+    auth: Throttle = field(default_factory=Throttle)
+    protocol: Throttle = field(default_factory=Throttle)
+    dropped: Throttle = field(default_factory=Throttle)
+
+
+def _log_throttled(logger: logging.LoggerAdapter, level: int, throttle: Throttle, msg: str,
+                   *args: object) -> None:
+    if (missed := throttle.take()) is not None:
+        logger.log(level, msg + ("; %d more since the last line" if missed else ""),
+                   *args, *((missed,) if missed else ()))
+
+
 class _ConnectionHandler:
     def __init__(self, store: Store, config: ServerConfig, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+                 writer: asyncio.StreamWriter, fault_logs: _PeerFaultLogs) -> None:
         self.store = store
+        self.fault_logs = fault_logs
         self.config = config
         self.reader = reader
         self.writer = writer
@@ -291,7 +311,8 @@ class _ConnectionHandler:
             deadline, why = self._deadline(handshake_end, frame_end)
             now = self._loop.time()
             if deadline is not None and deadline <= now:
-                self.log.info("dropping %s: %s", self._peer(), why)
+                _log_throttled(self.log, logging.INFO, self.fault_logs.dropped, "dropping %s: %s",
+                               self._peer(), why)
                 self._error("timeout")
                 await self._fatal("timeout", why)
                 return
@@ -312,9 +333,11 @@ class _ConnectionHandler:
                 self._error("auth" if isinstance(exc, p.AuthenticationError)
                             else getattr(exc, "code", "protocol"))
                 if isinstance(exc, p.AuthenticationError):
-                    self.log.warning("authentication failed from %s: %s", self._peer(), exc)
+                    _log_throttled(self.log, logging.WARNING, self.fault_logs.auth,
+                                   "authentication failed from %s: %s", self._peer(), exc)
                 else:
-                    self.log.info("protocol error from %s: %s", self._peer(), exc)
+                    _log_throttled(self.log, logging.INFO, self.fault_logs.protocol,
+                                   "protocol error from %s: %s", self._peer(), exc)
                 with contextlib.suppress(Exception):
                     self.writer.write(self.conn.error_frame(exc))
                 return
@@ -365,8 +388,9 @@ class _ConnectionHandler:
                 except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
                     self._error("write_timeout" if isinstance(exc, asyncio.TimeoutError)
                                 else "connection_lost")
-                    self.log.info("dropping %s: it accepted no data for %g s", self._peer(),
-                                  self.config.write_timeout)
+                    _log_throttled(self.log, logging.INFO, self.fault_logs.dropped,
+                                   "dropping %s: it accepted no data for %g s", self._peer(),
+                                   self.config.write_timeout)
                     self.closing = True
                     self.writer.transport.abort()
                     return
@@ -375,7 +399,8 @@ class _ConnectionHandler:
                         # the peer closed the connection while this answer was due (a
                         # receiver abandoning a chunk does): nothing to answer, no bug
                         self._error("connection_lost")
-                        self.log.info("%s closed the connection before %r was answered", self._peer(), request)
+                        _log_throttled(self.log, logging.INFO, self.fault_logs.dropped,
+                                       "%s closed the connection before %r was answered", self._peer(), request)
                     else:
                         self._error("handler_failed")
                         self.log.exception("answering %r failed; closing the connection", request)
@@ -512,6 +537,7 @@ class Sender:
         self._refusing = 0
         #: one log line per second at most for refusals: a connection flood must not flood the log
         self._refusal_log = Throttle()
+        self._fault_logs = _PeerFaultLogs()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> "Sender":
         """Listen on ``host:port``; InsecureConfiguration off loopback without auth."""
@@ -549,7 +575,7 @@ class Sender:
                 metrics.errors.labels(code="unavailable").inc()
             await self._refuse(reader, writer)
             return
-        handler = _ConnectionHandler(self.store, self.config, reader, writer)
+        handler = _ConnectionHandler(self.store, self.config, reader, writer, self._fault_logs)
         task = asyncio.current_task()
         assert task is not None
         self._handlers[task] = handler
