@@ -104,24 +104,26 @@ def control_chunk(profile: Profile, slot: int, kv: torch.Tensor, body: torch.Ten
 def _misfits(profile: Profile, slot: int, controls, raw_layers: frozenset[int] = frozenset()
              ) -> dict[tuple[int, int], float]:
     """{(layer, kind): MSE/var at the profile's steps} of every layer K/V the profile does
-    not fit: the components its level drops lose over ``MISFIT_FACTOR`` times the target
-    (no step corrects that), or, in ``raw_layers`` (coded at the target they were no
-    smaller than raw), its steps alone would give over that much."""
-    limit = MISFIT_FACTOR * profile.targets[slot]
+    not fit: the components its level drops lose over ``MISFIT_FACTOR`` times its target
+    (``Profile.section_target``; no step corrects that), or, in ``raw_layers`` (coded at
+    the target they were no smaller than raw), its steps alone would give over that much."""
+    limits = [[MISFIT_FACTOR * profile.section_target(slot, layer, kind) for kind in range(2)]
+              for layer in range(len(controls))]
     return {(layer, kind): part.at_profile for layer, parts in enumerate(controls)
             for kind, part in enumerate(parts)
-            if not part.dropped <= limit or (layer in raw_layers and not part.at_profile <= limit)}
+            if not part.dropped <= limits[layer][kind]
+            or (layer in raw_layers and not part.at_profile <= limits[layer][kind])}
 
 
 def _misfit_message(profile: Profile, level: int, misfits: dict[tuple[int, int], float], layers: int) -> str:
-    target = profile.targets[level]
     (layer, kind), worst = max(misfits.items(), key=lambda item: item[1])
+    target = profile.section_target(level, layer, kind)
     raw_layers = sorted({layer for layer, _ in misfits})
-    return (f"profile {profile.id} does not fit this KV: at level {level} (target MSE/var {target:.2g}) "
-            f"{len(misfits)} of {2 * layers} layer K/V parts cannot be coded to it (the components the profile "
-            f"drops lose over {MISFIT_FACTOR:g}x the target, or holding it costs more than raw); at the "
-            f"profile's steps the worst, layer {layer} {'KV'[kind]}, measures {worst:.2g} "
-            f"({worst / target:.1f}x). Was the profile "
+    return (f"profile {profile.id} does not fit this KV: at level {level} "
+            f"{len(misfits)} of {2 * layers} layer K/V parts cannot be coded to their target MSE/var (the "
+            f"components the profile drops lose over {MISFIT_FACTOR:g}x the target, or holding it costs more "
+            f"than raw); at the profile's steps the worst, layer {layer} {'KV'[kind]}, measures {worst:.2g} "
+            f"({worst / target:.1f}x its target {target:.2g}). Was the profile "
             f"calibrated on another model, or on very different data? Layers {raw_layers} are stored "
             f"raw (exact, not compressed).")
 

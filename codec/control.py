@@ -160,7 +160,7 @@ def control_part(profile: Profile, slot: int, layer: int, kind: int, sample: np.
     kept0 = int(profile.kept[slot, layer, kind])
     part = _Part(profile, layer, kind, sample, variance, weights, ROW_FACTOR * kept0 + ROW_MARGIN)
     typical = float(np.median(energy)) if energy.size else 0.0
-    target = float(profile.targets[slot])
+    target = profile.section_target(slot, layer, kind)  # the level's, times the section's weight
     step0 = clamp_step(profile.steps[slot, layer, kind])
     at_profile = part.distortion(step0, kept0)
     dropped = part.dropped_share(kept0, typical)

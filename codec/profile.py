@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import entropy, transform
+from .allocation import validate_weights
 from .container import MAX_CHANNELS, MAX_LEVELS, MAX_TABLES, MAX_TOKENS, MAX_U16
 from .errors import CorruptBitstream
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS, design_step
@@ -31,6 +32,12 @@ PROFILE_FORMAT = "kvwire-profile"
 #: profile without one is still written as version 1, so its id does not change.
 PROFILE_VERSION = 1
 PROFILE_VERSION_ROTARY = 2
+#: Version 3 adds ``weights`` (per-section target weights, ``codec.allocation``), with or
+#: without ``rotary``; a profile without weights is written as version 1 or 2 as before.
+PROFILE_VERSION_WEIGHTS = 3
+#: a section's target MSE/var (level target x weight) is capped here: the step design
+#: and the control need a target under 1 (a target of 1 drops the whole signal)
+MAX_SECTION_TARGET = 0.5
 #: Tokens coded in one delta group (anchor + 9 deltas), as in CacheGen.
 DELTA_GROUP = 10
 #: Attention-sink tokens kept verbatim at the start of a context.
@@ -59,7 +66,8 @@ class Profile:
     Shapes (L layers, C = heads*head_dim channels, V levels, K kept rows stored):
     mean [L,2,C] f32, basis [L,2,K,C] f32 or None, steps [V,L,2] f32,
     kept [V,L,2] i32, delta_group [L,2] i32, shift/table [V,L,2,2,C] u8
-    (axis 3: 0 = direct/anchor values, 1 = delta values), tables [classes, ALPHABET] u16.
+    (axis 3: 0 = direct/anchor values, 1 = delta values), tables [classes, ALPHABET] u16,
+    weights [L,2] f32 or None (uniform).
     """
 
     layers: int
@@ -79,6 +87,10 @@ class Profile:
     tables: np.ndarray
     #: RoPE of the keys, removed before the transform (None: keys are coded as they are)
     rotary: Rotary | None = None
+    #: per (layer, K/V) multiple of each level's target MSE/var (``codec.allocation``:
+    #: distortion moved to where the model is least sensitive); None: every section
+    #: is held to the level's target
+    weights: np.ndarray | None = None
     _id: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +117,12 @@ class Profile:
             self._id = digest.hexdigest()
         return self._id
 
+    def section_target(self, slot: int, layer: int, kind: int) -> float:
+        """The MSE/var level ``slot`` holds layer ``layer``'s K (kind 0) or V (kind 1) to:
+        the level's target times the section's weight (capped at MAX_SECTION_TARGET)."""
+        return weighted_target(float(self.targets[slot]),
+                               None if self.weights is None else float(self.weights[layer, kind]))
+
     def __repr__(self) -> str:
         return (f"Profile(id={self.id}, layers={self.layers}, heads={self.heads}, "
                 f"head_dim={self.head_dim}, transform={self.transform!r}, levels={len(self.targets)})")
@@ -119,6 +137,8 @@ class Profile:
         }
         if self.rotary is not None:
             meta.update(version=PROFILE_VERSION_ROTARY, rotary=self.rotary.to_json())
+        if self.weights is not None:
+            meta.update(version=PROFILE_VERSION_WEIGHTS)
         return json.dumps(meta, sort_keys=True)
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -127,6 +147,8 @@ class Profile:
                   "table": self.table, "tables": self.tables}
         if self.basis is not None:
             arrays["basis"] = self.basis
+        if self.weights is not None:
+            arrays["weights"] = self.weights
         return arrays
 
     def to_bytes(self) -> bytes:
@@ -151,10 +173,14 @@ class Profile:
         if meta.get("format") != PROFILE_FORMAT:
             raise CorruptBitstream("not a kvwire profile (format tag missing)")
         version = meta.get("version")
-        if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY) or isinstance(version, bool):
+        if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY, PROFILE_VERSION_WEIGHTS) \
+                or isinstance(version, bool):
             raise CorruptBitstream(f"unsupported profile version {version!r}")
-        if ("rotary" in meta) != (version == PROFILE_VERSION_ROTARY):
+        if version != PROFILE_VERSION_WEIGHTS and ("rotary" in meta) != (version == PROFILE_VERSION_ROTARY):
             raise CorruptBitstream(f"a version {version} profile must {'not ' * (version == 1)}carry rotary")
+        if ("weights" in arrays) != (version == PROFILE_VERSION_WEIGHTS):
+            raise CorruptBitstream(f"a version {version} profile must "
+                                   f"{'not ' * (version != PROFILE_VERSION_WEIGHTS)}carry weights")
         try:
             rotary = Rotary.from_json(meta["rotary"]) if "rotary" in meta else None
             return cls(
@@ -165,6 +191,7 @@ class Profile:
                 mean=arrays["mean"], basis=arrays.get("basis"), steps=arrays["steps"],
                 kept=arrays["kept"], delta_group=arrays["delta_group"], shift=arrays["shift"],
                 table=arrays["table"], tables=arrays["tables"], rotary=rotary,
+                weights=arrays.get("weights"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptBitstream(f"malformed kvwire profile: {exc}") from exc
@@ -216,6 +243,8 @@ class Profile:
         if self.rotary is not None and (not isinstance(self.rotary, Rotary)
                                         or self.rotary.head_dim != self.head_dim):
             raise ValueError(f"profile.rotary must be a Rotary of head_dim {self.head_dim}, got {self.rotary!r}")
+        if self.weights is not None:
+            validate_weights(self.weights, L)
         if np.any(self.delta_group < 0) or np.any(self.delta_group > MAX_TOKENS):
             raise ValueError(f"profile.delta_group must be in [0, {MAX_TOKENS}]")
         if np.any(self.kept < 0):
@@ -244,6 +273,11 @@ class Profile:
     def check_level(self, level: int) -> None:
         if not isinstance(level, (int, np.integer)) or not 0 <= level < len(self.targets):
             raise ValueError(f"level must be an int in [0, {len(self.targets) - 1}], got {level!r}")
+
+
+def weighted_target(target: float, weight: float | None) -> float:
+    """A level's target MSE/var as one section is held to it (``weight`` None: uniform)."""
+    return target if weight is None else min(target * weight, MAX_SECTION_TARGET)
 
 
 # --------------------------------------------------------------------------- fitting
@@ -401,9 +435,10 @@ def _assign_classes(fit: _Fit, level: int, channels: int) -> tuple[np.ndarray, n
 def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: int, *,
                 targets: Sequence[float] = DEFAULT_TARGETS, sink_tokens: int = DEFAULT_SINK_TOKENS,
                 transform_kind: str = "layer", delta: str = "auto", design_tokens: int = 4096,
-                rotary: Rotary | None = None) -> Profile:
+                rotary: Rotary | None = None, weights: np.ndarray | None = None) -> Profile:
     """Fit a profile to tokens[layer][kv] = tensor [N, C] (sinks already removed; keys
-    already rotated back when ``rotary`` is given, which the profile then records)."""
+    already rotated back when ``rotary`` is given, which the profile then records). With
+    ``weights`` [layers, 2] each section's steps are designed for its weighted targets."""
     if transform_kind not in TRANSFORMS:
         raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform_kind!r}")
     if delta not in ("auto", "never", "always"):
@@ -412,7 +447,15 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
     if not targets or list(targets) != sorted(targets) or len(set(targets)) != len(targets):
         raise ValueError("targets must be strictly increasing distortions (best quality first)")
     L, C, V = len(tokens), heads * head_dim, len(targets)
-    fits = [[_fit_one(tokens[l][kv], heads, head_dim, targets, transform_kind, delta, design_tokens)
+    if weights is not None:
+        weights = np.asarray(weights, dtype=np.float32)
+        validate_weights(weights, L)
+
+    def section_targets(l: int, kv: int) -> list[float]:
+        return [weighted_target(t, None if weights is None else float(weights[l, kv])) for t in targets]
+
+    fits = [[_fit_one(tokens[l][kv], heads, head_dim, section_targets(l, kv), transform_kind, delta,
+                      design_tokens)
              for kv in range(2)] for l in range(L)]
     shift = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
     table = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
@@ -446,7 +489,7 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
                        dtype=np.float32),
         kept=kept,
         delta_group=np.array([[fits[l][kv].delta for kv in range(2)] for l in range(L)], dtype=np.int32),
-        shift=shift, table=table, tables=tables, rotary=rotary,
+        shift=shift, table=table, tables=tables, rotary=rotary, weights=weights,
     )
 
 
@@ -472,7 +515,8 @@ def split_tokens(kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None = Non
 
 def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEFAULT_TARGETS,
               sink_tokens: int = DEFAULT_SINK_TOKENS, transform: str = "layer",
-              delta: str = "auto", design_tokens: int = 4096, rotary: Rotary | None = None) -> Profile:
+              delta: str = "auto", design_tokens: int = 4096, rotary: Rotary | None = None,
+              weights: np.ndarray | None = None) -> Profile:
     """Fit a profile on sample KV caches [layers, 2, tokens, heads, head_dim].
 
     Each sample's first ``sink_tokens`` are left out (they are sent verbatim).
@@ -482,6 +526,9 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
     ``rotary`` (the model's RoPE, e.g. ``streamer.model.rotary_of(model)``): each sample's
     keys, at positions 0 .. tokens - 1, are rotated back before fitting, and the profile
     makes encode and decode do the same at each chunk's own positions.
+    ``weights`` (float32 [layers, 2], e.g. ``codec.allocation.allocate(sensitivities)``):
+    each level holds layer l's K or V to its target times ``weights[l, kind]``; None
+    holds every section to the level's target.
     """
     if rotary is not None and not isinstance(rotary, Rotary):
         raise ValueError(f"rotary must be a codec.Rotary or None, got {type(rotary).__name__}")
@@ -504,7 +551,8 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
     L, H, D = shape
     tokens = [[torch.cat([b[l][i] for b in bodies]) for i in range(2)] for l in range(L)]
     return fit_profile(tokens, H, D, targets=targets, sink_tokens=sink_tokens,
-                       transform_kind=transform, delta=delta, design_tokens=design_tokens, rotary=rotary)
+                       transform_kind=transform, delta=delta, design_tokens=design_tokens, rotary=rotary,
+                       weights=weights)
 
 
 def embedded_profile(kv: torch.Tensor, level: int, sink_tokens: int) -> Profile:

@@ -36,12 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 import codec
+from codec import allocation as allocation_
 from codec import baselines
 
-from streamer.model import hf
+from streamer.model import hf, sensitivity
 
 
 @dataclass
@@ -58,6 +60,7 @@ class QualityRow:
     perplexity_change: float | None = None   # relative to the original KV's perplexity
     top1_agreement: float | None = None      # next-token argmax equal to the original KV's
     rotary: bool | None = None       # kvwire: whether the profile removes RoPE from the keys
+    allocation: bool | None = None   # kvwire: whether the profile weights its sections' targets
     target_distortion: float | None = None   # kvwire: the level's MSE/var target
     #: per measured window: its text, and (decoders) its perplexity change and top-1 agreement
     windows: list[dict] = field(default_factory=list)
@@ -114,11 +117,37 @@ def model_rotary(model, rotary: bool | None = None) -> codec.Rotary | None:
     return found
 
 
+#: ``allocation`` choices, as ROTARY_MODES.
+ALLOCATION_MODES = ("auto", "on", "off", "both")
+#: Whether profiles of causal LMs weight each (layer, K/V)'s target by its measured
+#: sensitivity (codec.allocation) by default; measured with
+#: ``kvwire bench quality --model smollm2 --allocation both`` (README).
+ALLOCATION_DEFAULT = False
+
+
+def model_weights(model, tokenizer, token_ids: Sequence[int], allocation: bool | None = None
+                  ) -> np.ndarray | None:
+    """The per-section target weights a profile of ``model`` carries: sensitivities
+    measured on ``token_ids`` (``sensitivity.kv_sensitivity``) allocated by
+    ``codec.allocation.allocate`` when ``allocation`` (None: ALLOCATION_DEFAULT, which
+    applies to causal LMs only) is on, else None. ValueError when on for an encoder."""
+    on = (ALLOCATION_DEFAULT and hf.is_decoder(model)) if allocation is None else allocation
+    if not on:
+        return None
+    measured = sensitivity.kv_sensitivity(model, tokenizer, token_ids)
+    # a section measured as insensitive (a zero estimate) gets the clamp's largest weight
+    floor = float(measured[measured > 0].min()) if np.any(measured > 0) else 1.0
+    return allocation_.allocate(np.maximum(measured, floor))
+
+
 def calibrate_profile(model, tokenizer, token_ids: Sequence[int], *, window: int | None = None,
-                      rotary: bool | None = None, **calibrate_kwargs) -> codec.Profile:
-    """A profile fitted on the model's KV of ``token_ids``; ``rotary`` as in model_rotary."""
+                      rotary: bool | None = None, allocation: bool | None = None,
+                      **calibrate_kwargs) -> codec.Profile:
+    """A profile fitted on the model's KV of ``token_ids``; ``rotary`` as in model_rotary,
+    ``allocation`` as in model_weights."""
     return codec.calibrate(calibration_samples(model, tokenizer, token_ids, window=window),
-                           rotary=model_rotary(model, rotary), **calibrate_kwargs)
+                           rotary=model_rotary(model, rotary),
+                           weights=model_weights(model, tokenizer, token_ids, allocation), **calibrate_kwargs)
 
 
 def profile_levels(profile: codec.Profile) -> list[dict]:
@@ -286,25 +315,30 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         levels: Sequence[int] | None = None, baselines_too: bool = True,
         calibration_text: Sequence[Path] = hf.CALIBRATION_TEXTS,
         texts: Sequence[str] | None = None, model_name: str = "",
-        rotary: str = "auto") -> QualityReport:
+        rotary: str = "auto", allocation: str = "auto") -> QualityReport:
     """Measure every level of ``profile`` (calibrated here when None) on ``windows`` windows
     of each of ``texts`` (``MEASURE_SOURCES`` names or text files; default DEFAULT_TEXTS).
 
     ``window_tokens`` defaults to 512 for an encoder; for a decoder to ``context_tokens``
     (default 1024) plus a 2048-token scored continuation. ``rotary`` (when calibrating):
     "auto" follows ROTARY_DEFAULT, "on"/"off" force RoPE removal from the keys, "both"
-    measures a profile of each kind side by side.
+    measures a profile of each kind side by side. ``allocation`` likewise for per-section
+    target weights (ALLOCATION_DEFAULT; with "both", each rotary choice with and without).
     """
     if rotary not in ROTARY_MODES:
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
+    if allocation not in ALLOCATION_MODES:
+        raise ValueError(f"allocation must be one of {ALLOCATION_MODES}, got {allocation!r}")
     decoder = hf.is_decoder(model)
     started = time.perf_counter()
     calibration_seconds = 0.0
     if profile is None:
         cal_ids = hf.tokenize(tokenizer, hf.read_text(calibration_text))[:calibration_tokens]
         samples = calibration_samples(model, tokenizer, cal_ids)
-        choices = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}[rotary]
-        profiles = [codec.calibrate(samples, rotary=model_rotary(model, on)) for on in choices]
+        choices = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}
+        weights = [model_weights(model, tokenizer, cal_ids, on) for on in choices[allocation]]
+        profiles = [codec.calibrate(samples, rotary=model_rotary(model, on), weights=w)
+                    for on in choices[rotary] for w in weights]
         calibration_seconds = time.perf_counter() - started
     else:
         profiles = [profile]
@@ -335,7 +369,8 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
                 "calibration_seconds": round(calibration_seconds, 2), "windows": len(prepared),
                 "window_tokens": window_tokens,
                 "context_tokens": len(prepared[0].ids) if decoder else None,
-                "profile_ids": [p.id for p in profiles], "rotary": rotary,
+                "profile_ids": [p.id for p in profiles], "rotary": rotary, "allocation": allocation,
+                "weights": [None if p.weights is None else p.weights.tolist() for p in profiles],
                 "calibration_text": [str(p) for p in calibration_text],
                 "texts": [{"name": name, "kind": kind, "windows": sum(w.source == name for w in prepared)}
                           for name, (kind, _) in sources.items()],
@@ -358,6 +393,7 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
             acc.add(w, decoded, nbytes, model)
         row = acc.row(method, level, reference_ppl)
         row.rotary = None if prof is None else prof.rotary is not None
+        row.allocation = None if prof is None else prof.weights is not None
         if prof is not None and level is not None:
             row.target_distortion = prof.targets[level]
         report.rows.append(row)

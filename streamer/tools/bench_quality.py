@@ -14,8 +14,9 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _label(row) -> str:
-    """The method, marked ``+rope`` for a profile that removes RoPE from the keys."""
-    return row.method + ("+rope" if row.rotary else "")
+    """The method, marked ``+rope`` for a profile that removes RoPE from the keys and
+    ``+alloc`` for one that weights its sections' targets (codec.allocation)."""
+    return row.method + ("+rope" if row.rotary else "") + ("+alloc" if row.allocation else "")
 
 
 def _spread(row, key: str) -> tuple[float, float] | None:
@@ -42,7 +43,8 @@ def _target_lines(report: QualityReport) -> list[str]:
             continue
         texts = "  ".join(f"{text} {value:.2e} ({value / r.target_distortion:.2f}x)"
                           for text, value in _per_text(r).items())
-        lines.append(f"  {_label(r)} L{r.level}: target {r.target_distortion:.2e}  {texts}")
+        weighted = " (per section x its weight)" if r.allocation else ""
+        lines.append(f"  {_label(r)} L{r.level}: target {r.target_distortion:.2e}{weighted}  {texts}")
     if lines:
         lines.insert(0, "MSE/var vs each level's target, per measured text (mean over its windows):")
     return lines
@@ -65,7 +67,7 @@ def render(report: QualityReport) -> str:
     per_layer = len(report.rows[0].attention_error) <= _PER_LAYER_COLUMNS if report.rows else False
     end = (f"{'ppl':>9}{'ppl chg':>9}{'windows min..max':>18}{'top-1':>8}{'min':>7}" if decoder
            else f"{'cosine':>10}{'min cos':>10}")
-    lines.append(f"{'method':<14}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'target':>9}{'attn err':>10}   "
+    lines.append(f"{'method':<18}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'target':>9}{'attn err':>10}   "
                  + (f"{'attention error per layer':<34}" if per_layer else "") + end)
     for r in report.rows:
         layers = f"{' '.join(f'{e:.1e}' for e in r.attention_error):<34}" if per_layer else ""
@@ -78,7 +80,7 @@ def render(report: QualityReport) -> str:
                     + f"{_fmt(r.top1_agreement, '.4f'):>8}{_fmt(low and low[0], '.3f'):>7}")
         else:
             tail = f"{_fmt(r.cosine, '.6f'):>10}{_fmt(r.cosine_min, '.6f'):>10}"
-        lines.append(f"{_label(r):<14}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
+        lines.append(f"{_label(r):<18}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
                      f"{_fmt(r.target_distortion, '.1e'):>9}{r.attention_error_mean:>10.2e}   {layers}{tail}")
     if decoder and report.reference.get("perplexity"):
         lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
@@ -100,6 +102,8 @@ def plot(report: QualityReport, path: Path) -> None:
     decoder = report.config["kind"] == "decoder"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"kvwire": dict(marker="o", linestyle="-"), "kvwire+rope": dict(marker="D", linestyle="--"),
+              "kvwire+alloc": dict(marker="P", linestyle=":"),
+              "kvwire+rope+alloc": dict(marker="X", linestyle="-."),
               "fp16": dict(marker="s", linestyle="none"), "int8": dict(marker="^", linestyle="none"),
               "cachegen": dict(marker="v", linestyle="none")}
     for method, style in styles.items():

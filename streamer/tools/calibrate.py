@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 DEFAULT_CALIBRATION_TOKENS = 8192
-#: --rotary: the default (streamer.model.quality.ROTARY_DEFAULT), or forced on / off
+#: --rotary and --allocation: the default (streamer.model.quality.ROTARY_DEFAULT,
+#: ALLOCATION_DEFAULT), or forced on / off
 _ROTARY = {"auto": None, "on": True, "off": False}
 
 
@@ -37,7 +38,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     kwargs = {"targets": tuple(args.targets)} if args.targets else {}
     try:
         profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window,
-                                            rotary=_ROTARY[args.rotary], **kwargs)
+                                            rotary=_ROTARY[args.rotary],
+                                            allocation=_ROTARY[args.allocation], **kwargs)
     except ValueError as exc:
         print(f"kvwire calibrate: {exc}", file=sys.stderr)
         return 2
@@ -52,13 +54,17 @@ def _calibrate(args: argparse.Namespace) -> int:
                           "shape": {"layers": profile.layers, "heads": profile.heads,
                                     "head_dim": profile.head_dim},
                           "transform": profile.transform,
-                          "rotary": None if profile.rotary is None else profile.rotary.to_json(), "seconds": round(seconds, 2), "levels": levels},
+                          "rotary": None if profile.rotary is None else profile.rotary.to_json(),
+                          "weights": None if profile.weights is None else profile.weights.tolist(),
+                          "seconds": round(seconds, 2), "levels": levels},
                          indent=2))
         return 0
     print(f"kvwire calibrate: {args.model} KV ({profile.layers} layers x {profile.heads} heads x "
           f"{profile.head_dim}) on {len(ids)} tokens of {', '.join(t.name for t in texts)} in {seconds:.1f} s")
     print(f"profile {profile.id} -> {output} ({output.stat().st_size / 1e6:.2f} MB)"
-          + ("; keys coded without RoPE" if profile.rotary is not None else ""))
+          + ("; keys coded without RoPE" if profile.rotary is not None else "")
+          + (f"; section targets weighted {float(profile.weights.min()):.2g}..{float(profile.weights.max()):.2g}x "
+             "by measured sensitivity" if profile.weights is not None else ""))
     print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
     for lv in levels:
         default = "  (default)" if lv["level"] == codec.DEFAULT_LEVEL else ""
@@ -76,7 +82,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
                            profile_path=args.profile, calibration_tokens=args.calibration_tokens,
                            windows=args.windows, window_tokens=args.window_tokens,
                            context_tokens=args.context_tokens, levels=args.levels, rotary=args.rotary,
-                           texts=args.texts)
+                           allocation=args.allocation, texts=args.texts)
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"kvwire bench quality: {exc}", file=sys.stderr)
         return 2
@@ -111,6 +117,10 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--rotary", choices=tuple(_ROTARY), default="auto",
                    help="remove the model's RoPE from the keys before fitting (the profile then does it "
                         "per chunk position): 'auto' (the default choice, measured by bench quality), 'on', 'off'")
+    p.add_argument("--allocation", choices=tuple(_ROTARY), default="auto",
+                   help="weight each (layer, K/V)'s target MSE/var by the model's measured sensitivity to it "
+                        "(causal LMs; codec.allocation): 'auto' (the default choice, measured by bench "
+                        "quality), 'on', 'off'")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
 
@@ -142,6 +152,10 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     q.add_argument("--rotary", choices=("auto", "on", "off", "both"), default="auto",
                    help="profiles that remove RoPE from the keys: 'auto' (the calibrate default), 'on', "
                         "'off', or 'both' side by side (ignored with --profile)")
+    q.add_argument("--allocation", choices=("auto", "on", "off", "both"), default="auto",
+                   help="profiles whose (layer, K/V) targets are weighted by measured sensitivity (causal "
+                        "LMs): 'auto' (the calibrate default), 'on', 'off', or 'both' side by side "
+                        "(ignored with --profile)")
     q.add_argument("--json", action="store_true", help="print JSON instead of a table")
     q.add_argument("--plot", default="quality.png", help="PNG path (default quality.png)")
     q.add_argument("--no-plot", action="store_true", help="do not write the PNG")
