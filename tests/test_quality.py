@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 import codec
@@ -162,3 +163,29 @@ def test_calibrate_cli_minilm(tmp_path, capsys):
     profile = codec.Profile.load(out)
     assert (profile.layers, profile.heads, profile.head_dim) == (6, 12, 32)
     assert profile.id in capsys.readouterr().out
+
+
+def test_calibrate_cli_allocation(llama_dir, tmp_path, capsys):
+    """--allocation on: the profile weights its sections' targets (codec.allocation) from the
+    model's measured sensitivities; off: none."""
+    out = tmp_path / "alloc.kvprofile"
+    assert _main(["calibrate", "--model", llama_dir, "-o", str(out), "--tokens", "1500", "--window", "500",
+                  "--allocation", "on", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    profile = codec.Profile.load(out)
+    assert profile.weights is not None and doc["weights"] == profile.weights.tolist()
+    assert abs(float(np.log(profile.weights.astype(np.float64)).mean())) < 1e-5
+    assert _main(["calibrate", "--model", llama_dir, "-o", str(out), "--tokens", "1500", "--window", "500",
+                  "--allocation", "off", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"] is None and codec.Profile.load(out).weights is None
+
+
+def test_bench_quality_allocation_both(llama_dir, capsys):
+    assert _main(["bench", "quality", "--model", llama_dir, "--json", "--calibration-tokens", "1024",
+                  "--windows", "1", "--window-tokens", "96", "--context-tokens", "64", "--levels", "1",
+                  "--allocation", "both", "--no-plot"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    kvwire = [r for r in doc["rows"] if r["method"] == "kvwire"]
+    assert [r["allocation"] for r in kvwire] == [False, True]
+    assert doc["config"]["allocation"] == "both" and doc["config"]["weights"][0] is None
+    assert len(doc["config"]["weights"][1]) == 2
