@@ -19,11 +19,11 @@ import codec
 from codec import allocation
 from codec.errors import CorruptBitstream
 from codec.profile import MAX_SECTION_TARGET, PROFILE_VERSION, PROFILE_VERSION_WEIGHTS
-from streamer.model import hf
+# the closed-loop control's own test data and yardstick: a small random Llama's KV, and
+# MSE/var per (layer, K/V) against the chunk's own variance, within +-BAND
+from test_codec_control import BAND, LAYERS, TOKENS, _per_part, llama_kv  # noqa: F401 (a fixture)
 
 GOLDEN_PROFILE = Path(__file__).parent / "data" / "golden_profile.safetensors"
-LAYERS, KV_HEADS, HEAD_DIM, TOKENS = 2, 2, 32, 256
-BAND = 0.15  # the levels' promise (issue #14), per section here
 
 sensitivities = st.lists(st.floats(min_value=1e-6, max_value=1e6), min_size=1, max_size=64).map(np.array)
 
@@ -83,14 +83,6 @@ def test_allocate_rejects_unusable_sensitivities(bad) -> None:
 
 
 # ---------------------------------------------------------------- profiles
-@pytest.fixture(scope="module")
-def llama_kv() -> torch.Tensor:
-    """KV of a small random Llama: calibration on the first TOKENS, measured on the rest."""
-    model, _ = hf.random_llama(layers=LAYERS, hidden=128, heads=4, kv_heads=KV_HEADS, seed=0)
-    ids = torch.randint(0, 256, (2 * TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-    return hf.capture_kv(model, None, ids)
-
-
 WEIGHTS = np.array([[4.0, 0.25], [1.0, 1.0]], dtype=np.float32)
 
 
@@ -161,14 +153,6 @@ def test_unusable_weights_are_rejected(weighted, llama_kv, bad) -> None:
 
 
 # ---------------------------------------------------------------- closed-loop control
-def _per_part(kv: torch.Tensor, out: torch.Tensor, sinks: int) -> torch.Tensor:
-    """MSE/var [layers, 2] of a decode, the chunk's own variance."""
-    x, y = kv[:, :, sinks:].double(), out[:, :, sinks:].double()
-    layers, tokens = x.shape[0], x.shape[2]
-    err = (x - y).square().reshape(layers, 2, tokens, -1).sum(-1).mean(-1)
-    return err / x.reshape(layers, 2, tokens, -1).var(dim=2, unbiased=False).sum(-1)
-
-
 @pytest.mark.parametrize("level", [0, 2, 4])
 def test_the_control_holds_each_section_to_its_weighted_target(weighted, llama_kv, level) -> None:
     kv = llama_kv[:, :, TOKENS:]
