@@ -16,9 +16,10 @@ Without pycuda the script first builds it with ``KIT/install-pycuda.sh`` (a carr
 that fails. With ``$OUT`` set (or ``--out``) the JSON report is rewritten there after every
 measurement, so a run cut off still reports what it measured.
 
-``--dry-run`` needs no GPU (nor pycuda): the lane kernel's registers and shared memory
-from ``nvcc --resource-usage``, and per level and chunk length the blob's bytes, its
-lanes (one thread each) and the threads per SM they would fill on an H200
+``--dry-run`` needs no GPU (nor pycuda): the lane kernel's registers, spills and shared
+memory from ``nvcc --resource-usage``, and per level and chunk length the blob's bytes,
+its lanes (one thread each), its launches (one per group of ``kernels.gpu.GROUP_LAYERS``
+layers) and the threads per SM the launch with the fewest lanes would fill on an H200
 (``kernels.occupancy``). The chunks are synthetic (``codec.synthetic``), the profile
 calibrated on another draw, as in ``kvwire bench codec --workload llama``.
 """
@@ -141,37 +142,44 @@ def measure_level(decoder, profile: codec.Profile, prepared: Prepared, repeat: i
             for _ in decoder.decode_into(header, profile, iter(sections), outs=outs):
                 pass
 
-    # entropy only: every coded layer's arrays packed and uploaded once, then the kernels
+    # entropy only: each group of the decoder's layers packed and uploaded once, then one
+    # launch per group, as the full decode makes them
     slot = codec.resolve_profile(header0, profile)[1]
-    layers = []
+    launches = []
     for header, sections in zip(prepared.headers, prepared.sections):
         parsed = [reconstruct.parse_section(header, profile, slot, l, s) for l, s in sections]
         coded = [(p.layer, p.lanes) for p in parsed if p.lanes is not None]
-        host = torch.empty(packing.group_size(coded), dtype=torch.uint8).numpy()
-        layouts, _ = packing.pack(coded, host)
-        device = torch.from_numpy(host).to(decoder.device)
-        for layout, (_, lanes) in zip(layouts, coded):
-            coef = torch.empty((header.coded_tokens, lanes.plan.rows), dtype=torch.float32, device=decoder.device)
-            status = torch.zeros(max(lanes.plan.lanes, 1), dtype=torch.int32, device=decoder.device)
-            layers.append((device, layout, lanes, header.coded_tokens, coef, status))
+        for at in range(0, len(coded), decoder.group_layers):
+            group = coded[at:at + decoder.group_layers]
+            host = torch.empty(packing.group_size(group), dtype=torch.uint8).numpy()
+            packed = packing.pack(group, host, header.coded_tokens)
+            coef = torch.empty(packed.out_floats, dtype=torch.float32, device=decoder.device)
+            status = torch.zeros(packed.lanes, dtype=torch.int32, device=decoder.device)
+            launches.append((torch.from_numpy(host).to(decoder.device), packed, group, header.coded_tokens,
+                             coef, status))
     tables = decoder.coder_tables(profile)
 
     def entropy() -> None:
         with decoder.current():
-            for device, layout, lanes, coded, coef, status in layers:
-                decoder.launch_layer(device.data_ptr(), layout, lanes.plan, tables, coded, coef, status)
+            for device, packed, _, coded, coef, status in launches:
+                decoder.launch_group(device.data_ptr(), packed, tables, coded, coef, status)
 
     full()  # warm-up: kernel load, tables, buffers
     entropy()
     t_full, t_entropy = _timed(full, repeat), _timed(entropy, repeat)
-    mismatched = 0
-    for device, layout, lanes, coded, coef, status in layers[: header0.layers]:
-        cpu = layer_codec.decode_coefficients(profile, layout.layer, lanes, coded)
-        mismatched += int(not torch.equal(coef.cpu().T, torch.from_numpy(cpu))) + int(status.max().item() != 0)
+    mismatched = checked = 0
+    for device, packed, group, coded, coef, status in launches:   # every layer of every chunk
+        mismatched += int(status.max().item() != 0) if packed.lanes else 0
+        for layout, (layer, lanes) in zip(packed.layers, group):
+            got = coef[layout.out:layout.out + layout.shape[0] * layout.shape[1]].view(layout.shape).cpu().T
+            cpu = layer_codec.decode_coefficients(profile, layer, lanes, coded)
+            mismatched += int(not torch.equal(got, torch.from_numpy(cpu)))
+            checked += 1
     row = {"level": prepared.level, "bits_per_element": 8 * sum(map(len, prepared.blobs)) * 2 / prepared.fp16_bytes,
            "entropy_gb_s": prepared.fp16_bytes / t_entropy / 1e9, "full_gb_s": prepared.fp16_bytes / t_full / 1e9,
            "entropy_seconds": t_entropy, "full_seconds": t_full,
-           "coefficients_equal_cpu": mismatched == 0, "layers_checked": header0.layers}
+           "coefficients_equal_cpu": mismatched == 0, "layers_checked": checked,
+           "launches_per_chunk": len(launches) // len(prepared.headers)}
     for rate in RATES_GBIT:
         row[f"hidden_at_{rate:g}gbit"] = _hidden_share(decoder, profile, prepared, rate, t_full)
     return row
@@ -218,15 +226,20 @@ def run_gpu(args: argparse.Namespace) -> dict:
     return report
 
 
-def lane_rows(profile: codec.Profile, tokens: list[int], seed: int = 2) -> list[dict]:
+def lane_rows(profile: codec.Profile, tokens: list[int], seed: int = 2,
+              group_layers: int = gpu.GROUP_LAYERS) -> list[dict]:
     """Per chunk length and level: blob bytes and lanes of one synthetic chunk of the
-    profile's shape (no sink tokens: a context's later chunks have none)."""
+    profile's shape (no sink tokens: a context's later chunks have none), its launches (one
+    per group of ``group_layers`` layers) and the fewest lanes one of them has."""
     longest = synthetic_kv(profile.layers, profile.heads, profile.head_dim, max(tokens), seed=seed).half()
     rows = []
     for n in tokens:
         for level in range(len(profile.levels)):
             info = codec.inspect(codec.encode(longest[:, :, :n], level, profile, sink_tokens=0))
+            per_layer = info["sections"]["lanes"]
+            groups = [sum(per_layer[at:at + group_layers]) for at in range(0, len(per_layer), group_layers)]
             rows.append({"tokens": n, "level": level, "bytes": info["total_bytes"], "lanes": info["lanes"],
+                         "launches": len(groups), "lanes_per_launch": min(groups),
                          "bits_per_element": round(info["bits_per_element"], 4)})
     return rows
 
@@ -238,23 +251,30 @@ def dry_run(tokens: list[int], calibration_tokens: int, shape: tuple[int, int, i
     except RuntimeError as exc:
         raise SystemExit(f"--dry-run: {exc}") from exc
     profile = codec.calibrate([synthetic_kv(*shape, calibration_tokens, seed=1)])
-    rows = [{**row, **occupancy.fill(occupancy.H200, resources, gpu.THREADS_PER_BLOCK, row["lanes"])}
-            for row in lane_rows(profile, tokens)]
+    rows = []
+    for row in lane_rows(profile, tokens):
+        fill = occupancy.fill(occupancy.H200, resources, gpu.THREADS_PER_BLOCK, row["lanes_per_launch"])
+        rows.append({**row, **{k: v for k, v in fill.items() if k != "lanes"}})
     return {"device": occupancy.H200.name, "sms": occupancy.H200.sms,
-            "threads_per_sm": occupancy.H200.threads_per_sm, "kernel": "rans_decode_lanes",
+            "threads_per_sm": occupancy.H200.threads_per_sm, "kernel": "rans_decode_group",
             "registers": resources.registers, "shared_bytes": resources.shared_bytes,
-            "threads_per_block": gpu.THREADS_PER_BLOCK, "shape": list(shape), "rows": rows}
+            "spill_bytes": resources.spill_bytes, "threads_per_block": gpu.THREADS_PER_BLOCK,
+            "group_layers": gpu.GROUP_LAYERS, "shape": list(shape), "rows": rows}
 
 
 def _print_dry_run(report: dict) -> None:
-    print(f"{report['kernel']}: {report['registers']} registers/thread, {report['shared_bytes']} B shared/block, "
-          f"{report['threads_per_block']} threads/block (nvcc --resource-usage, sm_90)")
+    print(f"{report['kernel']}: {report['registers']} registers/thread, {report['spill_bytes']} B spilled, "
+          f"{report['shared_bytes']} B shared/block, {report['threads_per_block']} threads/block "
+          f"(nvcc --resource-usage, sm_90)")
     print(f"{report['device']}: {report['sms']} SMs x {report['threads_per_sm']} threads; "
-          f"shape {tuple(report['shape'])} (layers, KV heads, head dim), one synthetic chunk, sinks 0")
-    print("tokens level   bytes      bits/el  lanes   threads/SM (resident max)  device fill")
+          f"shape {tuple(report['shape'])} (layers, KV heads, head dim), one synthetic chunk, sinks 0; "
+          f"one launch per group of {report['group_layers']} layers")
+    print("tokens level   bytes      bits/el  lanes   launches  lanes/launch (fewest)  threads/SM (resident max)"
+          "  device fill")
     for r in report["rows"]:
         print(f"{r['tokens']:6d} {r['level']:5d} {r['bytes']:10d} {r['bits_per_element']:8.3f} {r['lanes']:7d} "
-              f"{r['threads_per_sm']:9d} ({r['resident_threads_per_sm']:4d})          {100 * r['fraction_of_device']:5.1f}%")
+              f"{r['launches']:9d} {r['lanes_per_launch']:13d}          {r['threads_per_sm']:9d} "
+              f"({r['resident_threads_per_sm']:4d})          {100 * r['fraction_of_device']:5.1f}%")
 
 
 def build_parser() -> argparse.ArgumentParser:

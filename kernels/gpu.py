@@ -6,8 +6,9 @@ a group's lane arrays (``kernels.packing``), stage 2 of the decode (``kernels.re
 one batched GEMM per group, means, RoPE, written straight into the caller's tensors) and
 the device strings (``kernels.devices``). This module only maps them onto CUDA: a copy
 stream and a decode stream, one named event per command, page-locked host buffers reused
-round robin with a device twin each, and the rANS lane kernel launched once per layer of
-a group (the kernel takes one layer's lane table; a group shares one upload and one GEMM).
+round robin with a device twin each, and per group of layers one upload, one launch of the
+rANS lane kernel over all the group's lanes (its section table packed with the arrays)
+and one GEMM.
 
 Context safety: one primary context per device, retained once (``pycuda.driver.Device(n)
 .retain_primary_context()``, the context torch uses too) and pushed around every call in
@@ -63,10 +64,12 @@ class _CoderTables:
 
 @dataclass
 class _Inflight:
-    """A launched group: what must stay alive until its decode event fires."""
+    """A launched group: what must stay alive until its decode event fires, and each
+    coded layer's lanes in its status (layer, first lane, lanes)."""
 
-    statuses: list[tuple[int, torch.Tensor]]
-    coefficients: list[torch.Tensor | None]
+    status: torch.Tensor
+    lanes: list[tuple[int, int, int]]
+    coefficients: torch.Tensor
 
 
 class GpuDecoder:
@@ -89,7 +92,7 @@ class GpuDecoder:
             cache.mkdir(parents=True, exist_ok=True)
             self._module = SourceModule(kernel_source(), no_extern_c=True, cache_dir=str(cache),
                                         options=["-O3", "--fmad=false"])
-            self._kernel = self._module.get_function("rans_decode_lanes")
+            self._kernel = self._module.get_function("rans_decode_group")
             self.copy_stream, self.decode_stream = cuda.Stream(), cuda.Stream()
             self._torch_decode = torch.cuda.ExternalStream(self.decode_stream.handle, device=self.device)
         self.buffers = Buffers(self, buffers)
@@ -169,18 +172,16 @@ class GpuDecoder:
         """torch work issued inside runs on the decode stream."""
         return torch.cuda.stream(self._torch_decode)
 
-    def launch_layer(self, base: int, layout: packing.LayerLayout, plan: layer_codec.LayerPlan,
-                     tables: _CoderTables, coded: int, coef: torch.Tensor, status: torch.Tensor) -> None:
-        """The lane kernel for one packed layer, on the decode stream."""
-        if not plan.lanes:
+    def launch_group(self, base: int, group: packing.GroupLayout, tables: _CoderTables, coded: int,
+                     coef: torch.Tensor, status: torch.Tensor) -> None:
+        """One launch of the lane kernel over every lane of a packed group (its buffer at
+        device address ``base``), on the decode stream."""
+        if not group.lanes:
             return
-        at = lambda name: np.uintp(base + layout.offsets[name])  # noqa: E731
         ptr = lambda t: np.uintp(t.data_ptr())  # noqa: E731
-        self._kernel(at("words"), at("lane_start"), at("states"), np.int32(plan.lanes), np.int32(plan.kept[0]),
-                     np.int32(plan.rows_per_lane), np.int32(plan.piece_tokens), at("step"), at("group"),
-                     at("table"), at("shift"), ptr(tables.freq), ptr(tables.cdf), ptr(tables.lut),
-                     np.int32(coded), np.int32(plan.rows), ptr(coef), ptr(status),
-                     block=(THREADS_PER_BLOCK, 1, 1), grid=(math.ceil(plan.lanes / THREADS_PER_BLOCK), 1),
+        self._kernel(np.uintp(base), np.uintp(base), np.int32(len(group.layers)), np.int32(group.lanes),
+                     ptr(tables.freq), ptr(tables.cdf), ptr(tables.lut), np.int32(coded), ptr(coef), ptr(status),
+                     block=(THREADS_PER_BLOCK, 1, 1), grid=(math.ceil(group.lanes / THREADS_PER_BLOCK), 1),
                      stream=self.decode_stream)
 
 
@@ -244,7 +245,7 @@ class ChunkRun:
         self.sections: dict[int, bytes | memoryview] = {}
         self.parsed: dict[int, reconstruct.ParsedSection] = {}
         self.failed: dict[int, Exception] = {}   # layers whose section failed its checks
-        self.layouts: list[packing.LayerLayout] = []
+        self.packed: packing.GroupLayout | None = None   # the group just uploaded, for its launch
         self.deliveries: deque[tuple[object, int, list[int]]] = deque()   # (event, group, layers)
         self.inflight: dict[int, _Inflight] = {}   # group -> what its decode reads and writes
 
@@ -276,11 +277,11 @@ class ChunkRun:
                 coded = [(l, self.parsed[l].lanes) for l in self._layers(command.layers)
                          if self.parsed[l].lanes is not None]
                 host, dev = self.buffers.get(command.buffer, packing.group_size(coded))
-                self.layouts, used = packing.pack(coded, host)
+                self.packed = packing.pack(coded, host, self.header.coded_tokens)
                 if command.device_wait is not None:
                     d.copy_stream.wait_for_event(self.events[command.device_wait])
-                if used:
-                    d._cuda.memcpy_htod_async(dev.data_ptr(), host[:used], d.copy_stream)
+                if self.packed.used:
+                    d._cuda.memcpy_htod_async(dev.data_ptr(), host[:self.packed.used], d.copy_stream)
                 self.events.record(Event("copied", command.chunk, command.group), d.copy_stream)
             elif isinstance(command, Launch):
                 d.decode_stream.wait_for_event(self.events[command.after])
@@ -296,30 +297,27 @@ class ChunkRun:
         return [l for l in (self.layer_at[p] for p in positions) if l not in self.failed]
 
     def _launch(self, command: Launch) -> None:
-        d, header = self.decoder, self.header
+        d, header, packed = self.decoder, self.header, self.packed
+        assert packed is not None   # the scheduler launches a group right after its upload
         tables = d.coder_tables(self.profile)
         device_buffer = self.buffers.device[command.buffer]   # None until a group had coded layers
         base = 0 if device_buffer is None else device_buffer.data_ptr()
-        layouts = {layout.layer: layout for layout in self.layouts}
+        layouts = {layout.layer: layout for layout in packed.layers}
         group = [self.parsed.pop(l) for l in self._layers(command.layers)]
-        coefs: list[torch.Tensor | None] = []
-        statuses = []
         with d.decode_context():
-            for parsed in group:
-                if parsed.lanes is None:
-                    coefs.append(None)
-                    continue
-                plan = parsed.lanes.plan
-                coef = torch.empty((header.coded_tokens, plan.rows), dtype=torch.float32, device=d.device)
-                status = torch.zeros(max(plan.lanes, 1), dtype=torch.int32, device=d.device)
-                d.launch_layer(base, layouts[parsed.layer], plan, tables, header.coded_tokens, coef, status)
-                coefs.append(coef)
-                statuses.append((parsed.layer, status))
+            coef = torch.empty(packed.out_floats, dtype=torch.float32, device=d.device)
+            status = torch.zeros(packed.lanes, dtype=torch.int32, device=d.device)
+            d.launch_group(base, packed, tables, header.coded_tokens, coef, status)
+            coefs: list[torch.Tensor | None] = []
+            for parsed in group:   # each coded layer's [tokens, rows] in the launch's output
+                layout = layouts.get(parsed.layer)
+                coefs.append(None if layout is None else
+                             coef[layout.out:layout.out + layout.shape[0] * layout.shape[1]].view(layout.shape))
             outs = [self.outs.setdefault(p.layer, torch.empty((2, header.tokens, header.heads, header.head_dim),
                                                               dtype=header.dtype, device=d.device)) for p in group]
             if group:
                 reconstruct.reconstruct(header, self.profile, group, coefs, outs)
-        self.inflight[command.group] = _Inflight(statuses, coefs)
+        self.inflight[command.group] = _Inflight(status, [(l.layer, l.first_lane, l.lanes) for l in packed.layers], coef)
 
     def delivered(self, block: bool) -> list[Delivered]:
         """The queued deliveries whose decode has finished, in order (all of them, waiting,
@@ -333,8 +331,10 @@ class ChunkRun:
             event.synchronize()
             self.deliveries.popleft()
             for group in sorted(g for g in self.inflight if g <= last):  # the decode stream runs in order
-                for layer, status in self.inflight.pop(group).statuses:
-                    code = int(status.max().item())
+                inflight = self.inflight.pop(group)
+                codes = inflight.status.cpu().numpy()
+                for layer, first, lanes in inflight.lanes:
+                    code = int(codes[first:first + lanes].max(initial=0))
                     if code:
                         self.failed[layer] = codec.CorruptBitstream(
                             f"layer {layer}: entropy-coded data is corrupt (code {code})")

@@ -9,6 +9,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
+#define __launch_bounds__(...)
 
 struct kvw_dim3 { int x, y, z; };
 static kvw_dim3 blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, threadIdx = {0, 0, 0};

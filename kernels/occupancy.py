@@ -1,9 +1,9 @@
 """How much of a GPU one launch of the lane kernel fills: pure arithmetic, no GPU needed.
 
 ``python -m kernels.bench_gpu --dry-run`` feeds it the kernel's registers and shared
-memory (``nvcc --resource-usage``) and the lane count of a chunk; one thread decodes one
-lane, so a chunk with fewer lanes than the device holds threads leaves it idle however
-fast each thread is (issue #16).
+memory (``nvcc --resource-usage``) and the lane count of a launch (a group of layers);
+one thread decodes one lane, so a launch with fewer lanes than the device holds threads
+leaves it idle however fast each thread is (issue #16).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class Resources:
 
     registers: int
     shared_bytes: int
+    spill_bytes: int = 0   # bytes stored to local memory per thread (registers capped)
 
 
 def resident_threads_per_sm(device: Device, resources: Resources, threads_per_block: int) -> int:
@@ -66,6 +67,7 @@ def fill(device: Device, resources: Resources, threads_per_block: int, lanes: in
 
 _PTXAS = re.compile(r"Used (\d+) registers")
 _SHARED = re.compile(r"(\d+) bytes smem")
+_SPILL = re.compile(r"(\d+) bytes spill stores")
 
 
 def parse_resource_usage(text: str) -> Resources:
@@ -73,8 +75,9 @@ def parse_resource_usage(text: str) -> Resources:
     registers = _PTXAS.search(text)
     if registers is None:
         raise ValueError(f"no register count in nvcc's resource usage: {text.strip()[:300]}")
-    shared = _SHARED.search(text)
-    return Resources(int(registers.group(1)), int(shared.group(1)) if shared else 0)
+    shared, spill = _SHARED.search(text), _SPILL.search(text)
+    return Resources(int(registers.group(1)), int(shared.group(1)) if shared else 0,
+                     int(spill.group(1)) if spill else 0)
 
 
 def kernel_resources(source: Path, arch: str = "sm_90") -> Resources:

@@ -42,26 +42,33 @@ def host_kernel(tmp_path_factory: pytest.TempPathFactory):
     lib = tmp_path_factory.mktemp("kernel") / "host_kernel.so"
     subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-ffp-contract=off", "-I", str(KERNELS),
                     "-o", str(lib), str(KERNELS / "host_entry.cpp")], check=True)
-    return ctypes.CDLL(str(lib)).host_rans_decode_lanes
+    return ctypes.CDLL(str(lib)).host_rans_decode_group
 
 
 def _ptr(array: np.ndarray) -> ctypes.c_void_p:
     return array.ctypes.data_as(ctypes.c_void_p)
 
 
-def _host_decode(fn, profile, slot, layer, coded_tokens, payload, version=container.FORMAT_VERSION):
-    lanes = layer_codec.parse_lanes(profile, slot, layer, coded_tokens, payload, version)
-    plan = lanes.plan
+def _host_launch(fn, profile, coded_tokens, sections):
+    """One launch of the host-compiled kernel over a group of (layer, lanes), packed as
+    kernels.gpu packs them: each section's [tokens, rows] coefficients and lane statuses."""
+    from kernels import packing
+
+    buffer = np.full(packing.group_size(sections) + 64, 0xEE, dtype=np.uint8)
+    group = packing.pack(sections, buffer, coded_tokens)
     tables = layer_codec.coder_tables(profile)
-    arrays = [np.ascontiguousarray(a) for a in (lanes.words, lanes.lane_start, lanes.states,
-                                                plan.step, plan.group, plan.table, plan.shift,
-                                                tables.freq, tables.cdf, tables.lut)]
-    out = np.full((coded_tokens, plan.rows), np.nan, dtype=np.float32)
-    status = np.full(max(plan.lanes, 1), -1, dtype=np.int32)
-    fn(*[_ptr(a) for a in arrays[:3]], *map(ctypes.c_int, (plan.lanes, plan.kept[0], plan.rows_per_lane,
-                                                          plan.piece_tokens)),
-       *[_ptr(a) for a in arrays[3:]], ctypes.c_int(coded_tokens), ctypes.c_int(plan.rows), _ptr(out), _ptr(status))
-    return out, status[: plan.lanes]
+    out = np.full(group.out_floats, np.nan, dtype=np.float32)
+    status = np.full(group.lanes, -1, dtype=np.int32)
+    fn(_ptr(buffer), _ptr(buffer), ctypes.c_int(len(sections)), ctypes.c_int(group.lanes),
+       *[_ptr(a) for a in (tables.freq, tables.cdf, tables.lut)], ctypes.c_int(coded_tokens), _ptr(out), _ptr(status))
+    return [(out[l.out:l.out + l.shape[0] * l.shape[1]].reshape(l.shape), status[l.first_lane:l.first_lane + l.lanes])
+            for l in group.layers]
+
+
+def _host_decode(fn, profile, slot, layer, coded_tokens, payload, version=container.FORMAT_VERSION):
+    """One section through the host-compiled kernel, alone in its launch."""
+    lanes = layer_codec.parse_lanes(profile, slot, layer, coded_tokens, payload, version)
+    return _host_launch(fn, profile, coded_tokens, [(layer, lanes)])[0]
 
 
 def _layer_payloads(blob: bytes):
@@ -73,15 +80,19 @@ def _layer_payloads(blob: bytes):
 
 
 def _assert_kernel_matches(fn, profile, level, blob) -> list[int]:
-    """Every layer of ``blob`` through the host-compiled kernel and the numba decoder:
-    the same floats, every lane OK; the lane shapes seen as (rows_per_lane, pieces)."""
+    """Every coded layer of ``blob`` through the host-compiled kernel, all in one launch
+    (one group), and through the numba decoder: the same floats, every lane OK; the lane
+    shapes seen as (rows_per_lane, pieces)."""
+    coded = [(header, layer, layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload,
+                                                     header.version)) for header, layer, payload in _layer_payloads(blob)]
+    if not coded:
+        return []
+    tokens = coded[0][0].coded_tokens
+    got = _host_launch(fn, profile, tokens, [(layer, lanes) for _, layer, lanes in coded])
     shapes = []
-    for header, layer, payload in _layer_payloads(blob):
-        lanes = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version)
-        expected = layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens)
-        got, status = _host_decode(fn, profile, level, layer, header.coded_tokens, payload, header.version)
+    for (_, layer, lanes), (coef, status) in zip(coded, got):
         assert (status == rans.OK).all()
-        np.testing.assert_array_equal(got.T, expected)
+        np.testing.assert_array_equal(coef.T, layer_codec.decode_coefficients(profile, layer, lanes, tokens))
         shapes.append((lanes.plan.rows_per_lane, lanes.plan.pieces))
     return shapes
 
@@ -260,36 +271,38 @@ def test_missing_gpu_is_a_typed_error_naming_what_is_missing() -> None:
         gpu.decoder("cpu")
 
 
-def test_kernel_decodes_a_group_packed_into_one_buffer(host_kernel) -> None:
-    """The adapter's one upload per group: every layer's lane arrays packed into one buffer
-    (kernels.packing), the kernel given pointers into it, as gpu.GpuDecoder.launch_layer does."""
+def test_one_launch_decodes_a_group_and_flags_only_the_corrupt_sections_lanes(host_kernel) -> None:
+    """The adapter's one upload and one launch per group: every layer's lane arrays and
+    the section table packed into one buffer (kernels.packing), one grid over all the
+    group's lanes; a lane damaged in one section is flagged in that section alone."""
     from kernels import packing
 
     profile = codec.calibrate([_kv(1)], delta="always")
     blob = codec.encode(_kv(2), 1, profile)
     header = codec.parse_header(blob)
-    group = [(layer, layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, payload, header.version))
-             for _, layer, payload in _layer_payloads(blob)]
-    buffer = np.full(packing.group_size(group) + 64, 0xEE, dtype=np.uint8)
-    layouts, used = packing.pack(group, buffer)
-    assert used == packing.group_size(group) and all(o % packing.ALIGN == 0 for l in layouts for o in l.offsets.values())
-    tables = layer_codec.coder_tables(profile)
-    base = buffer.ctypes.data
-    for layout, (layer, lanes) in zip(layouts, group):
-        plan = lanes.plan
-        at = lambda name: ctypes.c_void_p(base + layout.offsets[name])  # noqa: E731
-        out = np.full((header.coded_tokens, plan.rows), np.nan, dtype=np.float32)
-        status = np.full(plan.lanes, -1, dtype=np.int32)
-        host_kernel(at("words"), at("lane_start"), at("states"), *map(ctypes.c_int, (
-                    plan.lanes, plan.kept[0], plan.rows_per_lane, plan.piece_tokens)),
-                    at("step"), at("group"), at("table"), at("shift"),
-                    *[_ptr(a) for a in (tables.freq, tables.cdf, tables.lut)],
-                    ctypes.c_int(header.coded_tokens), ctypes.c_int(plan.rows), _ptr(out), _ptr(status))
+    payloads = {layer: payload for _, layer, payload in _layer_payloads(blob)}
+    group = [(layer, layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, p, header.version))
+             for layer, p in payloads.items()]
+    assert len(group) == 2
+    buffer = np.zeros(packing.group_size(group), dtype=np.uint8)
+    packed = packing.pack(group, buffer, header.coded_tokens)
+    assert packed.used == buffer.size and packed.lanes == sum(lanes.plan.lanes for _, lanes in group)
+    assert all(o % packing.ALIGN == 0 for l in packed.layers for o in l.offsets.values())
+    table = packing.table(buffer, packed)
+    assert list(table["first_lane"]) == [0, group[0][1].plan.lanes] and list(table["out"]) == [l.out for l in packed.layers]
+    back = packing.view(buffer, packed.layers[1], group[1][1])
+    np.testing.assert_array_equal(back["words"], group[1][1].words)
+    got = _host_launch(host_kernel, profile, header.coded_tokens, group)
+    for (layer, lanes), (coef, status) in zip(group, got):
         assert (status == rans.OK).all()
-        np.testing.assert_array_equal(out.T, layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens))
-        back = packing.view(buffer, layout, lanes)
-        np.testing.assert_array_equal(back["words"], lanes.words)
-        np.testing.assert_array_equal(back["table"], lanes.plan.table)
+        np.testing.assert_array_equal(coef.T, layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens))
+    damaged = bytearray(payloads[1])
+    damaged[-7] ^= 0x5A   # inside layer 1's last lane's words
+    group[1] = (1, layer_codec.parse_lanes(profile, 1, 1, header.coded_tokens, memoryview(bytes(damaged)),
+                                          header.version))
+    (coef0, status0), (_, status1) = _host_launch(host_kernel, profile, header.coded_tokens, group)
+    assert (status0 == rans.OK).all() and (status1 != rans.OK).any()
+    np.testing.assert_array_equal(coef0.T, layer_codec.decode_coefficients(profile, 0, group[0][1], header.coded_tokens))
 
 
 @pytest.mark.gpu
@@ -348,7 +361,7 @@ class _HostDecoder:
     """gpu.GpuDecoder's own decode code on the host: CPU tensors for device memory, the
     host-compiled kernel for the CUDA one (same pointer arguments), fake streams and events."""
 
-    launch_layer = gpu.GpuDecoder.launch_layer
+    launch_group = gpu.GpuDecoder.launch_group
     coder_tables = gpu.GpuDecoder.coder_tables
     decode_into = gpu.GpuDecoder.decode_into
     decode_layers = gpu.GpuDecoder.decode_layers
@@ -364,8 +377,11 @@ class _HostDecoder:
         self.current = self.decode_context = contextlib.nullcontext
         self.buffers = gpu.Buffers(self, 2)
 
+        self.launches: list[int] = []   # the lanes of each launch
+
         def launch(*args, block, grid, stream) -> None:
             assert stream is self.decode_stream and block[0] * grid[0] >= int(args[3])
+            self.launches.append(int(args[3]))
             kernel(*[ctypes.c_void_p(int(a)) if isinstance(a, np.uintp) else ctypes.c_int(int(a)) for a in args])
         self._kernel = launch
 
@@ -376,8 +392,9 @@ def _sections(blob: bytes):
 
 
 def test_adapter_decodes_into_caller_tensors_through_the_host_kernel(host_kernel) -> None:
-    """GpuDecoder.decode_into's commands carried out on the host: one packed upload per
-    group, the kernel per layer, the batched GEMM; equal to the CPU decoder to 1 ulp."""
+    """GpuDecoder.decode_into's commands carried out on the host: one packed upload and one
+    kernel launch (over all its lanes) per group, the batched GEMM; equal to the CPU
+    decoder to 1 ulp."""
     profile = codec.calibrate([torch.cat([_kv(1, tokens=300), _kv(2, tokens=300)])])
     kv = torch.cat([_kv(5), _kv(6)]).half()            # 4 layers
     blob = codec.encode(kv, 1, profile)
@@ -386,6 +403,8 @@ def test_adapter_decodes_into_caller_tensors_through_the_host_kernel(host_kernel
     decoder = _HostDecoder(host_kernel, group_layers=3)
     got = [l for l, _, _ in decoder.decode_into(header, profile, iter(sections), outs={l: out[l] for l in range(4)})]
     assert got == [0, 1, 2, 3]
+    lanes = codec.inspect(blob)["sections"]["lanes"]
+    assert decoder.launches == [sum(lanes[:3]), lanes[3]]   # one launch per group, over all its lanes
     want = codec.decode(blob, profile)
     assert (out.view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
 
@@ -574,9 +593,11 @@ def test_occupancy_arithmetic_on_an_h200() -> None:
 def test_resource_usage_is_parsed_from_nvcc_output() -> None:
     from kernels import occupancy
 
-    text = ("ptxas info    : Compiling entry function 'rans_decode_lanes' for 'sm_90'\n"
+    text = ("ptxas info    : Compiling entry function 'rans_decode_group' for 'sm_90'\n"
+            "ptxas info    : Function properties for rans_decode_group\n"
+            "    8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
             "ptxas info    : Used 40 registers, used 0 barriers, 1024 bytes smem, 424 bytes cmem[0]\n")
-    assert occupancy.parse_resource_usage(text) == occupancy.Resources(40, 1024)
+    assert occupancy.parse_resource_usage(text) == occupancy.Resources(40, 1024, 8)
     assert occupancy.parse_resource_usage("ptxas info    : Used 32 registers, used 0 barriers") \
         == occupancy.Resources(32, 0)
     with pytest.raises(ValueError, match="no register count"):
@@ -599,7 +620,11 @@ def test_dry_run_lane_rows_count_the_blobs_lanes() -> None:
     from kernels import bench_gpu
 
     profile = codec.calibrate([synthetic_kv(2, 2, 8, 200, seed=1)])
-    rows = bench_gpu.lane_rows(profile, [64, 130])
+    rows = bench_gpu.lane_rows(profile, [64, 130], group_layers=1)
     assert [(r["tokens"], r["level"]) for r in rows] == [(n, l) for n in (64, 130) for l in range(5)]
     blob = codec.encode(synthetic_kv(2, 2, 8, 130, seed=2).half()[:, :, :64], 1, profile, sink_tokens=0)
-    assert rows[1]["lanes"] == codec.inspect(blob)["lanes"] > 0 and rows[1]["bytes"] == len(blob)
+    info = codec.inspect(blob)
+    assert rows[1]["lanes"] == info["lanes"] > 0 and rows[1]["bytes"] == len(blob)
+    assert rows[1]["launches"] == 2 and rows[1]["lanes_per_launch"] == min(info["sections"]["lanes"])
+    whole = bench_gpu.lane_rows(profile, [64], group_layers=2)[1]   # both layers in one launch
+    assert whole["launches"] == 1 and whole["lanes_per_launch"] == info["lanes"]
