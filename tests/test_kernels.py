@@ -305,6 +305,23 @@ def test_one_launch_decodes_a_group_and_flags_only_the_corrupt_sections_lanes(ho
     np.testing.assert_array_equal(coef0.T, layer_codec.decode_coefficients(profile, 0, group[0][1], header.coded_tokens))
 
 
+def test_a_group_past_the_kernels_32_bit_offsets_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import packing
+
+    profile = codec.calibrate([_kv(1)])
+    blob = codec.encode(_kv(2), 1, profile)
+    header = codec.parse_header(blob)
+    group = [(layer, layer_codec.parse_lanes(profile, 1, layer, header.coded_tokens, p, header.version))
+             for _, layer, p in _layer_payloads(blob)]
+    buffer = np.zeros(packing.group_size(group), dtype=np.uint8)
+    monkeypatch.setattr(packing, "LIMIT", packing.group_size(group) - 1)
+    with pytest.raises(ValueError, match="too large for one launch"):
+        packing.pack(group, buffer, header.coded_tokens)
+    monkeypatch.setattr(packing, "LIMIT", int(group[0][1].lane_start[-1]))
+    with pytest.raises(ValueError, match="32-bit word offsets"):
+        packing.group_size(group)
+
+
 @pytest.mark.gpu
 def test_gpu_decode_into_caller_tensors_overlapped() -> None:
     """Several groups through two buffers: the caller's tensors filled, layers in order."""
