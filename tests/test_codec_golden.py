@@ -3,12 +3,12 @@
 Files in tests/data/:
 
 * ``golden_profile.safetensors``: a "layer" profile calibrated on ``golden_input(phase=1.0)``
-* ``golden_blob.bin``: ``golden_input()`` (fp16) encoded at DEFAULT_LEVEL with that profile
+* ``golden_blob.bin``: ``golden_input()`` (fp16) encoded at LEVEL (1) with that profile
 * ``golden_blob_embedded.bin``: ``golden_input(dtype=bfloat16)`` at level 3, profile=None
 * ``golden_decoded.npy``: what golden_blob.bin decodes to (float16 values)
 * ``golden_decoded_embedded.npy``: what the embedded blob decodes to (bfloat16 bits as int16)
 * ``golden_blob_rotary.bin``: ``rotary_input()`` (golden_input with RoPE on its keys at
-  positions ROTARY_START..) at DEFAULT_LEVEL, start ROTARY_START, with ``rotary_profile()``
+  positions ROTARY_START..) at LEVEL, start ROTARY_START, with ``rotary_profile()``
   (the golden profile plus ROTARY: keys coded without RoPE)
 * ``golden_decoded_rotary.npy``: what the rotary blob decodes to (float16 values)
 * ``golden_blob_pieces.bin``: ``golden_input(tokens=PIECES_TOKENS)`` at PIECES_LEVEL with the
@@ -67,7 +67,9 @@ DECODED_ROTARY_FILE = DATA / "golden_decoded_rotary.npy"
 REGEN = os.environ.get("KVWIRE_REGEN_GOLDEN") == "1"
 
 SHAPE = (2, 2, 300, 2, 8)  # layers, K/V, tokens, heads, head_dim: several lanes per K/V
-LEVEL = codec.DEFAULT_LEVEL
+#: the level golden_blob.bin (and the kept v3/v4 blobs) were encoded at: fixed with the
+#: bytes, whatever codec.DEFAULT_LEVEL is today
+LEVEL = 1
 EMBEDDED_LEVEL = 3
 ROTARY = codec.Rotary(head_dim=8, dim=8, theta=10000.0)
 ROTARY_START = 1000

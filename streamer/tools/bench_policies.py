@@ -77,7 +77,10 @@ LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128, "params": 8.03e9, "d_
              "vocab": 128256}
 #: KV elements per token (K and V of every layer).
 ELEMENTS_PER_TOKEN = LLAMA3_8B["layers"] * 2 * LLAMA3_8B["kv_heads"] * LLAMA3_8B["head_dim"]
-DEFAULT_LEVEL = 1
+#: The kvwire level the TTFT model streams and the CacheGen-style rate is compared at: level
+#: 1, a fixed input of this evaluation (issue #13), not a copy of codec.DEFAULT_LEVEL
+#: (which is the level codec.encode uses when the caller does not choose, and may move).
+REFERENCE_LEVEL = 1
 
 
 def level_targets() -> tuple[float, ...]:
@@ -102,14 +105,14 @@ class CodecFigures:
     level_distortion: tuple[float, ...]
     int8_bits: float
     int8_distortion: float
-    cachegen_bits: float          # CacheGen-style at the default level's distortion
+    cachegen_bits: float          # CacheGen-style at the reference level's distortion
     source: str
 
     @classmethod
     def from_json(cls, path: str | Path) -> "CodecFigures":
         """Read the ``kvwire bench codec --json`` output (rows as that benchmark wrote them).
 
-        CacheGen-style bits at level 1's distortion are the codec benchmark's own
+        CacheGen-style bits at REFERENCE_LEVEL's distortion are the codec benchmark's own
         ``ratio_cachegen`` of that row (its interpolation of the CacheGen-style curve).
         """
         path = Path(path)
@@ -117,19 +120,19 @@ class CodecFigures:
         rows = doc["rows"]
         kv = sorted((r for r in rows if r["method"] == "kvwire"), key=lambda r: r["level"])
         int8 = next(r for r in rows if r["method"].startswith("int8"))
-        if len(kv) <= DEFAULT_LEVEL:
-            raise ValueError(f"{path}: no kvwire level {DEFAULT_LEVEL} row")
-        default = kv[DEFAULT_LEVEL]
-        ratio = default.get("ratio_cachegen")
+        if len(kv) <= REFERENCE_LEVEL:
+            raise ValueError(f"{path}: no kvwire level {REFERENCE_LEVEL} row")
+        reference = kv[REFERENCE_LEVEL]
+        ratio = reference.get("ratio_cachegen")
         if ratio is None:
             from streamer.tools.bench_codec import Row, interpolate_bits
 
             cachegen = [Row(**r) for r in rows if r["method"].startswith("cachegen")]
-            cg = interpolate_bits(cachegen, default["distortion"])
+            cg = interpolate_bits(cachegen, reference["distortion"])
             if cg is None:
-                raise ValueError(f"{path}: no CacheGen-style rate at level {DEFAULT_LEVEL}'s distortion")
+                raise ValueError(f"{path}: no CacheGen-style rate at level {REFERENCE_LEVEL}'s distortion")
         else:
-            cg = default["bits_per_element"] * ratio
+            cg = reference["bits_per_element"] * ratio
         return cls(tuple(float(r["bits_per_element"]) for r in kv), tuple(float(r["distortion"]) for r in kv),
                    float(int8["bits_per_element"]), float(int8["distortion"]), float(cg),
                    f"{path.name} ({doc['config'].get('workload')}, kvwire bench codec --json)")
@@ -471,7 +474,7 @@ def ttft_methods(figures: CodecFigures = CODEC_BENCH) -> dict[str, tuple[float, 
     """Streaming methods: name -> (bits per element, decoded on the GPU)."""
     return {"raw fp16": (16.0, False), "int8": (figures.int8_bits, False),
             "CacheGen-style": (figures.cachegen_bits, True),
-            f"kvwire L{DEFAULT_LEVEL}": (figures.level_bits[DEFAULT_LEVEL], True)}
+            f"kvwire L{REFERENCE_LEVEL}": (figures.level_bits[REFERENCE_LEVEL], True)}
 
 
 def ttft_of(bits: float, gpu_decode: bool, tokens: int, gbit: float, *,
@@ -490,7 +493,7 @@ def ttft_of(bits: float, gpu_decode: bool, tokens: int, gbit: float, *,
 
 def ttft_table(figures: CodecFigures = CODEC_BENCH, tokens: Sequence[int] = TTFT_TOKENS,
                links: Sequence[float] = TTFT_LINKS_GBIT, rtt: float = 0.005) -> list[dict]:
-    kvname = f"kvwire L{DEFAULT_LEVEL}"
+    kvname = f"kvwire L{REFERENCE_LEVEL}"
     rows = []
     for n in tokens:
         recompute = prefill_seconds(n) + first_token_seconds(n)
@@ -507,7 +510,7 @@ def ttft_table(figures: CodecFigures = CODEC_BENCH, tokens: Sequence[int] = TTFT
 
 
 def ttft_targets(table: Sequence[dict]) -> list[dict]:
-    kvname = f"kvwire L{DEFAULT_LEVEL}"
+    kvname = f"kvwire L{REFERENCE_LEVEL}"
     row = next((r for r in table if r["tokens"] == 32768 and r["link_gbit"] == 1.0), None)
     if row is None:
         return []
@@ -909,7 +912,7 @@ def render_ttft(rows: Sequence[dict], assumptions: Sequence[str]) -> list[str]:
         for row in rows:
             lines.append(f"{row['tokens']:>7}{row['link_gbit']:>8g}" +
                          "".join(f"{row[n]:>19.3f}" for n in names))
-        lines += ["", f"modelled speedup of kvwire L{DEFAULT_LEVEL} (method TTFT / kvwire TTFT):"]
+        lines += ["", f"modelled speedup of kvwire L{REFERENCE_LEVEL} (method TTFT / kvwire TTFT):"]
         for row in rows:
             lines.append(f"  {row['tokens'] // 1024}K @ {row['link_gbit']:g} Gbit/s: " +
                          ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup"].items()))
