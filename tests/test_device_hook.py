@@ -47,6 +47,9 @@ class _Submitting:
         threading.Timer(0.01 * (3 - layer), future.set_result, ((value, value),)).start()  # out of order
         return future
 
+    def cancel(self, header) -> None:   # never called: the chunk is delivered in full
+        raise AssertionError("an ordinary chunk is never cancelled")
+
     def __call__(self, *args):   # the blocking form, never used when submit exists
         raise AssertionError("OrderedDelivery must use submit")
 

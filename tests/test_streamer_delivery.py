@@ -151,3 +151,98 @@ async def test_a_plain_on_text_recomputes_off_the_event_loop() -> None:
         await consumer
     assert calls == [(0, True, True)]
     assert seen == [(1, l) for l in range(LAYERS)]
+
+
+class _StreamFake:
+    """A stream decoder's interface (``kernels.stream.StreamDecoder``): ``submit`` returns a
+    future, resolved at once unless its header is held; ``cancel`` records the header and
+    cancels its pending futures, as the real one does."""
+
+    def __init__(self, held=(), bad=()) -> None:
+        self.held, self.bad = set(held), set(bad)
+        self.pending: list[tuple[object, concurrent.futures.Future]] = []
+        self.cancelled: list[object] = []
+
+    def submit(self, header, profile, layer, section) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if header in self.held:
+            self.pending.append((header, future))
+        elif (header, layer) in self.bad:
+            future.set_exception(codec.CorruptBitstream("bad section"))
+        else:
+            future.set_result((torch.zeros(1), torch.full((1,), float(layer))))
+        return future
+
+    def cancel(self, header) -> None:
+        self.cancelled.append(header)
+        for _, future in [p for p in self.pending if p[0] is header]:
+            future.cancel()
+
+
+def _streamed(fake: _StreamFake, pool, seen: list, chunks: int = 1, on_corrupt=lambda *a: None) -> OrderedDelivery:
+    return OrderedDelivery(chunks=chunks, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
+                           on_text=lambda c, ids: seen.append((c, TEXT)), on_corrupt=on_corrupt,
+                           executor=pool, decode=fake)
+
+
+async def test_a_stream_decoder_is_told_of_a_retargeted_chunk_once_and_of_a_delivered_one_never() -> None:
+    """Chunk 0 is retargeted to text while its sections are held in the decoder (the
+    consumer waits on one of them): the decoder cancels that chunk once. Chunk 1 is an
+    ordinary chunk: never cancelled."""
+    first, second = object(), object()
+    fake, seen = _StreamFake(held={first}), []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = _streamed(fake, pool, seen, chunks=2)
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 1)
+        for layer in range(2):
+            delivery.add_section(0, layer, first, None, b"")
+        await asyncio.sleep(0.01)   # the consumer now awaits layer 0's held decode
+        delivery.resolve(0, TEXT)
+        delivery.add_text(0, [1])
+        delivery.resolve(1, 1)
+        for layer in range(LAYERS):
+            delivery.add_section(1, layer, second, None, b"")
+        await consumer
+    assert fake.cancelled == [first]
+    assert seen == [(0, TEXT)] + [(1, l) for l in range(LAYERS)]
+
+
+async def test_a_stream_decoder_is_told_of_a_failed_chunk_once() -> None:
+    header, failure = object(), RuntimeError("stays corrupt")
+    fake, seen = _StreamFake(held={header}), []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = _streamed(fake, pool, seen)
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 1)
+        delivery.add_section(0, 0, header, None, b"")
+        await asyncio.sleep(0.01)   # the consumer awaits the held decode, which is cancelled
+        delivery.fail_chunk(0, failure)
+        delivery.fail_chunk(0, failure)
+        with pytest.raises(RuntimeError, match="stays corrupt"):
+            await consumer
+    assert fake.cancelled == [header]
+    assert seen == []
+
+
+async def test_a_stream_decoder_forgets_both_answers_of_a_refetched_chunk() -> None:
+    """Layer 1 of the first answer is corrupt; the refetch is a new header whose layer 0 is
+    skipped (it went out): the first answer is cancelled when the second lands, and the
+    second once the chunk is delivered, as the decoder still waits for its layer 0."""
+    first, again = object(), object()
+    fake, seen = _StreamFake(bad={(first, 1)}), []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder: dict = {}
+
+        def on_corrupt(chunk: int, layer: int, exc: Exception) -> None:
+            for resent in range(LAYERS):
+                holder["delivery"].add_section(chunk, resent, again, None, b"")
+
+        delivery = holder["delivery"] = _streamed(fake, pool, seen, on_corrupt=on_corrupt)
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 1)
+        for layer in range(LAYERS):
+            delivery.add_section(0, layer, first, None, b"")
+        await consumer
+    assert seen == [(0, l) for l in range(LAYERS)]
+    assert fake.cancelled == [first, again]

@@ -22,7 +22,7 @@ import concurrent.futures
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -36,6 +36,19 @@ CorruptCallback = Callable[[int, int, Exception], None]
 SectionDecoder = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+@runtime_checkable
+class StreamingDecoder(Protocol):
+    """A decoder that takes sections as they land and holds a chunk's state until it is
+    fully decoded (``kernels.stream.StreamDecoder``): a chunk this delivery gives up on
+    must be cancelled there, else it stays held. The CPU path (``codec.decode_section``)
+    is a plain function holding nothing, and has no such interface."""
+
+    def submit(self, header: codec.BlobHeader, profile: codec.Profile | None, layer: int,
+               section: bytes | memoryview) -> concurrent.futures.Future: ...
+
+    def cancel(self, header: codec.BlobHeader) -> None: ...
+
+
 class _Retarget:
     """Marker that wakes the consumer when a chunk switches to text before delivery."""
 
@@ -44,6 +57,9 @@ class _Retarget:
 class _ChunkSlots:
     kind: asyncio.Future          # resolves to a level (int) or TEXT
     layers: dict[int, asyncio.Future] = field(default_factory=dict)
+    header: codec.BlobHeader | None = None   # of the sections last handed to the decoder
+    submitted: int = 0            # layers of ``header`` handed to the decoder
+    failure: BaseException | None = None     # what fail_chunk made the consumer raise
     text: asyncio.Future | None = None
     delivered: int = 0            # layers handed to on_layer so far
     superseded: int = 0           # layers delivered before the chunk switched to text
@@ -55,7 +71,7 @@ class OrderedDelivery:
     def __init__(self, *, chunks: int, layers: int, on_layer: LayerCallback | None,
                  on_text: TextCallback | None, on_corrupt: CorruptCallback,
                  executor: concurrent.futures.Executor,
-                 decode: SectionDecoder = codec.decode_section) -> None:
+                 decode: SectionDecoder | StreamingDecoder = codec.decode_section) -> None:
         self._loop = asyncio.get_running_loop()
         self._layers = layers
         self._on_layer = on_layer
@@ -63,6 +79,8 @@ class OrderedDelivery:
         self._on_corrupt = on_corrupt
         self._executor = executor
         self._decode = decode
+        #: the decoder when it holds chunks between sections (None: a plain section decoder)
+        self._stream = decode if isinstance(decode, StreamingDecoder) else None
         self._chunks = [_ChunkSlots(kind=self._loop.create_future()) for _ in range(chunks)]
         self.first_layer_at: float | None = None
         #: encoded bytes of each section added and not yet delivered (decoding or decoded)
@@ -119,6 +137,7 @@ class OrderedDelivery:
                 if not fut.done():
                     fut.set_result(_Retarget())
             state.layers.clear()
+            self._cancel_decode(state)
             self._release(chunk)
         state.kind.set_result(kind)
 
@@ -144,9 +163,13 @@ class OrderedDelivery:
         slot = self._slot(chunk, layer)
         if slot.done():
             return  # duplicate part (refetch overlap); the first copy wins
-        submit = getattr(self._decode, "submit", None)
-        if submit is not None:   # a GPU stream decoder: groups upload and decode as sections land
-            job = asyncio.ensure_future(_submitted(submit(header, profile, layer, section), time.perf_counter()))
+        if header is not state.header:
+            self._cancel_decode(state)   # a refetch's new answer: the old one's rest never comes
+            state.header, state.submitted = header, 0
+        state.submitted += 1
+        if self._stream is not None:   # groups upload and decode as sections land
+            job = asyncio.ensure_future(_submitted(self._stream.submit(header, profile, layer, section),
+                                                   time.perf_counter()))
         else:
             job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
                                              layer, section)
@@ -163,11 +186,23 @@ class OrderedDelivery:
             state.text.set_result(token_ids)
 
     def fail_chunk(self, chunk: int, exc: BaseException) -> None:
-        """Make the consumer raise ``exc`` when it reaches ``chunk`` (unrecoverable)."""
+        """Make the consumer raise ``exc`` when it reaches ``chunk`` (unrecoverable; the
+        first failure stands)."""
         state = self._chunks[chunk]
+        if state.failure is not None:
+            return
+        state.failure = exc
         for fut in [state.kind, state.text, *[self._slot(chunk, l) for l in range(state.delivered, self._layers)]]:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
+        if not state.done:
+            self._cancel_decode(state)
+
+    def _cancel_decode(self, state: _ChunkSlots) -> None:
+        """Make a stream decoder drop what it holds of the chunk's sections (once per header)."""
+        if state.header is not None and self._stream is not None:
+            self._stream.cancel(state.header)
+        state.header = None
 
     def decode_seconds(self, chunk: int) -> float:
         return self._chunks[chunk].decode_seconds
@@ -190,6 +225,11 @@ class OrderedDelivery:
                 if await self._deliver_layers(index, state):
                     break
             state.done = True
+            if state.submitted < self._layers:
+                # a refetch skipped the layers that went out already: the decoder still
+                # waits for them under the refetch's header
+                self._cancel_decode(state)
+            state.header = None
             self._position = index + 1
             self._release(index)
 
@@ -205,6 +245,13 @@ class OrderedDelivery:
                 return False
             try:
                 k, v, seconds = await job
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    raise   # this consumer is cancelled
+                # the stream decoder cancelled the decode: this delivery gave up on the chunk
+                if state.kind is not kind:
+                    return False   # retargeted
+                raise state.failure or RuntimeError(f"the decoder dropped chunk {index} layer {layer}") from None
             except codec.CorruptBitstream as exc:
                 if state.kind is not kind:
                     return False   # retargeted while it decoded: the bad section is moot
@@ -238,7 +285,8 @@ def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: cod
 
 
 async def _submitted(future: concurrent.futures.Future, start: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(k, v, seconds from submission) of a section handed to a stream decoder."""
+    """(k, v, seconds from submission) of a section handed to a stream decoder; cancelled
+    when the decoder cancels it (its chunk was given up on: a cancelled task logs nothing)."""
     k, v = await asyncio.wrap_future(future)
     return k, v, time.perf_counter() - start
 
