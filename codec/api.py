@@ -310,14 +310,18 @@ def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _
         flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
 
 
+def _section_slices(blob: bytes | memoryview, header: BlobHeader) -> Iterator[tuple[int, memoryview]]:
+    """(layer, section bytes) of a blob as slices, unverified: the decoder they go to
+    checks each one's length and CRC itself, once (issue #16), so checking here too
+    would compute every CRC twice. A truncated blob gives a short slice, refused then."""
+    view, at = memoryview(blob), header.offsets
+    return ((layer, view[at[layer]:at[layer + 1]]) for layer in range(header.layers))
+
+
 def _device_layers(blob: bytes | memoryview, header: BlobHeader, profile: Profile | None,
                    device: torch.device) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(layer, k, v) from the device's decoder. The sections are handed over as slices,
-    unverified: the device decoder checks each one's length and CRC itself, once, as it
-    arrives (issue #16), so checking here too would compute every CRC twice."""
-    view, at = memoryview(blob), header.offsets
-    sections = ((layer, view[at[layer]:at[layer + 1]]) for layer in range(header.layers))
-    return backends.device_decoder(device).decode_layers(header, profile, sections)
+    """(layer, k, v) from the device's decoder, which verifies each section as it arrives."""
+    return backends.device_decoder(device).decode_layers(header, profile, _section_slices(blob, header))
 
 
 def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
@@ -329,8 +333,8 @@ def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
     if decode_one is not decode_section:
         yield from _device_layers(blob, header, resolved, torch.device(device))
         return
-    for layer in range(header.layers):
-        k, v = decode_section(header, resolved, layer, container.section(blob, header, layer))
+    for layer, section in _section_slices(blob, header):
+        k, v = decode_section(header, resolved, layer, section)   # verifies the section
         yield layer, k, v
 
 
@@ -351,8 +355,8 @@ def decode(blob: bytes | memoryview, profile: Profile | None = None,
         for layer, k, v in _device_layers(blob, header, resolved, torch.device(device)):
             out[layer, 0], out[layer, 1] = k, v
         return out
-    checked = [_check_section(header, resolved, slot, layer, container.section(blob, header, layer))
-               for layer in range(header.layers)]
+    checked = [_check_section(header, resolved, slot, layer, section)   # verifies each section
+               for layer, section in _section_slices(blob, header)]
     out = torch.empty(header.shape, dtype=header.dtype)
     for layer, parts in enumerate(checked):
         _decode_checked(header, resolved, layer, parts, out[layer])

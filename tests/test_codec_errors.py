@@ -234,6 +234,41 @@ def test_decode_rejects_trailing_bytes(blob, codec_profile):
         codec.decode(blob + b"\0", codec_profile)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["decode", "decode_layers"])
+def test_cpu_decode_computes_each_sections_crc_once(blob, codec_profile, monkeypatch, whole):
+    """The CPU path hands each section over unverified and decode_section's own check
+    computes its CRC, once (it was twice: container.section verified it first, issue
+    #16); a corrupt section and a truncated blob are still refused."""
+    from collections import Counter
+
+    from codec import container
+
+    def decode(data: bytes) -> None:
+        if whole:
+            codec.decode(data, codec_profile)
+        else:
+            list(codec.decode_layers(data, codec_profile))
+
+    header = codec.parse_header(blob)
+    at = header.offsets
+    computed: Counter = Counter()
+    crc32 = container.crc32
+
+    def counting_crc32(data) -> int:
+        computed[bytes(data)] += 1
+        return crc32(data)
+
+    monkeypatch.setattr(container, "crc32", counting_crc32)
+    decode(blob)
+    assert [computed[bytes(blob[at[l]:at[l + 1]])] for l in range(header.layers)] == [1] * header.layers
+    damaged = bytearray(blob)
+    damaged[at[1] + 9] ^= 0x10
+    with pytest.raises(codec.CorruptBitstream, match="layer 1's section checksum"):
+        decode(bytes(damaged))
+    with pytest.raises(codec.CorruptBitstream, match="header says" if whole else "layer 1's section is"):
+        decode(blob[:-1])
+
+
 def test_parse_header_of_garbage():
     for data in (b"", b"KVWB", b"\0" * 31, b"\0" * 64, b"KVWB" + b"\x02" + b"\0" * 59):
         with pytest.raises(codec.CorruptBitstream):
