@@ -38,6 +38,9 @@ class Row:
     encode_mb_s: float | None = None
     decode_mb_s: float | None = None
     coder_overhead: float | None = None
+    lanes: int | None = None                 # rANS lanes over all chunks (coded sections)
+    ideal_bits_per_lane: float | None = None
+    lane_cost_bits: float | None = None      # CoderCost.lane_cost_bits
     cosine: float | None = None
     ratio_fp16: float = 0.0
     ratio_int8: float = 0.0
@@ -116,11 +119,35 @@ def _best_time(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
     return best, result
 
 
-def coder_overhead(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
-                   blobs: Sequence[bytes]) -> float:
-    """Lane payload bits (final states and lane tables included) over the ideal bits of
+@dataclass(frozen=True)
+class CoderCost:
+    """What the coded sections' lane payloads spend against the ideal bits of their values."""
+
+    ideal_bits: float    # information content of the coded values under the profile's tables
+    payload_bits: float  # lane payloads: section heads, lane tables (u32 state, u16 count), words
+    lanes: int
+    sections: int
+
+    @property
+    def overhead(self) -> float:
+        """Payload bits over ideal bits, minus one (what ``coder_overhead`` reports)."""
+        return self.payload_bits / self.ideal_bits - 1.0 if self.ideal_bits else 0.0
+
+    @property
+    def lane_cost_bits(self) -> float:
+        """Bits one lane costs beyond its values' ideal bits, section heads set apart: its
+        48-bit table entry and its rANS stream's 16-bit start state and flush, less the
+        information its final state carries (the coder's precision loss adds the rest)."""
+        heads = 8 * layer_codec.LANE_HEAD.size * self.sections
+        return (self.payload_bits - heads - self.ideal_bits) / self.lanes if self.lanes else 0.0
+
+
+def coder_cost(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
+               blobs: Sequence[bytes]) -> CoderCost:
+    """Lane payload bits (final states and lane tables included) against the ideal bits of
     the values each coded section holds (at the steps and kept rows it records)."""
     ideal = real = 0.0
+    lanes = sections = 0
     for chunk, blob in zip(chunks, blobs):
         header = api.parse_header(blob)
         body = split_tokens(chunk, header.sink_tokens)
@@ -133,7 +160,9 @@ def coder_overhead(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
                                                     coded.steps, coded.kept)
             ideal += layer_codec.ideal_layer_bits(profile, plan, q)
             real += 8 * len(payload)
-    return real / ideal - 1.0 if ideal else 0.0
+            lanes += coded.lanes
+            sections += 1
+    return CoderCost(ideal, real, lanes, sections)
 
 
 def measure_kvwire(profile: Profile, level: int, chunks: Sequence[torch.Tensor], repeat: int,
@@ -194,7 +223,9 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
     rows: list[Row] = [fp16, int8, zstd, *cachegen]
     for level in range(len(profile.levels)):
         row, blobs = measure_kvwire(profile, level, chunks, repeat)
-        row.coder_overhead = coder_overhead(profile, level, chunks, blobs)
+        cost = coder_cost(profile, level, chunks, blobs)
+        row.coder_overhead, row.lanes, row.lane_cost_bits = cost.overhead, cost.lanes, cost.lane_cost_bits
+        row.ideal_bits_per_lane = cost.ideal_bits / cost.lanes if cost.lanes else None
         if workload.cosine is not None:
             row.cosine = workload.cosine(lambda kv, level=level: api.decode(api.encode(kv, level, profile), profile))
         rows.append(row)
@@ -281,6 +312,11 @@ def render(report: Report) -> str:
                      f"{r.max_abs_error:>10.3g}{_fmt(None if r.coder_overhead is None else 100 * r.coder_overhead, '.2f'):>8}"
                      f"{_fmt(r.encode_mb_s, '.0f'):>10}{_fmt(r.decode_mb_s, '.0f'):>10}{_fmt(r.cosine, '.5f'):>9}")
     lines.append("x CG: CacheGen-style bits at the same distortion (log-log interpolated on its curve) / kvwire bits.")
+    lanes = [r for r in report.rows if r.lanes]
+    if lanes:
+        lines += ["", "coder overhead = lanes x bits each costs / ideal bits (section heads aside; FORMAT.md lane table):"]
+        lines += [f"  level {r.level}: {r.lanes} lanes x {r.lane_cost_bits:.1f} bits over "
+                  f"{r.ideal_bits_per_lane:.0f} ideal bits per lane" for r in lanes]
     if report.transforms:
         lines += ["", "transform (where the decorrelation is fitted):"]
         for t in report.transforms:
