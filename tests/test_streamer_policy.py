@@ -12,7 +12,7 @@ from streamer.adapt.estimator import last_sample, robust_estimate
 from streamer.adapt.policies import (Observation, PlanInput, TEXT, describe, get_policy, greedy,
                                      mpc, mpc_plan, names, predicted_seconds)
 from streamer.adapt.base import choice_of, option_costs, option_seconds
-from streamer.adapt.mpc import TEXT_LATER, guarded
+from streamer.adapt.mpc import PLAN_MARGIN, TEXT_LATER, guarded, with_margin
 from streamer.adapt.plan import DEFAULT_BINS, fastest, solve
 
 REL = 1e-9  # float slack on "fits the budget"
@@ -118,12 +118,13 @@ def test_mpc_plan_is_no_worse_than_any_feasible_plan(inp, data) -> None:
     other = data.draw(st.lists(st.integers(0, inp.levels), min_size=chunks, max_size=chunks))
     rows = np.arange(chunks)
     other_time = seconds[rows, other].sum()
-    if other_time <= inp.time_left - chunks * inp.time_left / DEFAULT_BINS:
+    budget = with_margin(inp).time_left   # mpc plans for all but PLAN_MARGIN of the time left
+    if other_time <= budget - chunks * budget / DEFAULT_BINS:
         # the text-last tie-break adds at most TEXT_LATER * chunks per chunk
         assert plan.feasible and plan.cost <= costs[rows, other].sum() + TEXT_LATER * chunks ** 2 + 1e-12
     choice = mpc(inp)
     column = inp.levels if choice == TEXT else choice
-    assert choice == choice_of(plan.columns[0], inp.levels) or guarded(inp)[column]
+    assert choice == choice_of(plan.columns[0], inp.levels) or guarded(with_margin(inp))[column]
 
 
 @given(plan_inputs())
@@ -180,11 +181,11 @@ def test_mpc_uses_text_only_as_a_last_resort() -> None:
 def test_mpc_plans_ahead_for_a_big_chunk_later() -> None:
     """Greedy spends an equal share now and then misses; the plan saves time for the
     big last chunk by lowering quality now."""
-    inp = PlanInput(sizes=[[1_000, 500], [9_000, 8_800]], text_bytes=[10] * 2,
-                    text_seconds=[100.0] * 2, distortion=[0.0, 0.1], time_left=9.6,
+    inp = PlanInput(sizes=[[1_000, 500], [9_000, 8_900]], text_bytes=[10] * 2,
+                    text_seconds=[100.0] * 2, distortion=[0.0, 0.1], time_left=9.85,
                     history=[Observation(1_000, 1.0)])    # 1 kB/s
-    assert greedy(inp) == 0          # 1 s <= 4.8 s share, leaving 8.6 s < 8.8 s for the rest
-    assert mpc(inp) == 1             # 0.5 + 9 = 9.5 s fits, at cost 0.1
+    assert greedy(inp) == 0          # 1 s <= 4.9 s share, leaving 8.85 s < 8.9 s for the rest
+    assert mpc(inp) == 1             # 0.5 + 9 = 9.5 s fits (in 9.85 s less PLAN_MARGIN), at cost 0.1
     assert mpc_plan(inp).columns == (1, 0)
 
 
@@ -298,3 +299,16 @@ def test_registry() -> None:
     assert "CacheGen" in describe("greedy") and "level 3" in describe("fixed:3")
     with pytest.raises(ValueError, match="unknown policy"):
         describe("bola")
+
+
+def test_mpc_keeps_a_margin_rather_than_fill_the_budget_exactly() -> None:
+    """On a steady link, a level whose plan needs all but a sliver of the time left is
+    passed over for the next one: the margin absorbs a rate that dips within a chunk."""
+    rate = 10_000_000.0   # bytes/s
+    history = [Observation(int(rate), 1.0)] * 4
+    exact = 4 * 4_000_000 / rate   # four chunks at level 1 take exactly this long
+    fills = _ladder(4, time_left=exact * (1 + PLAN_MARGIN / 2), history=history)
+    roomy = _ladder(4, time_left=exact * (1 + 2 * PLAN_MARGIN), history=history)
+    assert mpc_plan(roomy).columns == (1, 1, 1, 1)
+    assert sorted(mpc_plan(fills).columns) == [1, 1, 1, 2]   # one level step buys the margin
+    assert with_margin(_ladder(1, time_left=-1.0, history=history)).time_left == -1.0
