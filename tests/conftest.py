@@ -79,6 +79,25 @@ def codec_profile():
     return codec.calibrate([_codec_synthetic_kv(0)])
 
 
+@pytest.fixture
+def crc_calls(monkeypatch):
+    """A Counter of ``codec.container.crc32`` calls by the bytes checked, from now on (clear
+    it before the decode measured): each section's CRC is computed once (issue #16)."""
+    from collections import Counter
+
+    from codec import container
+
+    computed: Counter = Counter()
+    crc32 = container.crc32
+
+    def counting_crc32(data) -> int:
+        computed[bytes(data)] += 1
+        return crc32(data)
+
+    monkeypatch.setattr(container, "crc32", counting_crc32)
+    return computed
+
+
 @pytest.fixture(scope="session")
 def minilm_kv():
     """all-MiniLM-L6-v2 and its captured KV: 4096 calibration tokens, 512 measured tokens.

@@ -235,14 +235,10 @@ def test_decode_rejects_trailing_bytes(blob, codec_profile):
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["decode", "decode_layers"])
-def test_cpu_decode_computes_each_sections_crc_once(blob, codec_profile, monkeypatch, whole):
+def test_cpu_decode_computes_each_sections_crc_once(blob, codec_profile, crc_calls, whole):
     """The CPU path hands each section over unverified and decode_section's own check
     computes its CRC, once (it was twice: container.section verified it first, issue
     #16); a corrupt section and a truncated blob are still refused."""
-    from collections import Counter
-
-    from codec import container
-
     def decode(data: bytes) -> None:
         if whole:
             codec.decode(data, codec_profile)
@@ -251,16 +247,9 @@ def test_cpu_decode_computes_each_sections_crc_once(blob, codec_profile, monkeyp
 
     header = codec.parse_header(blob)
     at = header.offsets
-    computed: Counter = Counter()
-    crc32 = container.crc32
-
-    def counting_crc32(data) -> int:
-        computed[bytes(data)] += 1
-        return crc32(data)
-
-    monkeypatch.setattr(container, "crc32", counting_crc32)
+    crc_calls.clear()
     decode(blob)
-    assert [computed[bytes(blob[at[l]:at[l + 1]])] for l in range(header.layers)] == [1] * header.layers
+    assert [crc_calls[bytes(blob[at[l]:at[l + 1]])] for l in range(header.layers)] == [1] * header.layers
     damaged = bytearray(blob)
     damaged[at[1] + 9] ^= 0x10
     with pytest.raises(codec.CorruptBitstream, match="layer 1's section checksum"):

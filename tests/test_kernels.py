@@ -12,7 +12,6 @@ import shutil
 import struct
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -448,7 +447,8 @@ def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.
     assert (got[1].view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
 
 
-def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch: pytest.MonkeyPatch,
+                                                      crc_calls) -> None:
     """codec.decode_layers(device="cuda") (and codec.decode's device path: both go through
     codec.api._device_layers) with the host decoder registered for "cuda": every
     section's CRC is computed exactly once, by the decoder's Verify, and a corrupt or
@@ -459,17 +459,10 @@ def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch:
     want = codec.decode(blob, profile)
     decoder = _HostDecoder(host_kernel, group_layers=3)
     monkeypatch.setitem(codec.backends._factories, "cuda", lambda device: decoder)
-    computed: Counter = Counter()
-    crc32 = container.crc32
-
-    def counting_crc32(data) -> int:
-        computed[bytes(data)] += 1
-        return crc32(data)
-
-    monkeypatch.setattr(container, "crc32", counting_crc32)
+    crc_calls.clear()
     got = {l: torch.stack([k, v]) for l, k, v in codec.decode_layers(blob, profile, device="cuda")}
     at = header.offsets
-    assert [computed[bytes(blob[at[l]:at[l + 1]])] for l in range(header.layers)] == [1] * header.layers
+    assert [crc_calls[bytes(blob[at[l]:at[l + 1]])] for l in range(header.layers)] == [1] * header.layers
     assert sorted(got) == list(range(header.layers))
     for layer, kv in got.items():
         assert (kv.view(torch.int16).int() - want[layer].view(torch.int16).int()).abs().max() <= 1

@@ -179,6 +179,12 @@ class _StreamFake:
             future.cancel()
 
 
+def _answer(delivery: OrderedDelivery, chunk: int, header, layers=range(LAYERS)) -> None:
+    """The sections of one answer for ``chunk`` (a refetch resends them all)."""
+    for layer in layers:
+        delivery.add_section(chunk, layer, header, None, b"")
+
+
 def _streamed(fake: _StreamFake, pool, seen: list, chunks: int = 1, on_corrupt=lambda *a: None) -> OrderedDelivery:
     return OrderedDelivery(chunks=chunks, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
                            on_text=lambda c, ids: seen.append((c, TEXT)), on_corrupt=on_corrupt,
@@ -195,14 +201,12 @@ async def test_a_stream_decoder_is_told_of_a_retargeted_chunk_once_and_of_a_deli
         delivery = _streamed(fake, pool, seen, chunks=2)
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 1)
-        for layer in range(2):
-            delivery.add_section(0, layer, first, None, b"")
+        _answer(delivery, 0, first, range(2))
         await asyncio.sleep(0.01)   # the consumer now awaits layer 0's held decode
         delivery.resolve(0, TEXT)
         delivery.add_text(0, [1])
         delivery.resolve(1, 1)
-        for layer in range(LAYERS):
-            delivery.add_section(1, layer, second, None, b"")
+        _answer(delivery, 1, second)
         await consumer
     assert fake.cancelled == [first]
     assert seen == [(0, TEXT)] + [(1, l) for l in range(LAYERS)]
@@ -215,7 +219,7 @@ async def test_a_stream_decoder_is_told_of_a_failed_chunk_once() -> None:
         delivery = _streamed(fake, pool, seen)
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 1)
-        delivery.add_section(0, 0, header, None, b"")
+        _answer(delivery, 0, header, range(1))
         await asyncio.sleep(0.01)   # the consumer awaits the held decode, which is cancelled
         delivery.fail_chunk(0, failure)
         delivery.fail_chunk(0, failure)
@@ -234,15 +238,11 @@ async def test_a_stream_decoder_forgets_both_answers_of_a_refetched_chunk() -> N
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         holder: dict = {}
 
-        def on_corrupt(chunk: int, layer: int, exc: Exception) -> None:
-            for resent in range(LAYERS):
-                holder["delivery"].add_section(chunk, resent, again, None, b"")
-
-        delivery = holder["delivery"] = _streamed(fake, pool, seen, on_corrupt=on_corrupt)
+        delivery = holder["delivery"] = _streamed(fake, pool, seen,
+                                                  on_corrupt=lambda chunk, *_: _answer(holder["delivery"], chunk, again))
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 1)
-        for layer in range(LAYERS):
-            delivery.add_section(0, layer, first, None, b"")
+        _answer(delivery, 0, first)
         await consumer
     assert seen == [(0, l) for l in range(LAYERS)]
     assert fake.cancelled == [first, again]
