@@ -11,6 +11,7 @@ checked against codec/FORMAT.md's "Limits" before anything is allocated from it.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Iterator
 
@@ -119,11 +120,13 @@ def _misfit_message(profile: Profile, level: int, misfits: dict[tuple[int, int],
     (layer, kind), worst = max(misfits.items(), key=lambda item: item[1])
     target = profile.section_target(level, layer, kind)
     raw_layers = sorted({layer for layer, _ in misfits})
+    # a K/V part of zero variance (a constant tensor) makes any error infinitely many times it
+    measured = (f"measures {worst:.2g} ({worst / target:.1f}x its target {target:.2g})" if math.isfinite(worst)
+                else f"has zero variance, so any error at all is infinitely many times its target {target:.2g}")
     return (f"profile {profile.id} does not fit this KV: at level {level} "
             f"{len(misfits)} of {2 * layers} layer K/V parts cannot be coded to their target MSE/var (the "
             f"components the profile drops lose over {MISFIT_FACTOR:g}x the target, or holding it costs more "
-            f"than raw); at the profile's steps the worst, layer {layer} {'KV'[kind]}, measures {worst:.2g} "
-            f"({worst / target:.1f}x its target {target:.2g}). Was the profile "
+            f"than raw); at the profile's steps the worst, layer {layer} {'KV'[kind]}, {measured}. Was the profile "
             f"calibrated on another model, or on very different data? Layers {raw_layers} are stored "
             f"raw (exact, not compressed).")
 

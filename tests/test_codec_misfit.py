@@ -114,3 +114,14 @@ def test_short_chunks_are_not_judged(other_profile) -> None:
     kv = _llama_kv(2)[:, :, :api.MISFIT_MIN_TOKENS - 1].half()
     _, caught = _encode(kv, 1, other_profile)
     assert caught == []
+
+
+def test_a_constant_tensor_is_named_for_its_zero_variance_not_an_infinite_ratio(own_profile, llama_kv) -> None:
+    """MSE/var of a part with no variance is infinite for any error: the warning says so
+    in words instead of printing 'inf (infx its target)'."""
+    constant = torch.full_like(llama_kv[:, :, :TOKENS], 0.75) + llama_kv[:, :, :1]   # each channel constant in time
+    blob, warned = _encode(constant, 0, own_profile)
+    assert warned, "a constant tensor does not fit a profile calibrated on real KV"
+    message = str(warned[0].message)
+    assert "zero variance" in message and "measures inf" not in message and "infx" not in message, message
+    assert torch.equal(codec.decode(blob, own_profile).to(constant.dtype), constant)   # raw: exact
