@@ -13,7 +13,7 @@ import pytest
 
 import codec
 from streamer.tools import calibrate as calibrate_cli
-from streamer.model import hf
+from streamer.model import hf, quality
 
 
 def _main(argv: list[str]) -> int:
@@ -178,6 +178,11 @@ def test_calibrate_cli_allocation(llama_dir, tmp_path, capsys):
     assert _main(["calibrate", "--model", llama_dir, "-o", str(out), "--tokens", "1500", "--window", "500",
                   "--allocation", "off", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weights"] is None and codec.Profile.load(out).weights is None
+    # the CLI's default is the measured choice; the library's calibrate_profile asks for it
+    assert _main(["calibrate", "--model", llama_dir, "-o", str(out), "--tokens", "1500", "--window", "500"]) == 0
+    assert (codec.Profile.load(out).weights is not None) == quality.ALLOCATION_DEFAULT
+    model, tokenizer = hf.load_model(llama_dir)
+    assert quality.calibrate_profile(model, tokenizer, list(range(40, 240)) * 3).weights is None
 
 
 def test_bench_quality_allocation_both(llama_dir, capsys):

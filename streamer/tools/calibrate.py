@@ -120,7 +120,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--allocation", choices=tuple(_ROTARY), default="auto",
                    help="weight each (layer, K/V)'s target MSE/var by the model's measured sensitivity to it "
                         "(causal LMs; codec.allocation): 'auto' (the default choice, measured by bench "
-                        "quality), 'on', 'off'")
+                        "quality: on for causal LMs, +0.01-0.03 bits/el for higher top-1 agreement on "
+                        "SmolLM2), 'on', 'off'")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
 
