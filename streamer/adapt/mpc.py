@@ -27,11 +27,13 @@ Three rules come from what a plan at one rate cannot see:
   varies within it, and a plan that fills the budget exactly turns a small shortfall
   late in the fetch into a cancelled chunk recomputed from text (a whole text penalty,
   and the recompute then runs past the deadline) where a margin costs at most a level
-  step somewhere. ``kvwire bench policies`` (commit 6e1c3c6, format 5 level sizes)
-  with margins 0, 3% and 6%: objective over the oracle's 1.15/1.26/1.33x (0),
-  1.13/1.26/1.31x (3%), 1.13/1.27/1.30x (6%) on the committed traces at SLO 0.5/1/2 s
-  and 1.47/1.58/1.53x, 1.47/1.56/1.51x, 1.47/1.57/1.53x on the second set; violations
-  at 0.5 s 2.1/2.1/1.8% and 3.2/2.8/2.5%; text at 1 s on the second set 40/39.5/39.6%.
+  step somewhere. The sweep of ``kvwire bench policies`` (its ``sweep_sets`` on the
+  command's inputs, commit 6e1c3c6, format 5 level sizes; the 0 and 3% rows are what the
+  command itself printed at 5afc79d and b34cf3e) with margins 0, 3% and 6%: objective
+  over the oracle's 1.15/1.26/1.33x (0), 1.13/1.26/1.31x (3%), 1.13/1.27/1.30x (6%) on
+  the committed traces at SLO 0.5/1/2 s and 1.47/1.58/1.53x, 1.47/1.56/1.51x,
+  1.47/1.57/1.53x on the second set; violations at 0.5 s 2.1/2.1/1.8% and 3.2/2.8/2.5%;
+  text at 1 s on the second set 40/39.5/39.6%.
 * **A guarded first step.** A requested chunk cannot be taken back. Its option must
   leave the rest of the fetch able to finish as text even if this chunk arrives at the
   *guard* rate (:func:`streamer.adapt.estimator.guard_estimate`: the worst recent
