@@ -135,6 +135,38 @@ async def test_failure_midway_keeps_the_previous_version(store: Store, small_kv,
     assert await store.gc() == 0  # nothing was left behind
 
 
+async def test_a_failed_level_leaves_no_sibling_running_after_put_context_raises(
+        store: Store, small_kv, small_profile, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One level's encode fails while another level of the same chunk is still encoding:
+    put_context must not return before that sibling has stopped. A sibling left running
+    wrote its blob after the failed put had discarded its staging directory (found as
+    leftover files in the disk-full fault test)."""
+    import asyncio
+    import threading
+
+    real_encode = codec.encode
+    release = threading.Event()
+
+    def encode(kv, level, profile, *, sink_tokens=None, start=0):
+        if level == 1:
+            raise RuntimeError("encoder died")
+        release.wait(10)   # level 0 is still encoding when level 1 fails
+        return real_encode(kv, level, profile, sink_tokens=sink_tokens, start=start)
+
+    monkeypatch.setattr(codec, "encode", encode)
+    try:
+        with pytest.raises(RuntimeError, match="encoder died"):
+            await put_context(store, "doc", small_kv[:, :, :CHUNK], list(range(CHUNK)), profile=small_profile,
+                              chunk_tokens=CHUNK, levels=[0, 1])
+        running = [t for t in asyncio.all_tasks() if not t.done() and t is not asyncio.current_task()
+                   and "level_job" in t.get_coro().__qualname__]
+        assert not running, running
+    finally:
+        release.set()
+    with pytest.raises(ContextNotFound):
+        await store.get_manifest("doc")
+
+
 def test_text_fallback_round_trip_and_errors() -> None:
     ids = [0, 1, 2 ** 32 - 1, 50256, 7]
     data = encode_tokens(ids)

@@ -177,7 +177,10 @@ async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Te
         await writer.put_chunk(index, level, blob)
         return blob
 
-    blobs = dict(zip(levels, await asyncio.gather(*(level_job(level) for level in levels))))
+    # not a plain gather: on a failure the other levels must be stopped (and waited for)
+    # before the writer discards the staging, or one still encoding writes its blob after
+    blobs = dict(zip(levels, await _gather_bounded([functools.partial(level_job, level) for level in levels],
+                                                   limit=len(levels))))
     text = await asyncio.to_thread(encode_tokens, ids)
     await writer.put_text(index, text)
     return ChunkInfo(index=index, start=start, end=start + kv.shape[2],
