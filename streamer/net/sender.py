@@ -206,9 +206,10 @@ def _check_profile_size(size: int, profile_id: str) -> None:
 @dataclass
 class _PeerFaultLogs:
     """One throttle per kind of fault a peer can repeat at will by reconnecting (a wrong
-    token, a malformed frame, a connection dropped for stalling or closed early), shared by all of a sender's connections:
-    a client looping over them must not fill the log, so past the first line each kind
-    logs at most one line per second, saying how many went unlogged."""
+    token, a malformed frame, a connection dropped for stalling or closed early), shared
+    by all of a sender's connections: a client looping over them must not fill the log,
+    so past the first line each kind logs at most one line per second, saying how many
+    went unlogged."""
 
     auth: Throttle = field(default_factory=Throttle)
     protocol: Throttle = field(default_factory=Throttle)
