@@ -10,6 +10,8 @@ import json
 import logging
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from streamer.net.throttle import Throttle
 from streamer.receiver import ReceiverConfig, connections, server_log, start_receiver
@@ -279,3 +281,75 @@ async def test_a_connection_with_a_request_under_way_is_never_reclaimed(receiver
     for _, w in held + [newcomer]:
         w.close()
     await _released(receiver, 0)
+
+
+class _FakeHandler:
+    """Stands in for aiohttp's RequestHandler: records a force_close."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def connection_made(self, transport) -> None:
+        pass
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def connection_lost(self, exc) -> None:
+        pass
+
+    def force_close(self) -> None:
+        self.closed = True
+
+
+#: accepts and answers drawn more often than bytes and closes, so the gate is often full
+#: with several idle connections, where the choice of which one to close shows
+_OPS = st.lists(st.tuples(st.sampled_from(["accept"] * 3 + ["answer"] * 3 + ["send", "lose"]),
+                          st.integers(0, 63)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cap=st.integers(1, 6), ops=_OPS)
+@example(cap=2, ops=[("accept", 0), ("accept", 0), ("answer", 0), ("answer", 1), ("accept", 0)])
+def test_the_gate_never_exceeds_the_cap_and_reclaims_only_idle_connections(cap: int, ops) -> None:
+    """Any order of accepts, answers, client bytes and closes: the places taken never
+    exceed the cap; only a connection whose answer is written and which has sent nothing
+    since is closed to make room, the longest idle first; a newcomer is refused only when
+    every place is taken by a busy connection."""
+    gate = connections.ConnectionGate(lambda: _FakeHandler(), cap, on_refuse=lambda: None)
+    live: list = []           # admitted connections not yet lost, in accept order
+    idle_since: dict = {}     # the model: connection -> when its answer was written (op index)
+    for step, (op, pick) in enumerate(ops):
+        if op == "accept":
+            taken = gate.open - len(gate.reclaimed)
+            open_before = [c for c in live if not c.inner.closed]
+            proto = gate()
+            admitted = isinstance(proto, connections._Counted)
+            assert admitted == (taken < cap or bool(idle_since)), "refused with a place or an idle connection free"
+            newly_closed = [c for c in open_before if c.inner.closed]
+            if admitted and taken >= cap:   # the longest idle connection, and only it, made room
+                oldest = min(idle_since, key=idle_since.get)
+                assert newly_closed == [oldest] and oldest in gate.reclaimed
+                del idle_since[oldest]
+            else:
+                assert newly_closed == []
+            if admitted:
+                proto.connection_made(None)
+                live.append(proto)
+        elif live:
+            conn = live[pick % len(live)]
+            if op == "answer" and not conn.inner.closed:
+                gate.answer_written(conn.inner)
+                idle_since[conn] = step
+            elif op == "send" and not conn.inner.closed:
+                conn.data_received(b"x")
+                idle_since.pop(conn, None)
+            elif op == "lose":
+                conn.connection_lost(None)
+                live.remove(conn)
+                idle_since.pop(conn, None)
+        assert gate.open == len(live)
+        assert gate.open - len(gate.reclaimed) <= cap
+        assert all(c.inner.closed for c in gate.reclaimed)
+        assert set(gate.idle) == set(idle_since)   # idle exactly when the model says so
+        assert list(gate.idle) == sorted(gate.idle, key=idle_since.get)   # longest idle first
