@@ -216,13 +216,6 @@ class _PeerFaultLogs:
     dropped: Throttle = field(default_factory=Throttle)
 
 
-def _log_throttled(logger: logging.LoggerAdapter, level: int, throttle: Throttle, msg: str,
-                   *args: object) -> None:
-    if (missed := throttle.take()) is not None:
-        logger.log(level, msg + ("; %d more since the last line" if missed else ""),
-                   *args, *((missed,) if missed else ()))
-
-
 class _ConnectionHandler:
     def __init__(self, store: Store, config: ServerConfig, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, fault_logs: _PeerFaultLogs) -> None:
@@ -312,8 +305,7 @@ class _ConnectionHandler:
             deadline, why = self._deadline(handshake_end, frame_end)
             now = self._loop.time()
             if deadline is not None and deadline <= now:
-                _log_throttled(self.log, logging.INFO, self.fault_logs.dropped, "dropping %s: %s",
-                               self._peer(), why)
+                self.fault_logs.dropped.log(self.log, logging.INFO, "dropping %s: %s", self._peer(), why)
                 self._error("timeout")
                 await self._fatal("timeout", why)
                 return
@@ -334,11 +326,11 @@ class _ConnectionHandler:
                 self._error("auth" if isinstance(exc, p.AuthenticationError)
                             else getattr(exc, "code", "protocol"))
                 if isinstance(exc, p.AuthenticationError):
-                    _log_throttled(self.log, logging.WARNING, self.fault_logs.auth,
-                                   "authentication failed from %s: %s", self._peer(), exc)
+                    self.fault_logs.auth.log(self.log, logging.WARNING, "authentication failed from %s: %s",
+                                             self._peer(), exc)
                 else:
-                    _log_throttled(self.log, logging.INFO, self.fault_logs.protocol,
-                                   "protocol error from %s: %s", self._peer(), exc)
+                    self.fault_logs.protocol.log(self.log, logging.INFO, "protocol error from %s: %s",
+                                                 self._peer(), exc)
                 with contextlib.suppress(Exception):
                     self.writer.write(self.conn.error_frame(exc))
                 return
@@ -389,9 +381,8 @@ class _ConnectionHandler:
                 except (ConnectionError, OSError, asyncio.TimeoutError) as exc:
                     self._error("write_timeout" if isinstance(exc, asyncio.TimeoutError)
                                 else "connection_lost")
-                    _log_throttled(self.log, logging.INFO, self.fault_logs.dropped,
-                                   "dropping %s: it accepted no data for %g s", self._peer(),
-                                   self.config.write_timeout)
+                    self.fault_logs.dropped.log(self.log, logging.INFO, "dropping %s: it accepted no data for %g s",
+                                                self._peer(), self.config.write_timeout)
                     self.closing = True
                     self.writer.transport.abort()
                     return
@@ -400,8 +391,9 @@ class _ConnectionHandler:
                         # the peer closed the connection while this answer was due (a
                         # receiver abandoning a chunk does): nothing to answer, no bug
                         self._error("connection_lost")
-                        _log_throttled(self.log, logging.INFO, self.fault_logs.dropped,
-                                       "%s closed the connection before %r was answered", self._peer(), request)
+                        self.fault_logs.dropped.log(self.log, logging.INFO,
+                                                    "%s closed the connection before %r was answered",
+                                                    self._peer(), request)
                     else:
                         self._error("handler_failed")
                         self.log.exception("answering %r failed; closing the connection", request)
@@ -598,9 +590,8 @@ class Sender:
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """At capacity: a fatal ERROR "unavailable" (the receiver tries another sender)."""
         limit = self.config.max_sessions
-        if (missed := self._refusal_log.take()) is not None:
-            log.warning("refusing %s: %d sessions already (max_sessions)%s", writer.get_extra_info("peername"),
-                        limit, f"; {missed} more refused since the last line" if missed else "")
+        self._refusal_log.log(log, logging.WARNING, "refusing %s: %d sessions already (max_sessions)",
+                              writer.get_extra_info("peername"), limit, counted="more refused")
         frame = p.Connection(p.Role.SERVER).send(p.Error(
             "unavailable", f"sender at capacity ({limit} sessions); try another sender", fatal=True))
         self._refusing += 1

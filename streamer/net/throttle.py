@@ -4,13 +4,14 @@ A daemon that logs every malformed request or refused connection lets any client
 its disk and bury what matters; with a throttle it logs the first occurrence, then at
 most one line per ``interval`` seconds that says how many went unlogged in between.
 
-    if (missed := refusals.take()) is not None:
-        log.warning("refusing %s (%d more since the last line)", peer, missed)
+    refusals.log(log, logging.WARNING, "refusing %s", peer, counted="more refused")
+    # -> "refusing 10.0.0.7", then a second later "refusing 10.0.0.9; 41 more refused since the last line"
 
 Pure: the clock is injected (``time.monotonic`` by default), so tests need no sleeps.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -37,3 +38,11 @@ class Throttle:
             return None
         missed, self.missed, self._next = self.missed, 0, now + self.interval
         return missed
+
+    def log(self, logger: logging.Logger | logging.LoggerAdapter, level: int, msg: str, *args: object,
+            counted: str = "more") -> None:
+        """One occurrence: ``msg % args`` when a line is due, ending "; N <counted> since the
+        last line" when N occurrences went unlogged; else nothing."""
+        if (missed := self.take()) is not None:
+            suffix = f"; {missed} {counted} since the last line" if missed else ""
+            logger.log(level, msg + "%s", *args, suffix)

@@ -168,9 +168,8 @@ class ConnectionGate:
             self.open += 1
             return _Counted(self.server(), self)
         self._on_refuse()
-        if (missed := self._log.take()) is not None:
-            log.warning("refusing a connection: %d open already (max_connections)%s", self.max_connections,
-                        f"; {missed} more refused since the last line" if missed else "")
+        self._log.log(log, logging.WARNING, "refusing a connection: %d open already (max_connections)",
+                      self.max_connections, counted="more refused")
         return _Refusal(self)
 
     def _reclaim(self) -> None:
