@@ -225,8 +225,7 @@ async def _idle_tracking(request: web.Request, handler: Any) -> web.StreamRespon
     answer is written here, not after the return, so that "idle" means nothing of it is
     left to write (aiohttp's own prepare/write_eof are then no-ops)."""
     gate = request.app[RECEIVER_KEY].gate
-    if gate is None:
-        return await handler(request)
+    assert gate is not None   # requests arrive only through the gate's listener
     gate.request_started(request.protocol)
     response = await handler(request)
     await response.prepare(request)
