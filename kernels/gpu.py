@@ -64,11 +64,11 @@ class _CoderTables:
 
 @dataclass
 class _Inflight:
-    """A launched group: what must stay alive until its decode event fires, and each
-    coded layer's lanes in its status (layer, first lane, lanes)."""
+    """A launched group: what must stay alive until its decode event fires, and where each
+    coded layer's lanes are in its status."""
 
     status: torch.Tensor
-    lanes: list[tuple[int, int, int]]
+    layers: tuple[packing.LayerLayout, ...]
     coefficients: torch.Tensor
 
 
@@ -311,13 +311,12 @@ class ChunkRun:
             coefs: list[torch.Tensor | None] = []
             for parsed in group:   # each coded layer's [tokens, rows] in the launch's output
                 layout = layouts.get(parsed.layer)
-                coefs.append(None if layout is None else
-                             coef[layout.out:layout.out + layout.shape[0] * layout.shape[1]].view(layout.shape))
+                coefs.append(None if layout is None else layout.coefficients(coef))
             outs = [self.outs.setdefault(p.layer, torch.empty((2, header.tokens, header.heads, header.head_dim),
                                                               dtype=header.dtype, device=d.device)) for p in group]
             if group:
                 reconstruct.reconstruct(header, self.profile, group, coefs, outs)
-        self.inflight[command.group] = _Inflight(status, [(l.layer, l.first_lane, l.lanes) for l in packed.layers], coef)
+        self.inflight[command.group] = _Inflight(status, packed.layers, coef)
 
     def delivered(self, block: bool) -> list[Delivered]:
         """The queued deliveries whose decode has finished, in order (all of them, waiting,
@@ -333,11 +332,11 @@ class ChunkRun:
             for group in sorted(g for g in self.inflight if g <= last):  # the decode stream runs in order
                 inflight = self.inflight.pop(group)
                 codes = inflight.status.cpu().numpy()
-                for layer, first, lanes in inflight.lanes:
-                    code = int(codes[first:first + lanes].max(initial=0))
+                for layout in inflight.layers:
+                    code = int(layout.statuses(codes).max(initial=0))
                     if code:
-                        self.failed[layer] = codec.CorruptBitstream(
-                            f"layer {layer}: entropy-coded data is corrupt (code {code})")
+                        self.failed[layout.layer] = codec.CorruptBitstream(
+                            f"layer {layout.layer}: entropy-coded data is corrupt (code {code})")
             for layer in layers:
                 error = self.failed.get(layer)
                 out.append((layer, None, None, error) if error else

@@ -42,6 +42,15 @@ class LayerLayout:
     out: int
     shape: tuple[int, int]
 
+    def coefficients(self, out):
+        """This section's [tokens, rows] view of its launch's flat coefficients (a torch
+        tensor or a numpy array)."""
+        return out[self.out:self.out + self.shape[0] * self.shape[1]].reshape(self.shape)
+
+    def statuses(self, status):
+        """This section's lanes of its launch's lane statuses."""
+        return status[self.first_lane:self.first_lane + self.lanes]
+
 
 @dataclass(frozen=True)
 class GroupLayout:

@@ -60,8 +60,7 @@ def _host_launch(fn, profile, coded_tokens, sections):
     status = np.full(group.lanes, -1, dtype=np.int32)
     fn(_ptr(buffer), _ptr(buffer), ctypes.c_int(len(sections)), ctypes.c_int(group.lanes),
        *[_ptr(a) for a in (tables.freq, tables.cdf, tables.lut)], ctypes.c_int(coded_tokens), _ptr(out), _ptr(status))
-    return [(out[l.out:l.out + l.shape[0] * l.shape[1]].reshape(l.shape), status[l.first_lane:l.first_lane + l.lanes])
-            for l in group.layers]
+    return [(l.coefficients(out), l.statuses(status)) for l in group.layers]
 
 
 def _host_decode(fn, profile, slot, layer, coded_tokens, payload, version=container.FORMAT_VERSION):
