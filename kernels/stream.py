@@ -28,7 +28,6 @@ import codec
 from codec.profile import Profile
 
 from . import devices
-from .devices import close_all  # noqa: F401  (the daemon's shutdown: streams, then their decoders)
 from .gpu import Buffers, ChunkRun, EventTable, GpuDecoder, decoder
 from .schedule import Scheduler
 

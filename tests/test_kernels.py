@@ -565,7 +565,7 @@ def test_one_registry_holds_one_decoder_and_one_stream_decoder_per_device(host_k
     assert stream.stream_decoder("cuda:0") is s0 and gpu.decoder(torch.device("cuda", 0)) is s0.decoder
     s1 = stream.stream_decoder("cuda:1")
     assert s1.decoder.index == 1 and gpu.decoder("cuda:1") is s1.decoder and built == [0, 1]
-    stream.close_all()
+    devices.close_all()
     assert closed == [("stream", 0), ("decoder", 0), ("stream", 1), ("decoder", 1)]
     assert not s0._thread.is_alive() and not s1._thread.is_alive()
     assert gpu.decoder("cuda") is not s0.decoder and built == [0, 1, 0]   # built anew after close_all

@@ -26,7 +26,8 @@ def section_decoder(device: str | torch.device):
 
 
 def close_devices() -> None:
-    """Stop the GPU stream decoders and release the devices, if any were started."""
-    stream = sys.modules.get("kernels.stream")
-    if stream is not None:
-        stream.close_all()
+    """Stop the GPU stream decoders and release the devices, if any were started (they
+    are all in ``kernels.devices``' registry, stream decoders or not)."""
+    registry = sys.modules.get("kernels.devices")
+    if registry is not None:
+        registry.close_all()
