@@ -133,9 +133,8 @@ class GpuDecoder:
         decodes."""
         resolved, slot = codec.resolve_profile(header, profile)
         with self._lock:  # held for the whole decode: self.buffers are reused across its groups
-            run = ChunkRun(self, self.buffers, EventTable(self._cuda, 4 * self._buffer_count), 0, header,
-                           resolved, slot, {} if outs is None else outs, count)
-            scheduler = Scheduler(self.group_layers, self._buffer_count)
+            scheduler, events = self.scheduling()
+            run = ChunkRun(self, self.buffers, events, 0, header, resolved, slot, {} if outs is None else outs, count)
             scheduler.open_chunk(0, run.expected)
             for layer, section in sections:
                 with self.current():  # current only while working, never across a yield
@@ -167,6 +166,11 @@ class GpuDecoder:
             tables = _CoderTables(to(host.freq.view(np.int16)), to(host.cdf.view(np.int16)), to(host.lut))
             self._coder[profile] = tables
         return tables
+
+    def scheduling(self) -> tuple[Scheduler, "EventTable"]:
+        """A scheduler over this decoder's group size and buffers, and a table for the
+        events its commands name (sized to keep each buffer's latest copy and decode)."""
+        return Scheduler(self.group_layers, self._buffer_count), EventTable(self._cuda, 4 * self._buffer_count)
 
     def decode_context(self):
         """torch work issued inside runs on the decode stream."""

@@ -79,8 +79,8 @@ class StreamDecoder:
     def _work(self) -> None:
         """Feed sections to the scheduler; on idle, flush and wait; never die silently."""
         d = self.decoder
-        state = self._state = _StreamState(Scheduler(d.group_layers, d._buffer_count), Buffers(d, d._buffer_count),
-                                           EventTable(d._cuda, 4 * d._buffer_count))
+        scheduler, events = d.scheduling()
+        state = self._state = _StreamState(scheduler, Buffers(d, d._buffer_count), events)
         while True:
             try:
                 item = self._queue.get(timeout=self.idle_seconds)

@@ -381,6 +381,7 @@ class _HostDecoder:
     decode_into = gpu.GpuDecoder.decode_into
     decode_layers = gpu.GpuDecoder.decode_layers
     decode_section = gpu.GpuDecoder.decode_section
+    scheduling = gpu.GpuDecoder.scheduling
 
     def __init__(self, kernel, group_layers: int) -> None:
         import contextlib
