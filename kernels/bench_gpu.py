@@ -88,9 +88,13 @@ def arrival_times(sizes: list[int], gbit_s: float) -> list[float]:
 
 def write_report(report: dict, out_dir: str | None) -> None:
     """Rewrite the report in ``out_dir`` (if any): a cut-off run still leaves its figures."""
+    _write_out(out_dir, REPORT_NAME, json.dumps(report, indent=2))
+
+
+def _write_out(out_dir: str | None, name: str, text: str) -> None:
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / REPORT_NAME).write_text(json.dumps(report, indent=2))
+        (Path(out_dir) / name).write_text(text)
 
 
 def ensure_pycuda(kit: str | None, site: str) -> None:
@@ -106,10 +110,7 @@ def ensure_pycuda(kit: str | None, site: str) -> None:
     script = Path(kit) / "install-pycuda.sh"
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ, "SITE": site})
     log = result.stdout + result.stderr
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "pycuda_build.log").write_text(log)
+    _write_out(os.environ.get("OUT"), "pycuda_build.log", log)
     if result.returncode != 0:
         raise SystemExit(f"pycuda build failed ({script}, exit {result.returncode}):\n{log[-4000:]}")
     sys.path.insert(0, site)
