@@ -402,6 +402,11 @@ class _HostDecoder:
         self._kernel = launch
 
 
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """The largest difference of two 16-bit float tensors in units in the last place."""
+    return int((got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max())
+
+
 def _sections(blob: bytes):
     header = codec.parse_header(blob)
     return header, [(l, bytes(container.section(blob, header, l))) for l in range(header.layers)]
@@ -422,7 +427,7 @@ def test_adapter_decodes_into_caller_tensors_through_the_host_kernel(host_kernel
     lanes = codec.inspect(blob)["sections"]["lanes"]
     assert decoder.launches == [sum(lanes[:3]), lanes[3]]   # one launch per group, over all its lanes
     want = codec.decode(blob, profile)
-    assert (out.view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
+    assert _ulps(out, want) <= 1
 
 
 def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -444,7 +449,7 @@ def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.
     got = {l: torch.stack([k, v]) for l, k, v in decoder.decode_into(header, profile, iter(sections))}
     assert torch.equal(got[0], kv[0]) and torch.equal(got[1][:, :4], kv[1][:, :4])
     want = codec.decode(blob, profile)[1]
-    assert (got[1].view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
+    assert _ulps(got[1], want) <= 1
 
 
 def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch: pytest.MonkeyPatch,
@@ -465,7 +470,7 @@ def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch:
     assert [crc_calls[bytes(blob[at[l]:at[l + 1]])] for l in range(header.layers)] == [1] * header.layers
     assert sorted(got) == list(range(header.layers))
     for layer, kv in got.items():
-        assert (kv.view(torch.int16).int() - want[layer].view(torch.int16).int()).abs().max() <= 1
+        assert _ulps(kv, want[layer]) <= 1
     damaged = bytearray(blob)
     damaged[at[2] + 9] ^= 0x10
     with pytest.raises(codec.CorruptBitstream, match="layer 2's section checksum"):
@@ -500,7 +505,7 @@ def test_stream_decoder_overlaps_chunks_and_reports_corrupt_sections(host_kernel
                 continue
             k, v = future.result(timeout=60)
             want = codec.decode(blobs[chunk], profile)[layer]
-            assert (torch.stack([k, v]).view(torch.int16).int() - want.view(torch.int16).int()).abs().max() <= 1
+            assert _ulps(torch.stack([k, v]), want) <= 1
         header, sections = parsed[1]
         k, v = stream.submit(header, profile, 2, sections[2][1]).result(timeout=60)
         assert (torch.stack([k, v]).float() - codec.decode(blobs[1], profile)[2].float()).abs().max() < 1e-2
@@ -528,7 +533,7 @@ def test_stream_decoder_cancel_forgets_a_chunk_with_a_group_in_flight(host_kerne
         want = codec.decode(blobs[1], profile)
         for layer, future in enumerate(rest):
             k, v = future.result(timeout=60)
-            assert (torch.stack([k, v]).view(torch.int16).int() - want[layer].view(torch.int16).int()).abs().max() <= 1
+            assert _ulps(torch.stack([k, v]), want[layer]) <= 1
         assert [f.done() and not f.cancelled() for f in first[:2]] == [True, True]   # decoded before the cancel
         assert first[2].cancelled() and late.cancelled()
     finally:
