@@ -15,10 +15,11 @@ chunk's coded tokens around their own mean, in the KV's own frame (keys as the m
 holds them, with RoPE): what a user gets comparing the decoded chunk with the
 original, chunk by chunk. Not the calibration variance: a chunk quieter than the
 calibration text would otherwise get an error large against its own signal. One
-robustness rule: a token whose energy around the sample's (so weighted) mean passes
-``OUTLIER_FACTOR`` times the median token's counts, in both the variance (taken around the mean of the tokens so weighted) and the
-error, as if scaled down to that, so a single huge token (escape-coded, exact to its
-step) does not make every other token of the chunk coarser. The error is the
+robustness rule: a token whose energy around the sample's mean passes
+``OUTLIER_FACTOR`` times the median token's counts as if scaled down to that, in both
+the variance (taken around the mean of the tokens so weighted) and the error, so a
+single huge token (escape-coded, exact to its step) does not make every other token of
+the chunk coarser. The error is the
 quantizer's rounding of the kept components plus the energy (around the profile's
 mean) of the dropped ones; a rotation per token preserves it, so it is measured on the
 position-free keys the transform sees.
