@@ -430,6 +430,38 @@ async def test_arrival_times_do_not_wait_for_a_busy_decoder(context, sender, mon
     assert report.total_seconds >= 0.05 * LAYERS * len(chunks)   # one worker: the sleeps add up
 
 
+async def test_decisions_plan_text_at_the_callers_measured_recompute_rate(context, sender, monkeypatch) -> None:
+    """A caller slower than its configured rate: once its on_text calls show it, every
+    later decision plans text at the rate they showed, and the next fetch starts there."""
+    from streamer.net import session as session_module
+
+    planned: list[float] = []
+    decide = session_module.decide
+
+    def recording_decide(*args, **kwargs):
+        planned.append(kwargs["recompute_seconds_per_token"])
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "decide", recording_decide)
+    configured = 1e-7
+    pause = 0.02                              # per chunk of CHUNK_TOKENS tokens: 78 us/token
+
+    async def on_text(chunk: int, token_ids: list[int]) -> None:
+        await asyncio.sleep(pause)
+
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=30.0, policy="text",
+                                      on_text=on_text, recompute_seconds_per_token=configured) as session:
+        first = await session.fetch()
+        carried = len(planned)
+        second = await session.fetch()
+    measured = pause / CHUNK_TOKENS
+    assert all(c.recompute_seconds >= pause for c in first.chunks)
+    assert planned[0] == configured                 # nothing seen yet
+    assert first.recompute_seconds_per_token >= measured
+    assert all(rate >= measured for rate in planned[carried:])   # the next fetch starts there
+    assert second.recompute_seconds_per_token >= measured
+
+
 async def test_an_invalid_context_id_is_a_typed_error_naming_the_cause(sender) -> None:
     """The sender refuses '../etc' as bad_request: a ServerError with that code, at once,
     not a ConnectionLost after retrying every sender."""

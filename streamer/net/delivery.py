@@ -64,6 +64,7 @@ class _ChunkSlots:
     delivered: int = 0            # layers handed to on_layer so far
     superseded: int = 0           # layers delivered before the chunk switched to text
     decode_seconds: float = 0.0
+    recompute_seconds: float = 0.0   # what on_text took (0 until it returned)
     done: bool = False
 
 
@@ -89,6 +90,9 @@ class OrderedDelivery:
         self._position = 0   # the chunk the consumer is on
         #: called whenever the backlog shrinks or the consumer moves on (backpressure hook)
         self.on_progress: Callable[[], None] | None = None
+        #: (tokens, seconds) of each on_text call, in order: the caller's recompute rate as
+        #: it is during this fetch (``adapt.recompute``)
+        self.recomputes: list[tuple[int, float]] = []
 
     # ------------------------------------------------------------- backlog (backpressure)
     def _release(self, chunk: int, layer: int | None = None) -> None:
@@ -207,6 +211,9 @@ class OrderedDelivery:
     def decode_seconds(self, chunk: int) -> float:
         return self._chunks[chunk].decode_seconds
 
+    def recompute_seconds(self, chunk: int) -> float:
+        return self._chunks[chunk].recompute_seconds
+
     # ------------------------------------------------------------- consumer side
     async def run(self) -> None:
         """Deliver every chunk in order; returns when all are delivered."""
@@ -220,7 +227,10 @@ class OrderedDelivery:
                         state.text = self._loop.create_future()
                     token_ids = await state.text
                     if self._on_text is not None:
+                        began = time.perf_counter()
                         await _call(self._on_text, index, token_ids, off_loop=True)
+                        state.recompute_seconds = time.perf_counter() - began
+                        self.recomputes.append((len(token_ids), state.recompute_seconds))
                     break
                 if await self._deliver_layers(index, state):
                     break

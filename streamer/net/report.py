@@ -22,6 +22,8 @@ class ChunkReport:
     busy_seconds: float = 0.0
     throughput_bps: float = 0.0
     decode_seconds: float = 0.0
+    #: seconds the caller's on_text took to recompute the chunk (text chunks; 0 otherwise)
+    recompute_seconds: float = 0.0
     #: seconds from fetch() to the chunk's last byte
     finished_at: float = 0.0
     #: the throughput estimate (bits/s) the policy decided with; None without history
@@ -53,6 +55,9 @@ class FetchReport:
     reconnects: int = 0
     #: times the cancel rule abandoned a chunk in flight
     cancels: int = 0
+    #: the recompute rate (s/token) the last decisions planned text at: the configured one,
+    #: or the caller's recent on_text calls when slower (``streamer.adapt.recompute``)
+    recompute_seconds_per_token: float = 0.0
 
     @property
     def deadline_met(self) -> bool:

@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence
 import codec
 
 from streamer.adapt import cancel, estimator
+from streamer.adapt.recompute import RECENT, recompute_rate
 from streamer.adapt.base import Abandon
 from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input, time_left
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES
@@ -177,6 +178,9 @@ class StreamSession:
         #: the level (or "text") each chunk was last requested at, as soon as it is requested:
         #: lets a consumer label layers before the chunk's report exists
         self.levels: dict[int, Choice] = {}
+        #: (tokens, seconds) of the caller's last on_text calls, across fetches: its compute
+        #: outlives a fetch, so the next one plans text at the rate it showed (adapt.recompute)
+        self.recomputes: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
         self._fetch: _Fetch | None = None
 
@@ -426,10 +430,13 @@ class _Fetch:
             self.report.first_layer_seconds = self.delivery.first_layer_at - self.start
         self.report.reconnects = self.reconnects
         self.report.cancels = self.cancels
+        self.report.recompute_seconds_per_token = self._recompute_rate()
+        self.s.recomputes.extend(self.delivery.recomputes)
         self.report.chunks = [c.report for c in self.chunks if c.report is not None]
         for chunk in self.chunks:
             if chunk.report is not None:
                 chunk.report.decode_seconds = self.delivery.decode_seconds(chunk.index)
+                chunk.report.recompute_seconds = self.delivery.recompute_seconds(chunk.index)
                 chunk.report.superseded_layers = self.delivery.superseded_layers(chunk.index)
 
     async def _next_arrival(self, consumer: asyncio.Task):
@@ -551,13 +558,19 @@ class _Fetch:
         choice, reason = decide(self.s._policy, self.manifest, index, time_left=left, history=history,
                                 prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
                                 recompute_busy=self._pending_recompute(),
-                                recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
+                                recompute_seconds_per_token=self._recompute_rate())
         return choice, reason, left, estimate
+
+    def _recompute_rate(self) -> float:
+        """Seconds per token to plan text at: the configured rate, or the caller's recent
+        recomputes (this fetch's and the session's earlier ones) when slower."""
+        return recompute_rate(self.s.config.recompute_seconds_per_token,
+                              [*self.s.recomputes, *self.delivery.recomputes])
 
     def _pending_recompute(self) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text (each
         not yet delivered counted whole): it overlaps the transfers (``adapt.overlap``)."""
-        per_token = self.s.config.recompute_seconds_per_token
+        per_token = self._recompute_rate()
         return sum(per_token * self.manifest.chunks[c.index].tokens
                    for c in self.chunks if c.choice == TEXT and not self.delivery.is_done(c.index))
 
@@ -583,7 +596,7 @@ class _Fetch:
             return
         plan = plan_input(self.manifest, head.index, time_left=self.deadline - now, history=[],
                           prior_bps=None, prior_errors=(), recompute_busy=self._pending_recompute(),
-                          recompute_seconds_per_token=self.s.config.recompute_seconds_per_token)
+                          recompute_seconds_per_token=self._recompute_rate())
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - received,
                                     delivered_layers=self.delivery.delivered_layers(head.index))
