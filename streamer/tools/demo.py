@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -236,24 +237,43 @@ class Fetched:
     open_seconds: float
 
 
-#: The demo's recompute shares the cores with the fetch's decode and event loop: it is
-#: planned at this much more than it measured alone (cold runs missed a 1 s SLO by 3-59 ms
-#: with plans made to the edge at the measured rate).
-RECOMPUTE_MARGIN = 1.25
-
-
-def recompute_seconds_per_token(model, tokenizer, ids: list[int], hf) -> float:
-    """Seconds per token the demo's ``on_text`` spends recomputing a chunk, measured
-    outside the fetch: a short warm-up call, then the slower of two timed ones (the
-    policy's text cost must be the caller's, and under load it is the slow one), times
-    ``RECOMPUTE_MARGIN``."""
-    hf.capture_kv(model, tokenizer, ids[:16])
+def _slower_of_two(model, tokenizer, ids: list[int], hf) -> float:
+    """Seconds per token of the slower of two recomputes of ``ids`` (the policy's text
+    cost must be the caller's, and under load it is the slow one)."""
     slowest = 0.0
     for _ in range(2):
         began = time.perf_counter()
         hf.capture_kv(model, tokenizer, ids)
         slowest = max(slowest, time.perf_counter() - began)
-    return RECOMPUTE_MARGIN * slowest / max(len(ids), 1)
+    return slowest / max(len(ids), 1)
+
+
+def recompute_seconds_per_token(model, tokenizer, ids: list[int], hf,
+                                decode_load: Callable[[], object]) -> tuple[float, float]:
+    """Seconds per token the demo's ``on_text`` spends recomputing a chunk, (alone, beside
+    the decoder), measured outside the fetch after a short warm-up call.
+
+    During the fetch a text chunk is recomputed while the later chunks' sections decode
+    on the same cores (that overlap is the point), so the rate the policy plans with is
+    measured with ``decode_load`` running in a loop in another thread: planned at the
+    idle rate, recomputes ran 1.4-1.7x longer on 2 cores and a cold run missed a 1 s SLO.
+    """
+    hf.capture_kv(model, tokenizer, ids[:16])
+    alone = _slower_of_two(model, tokenizer, ids, hf)
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            decode_load()
+
+    worker = threading.Thread(target=load, name="kvwire-demo-decode-load", daemon=True)
+    worker.start()
+    try:
+        beside = _slower_of_two(model, tokenizer, ids, hf)
+    finally:
+        stop.set()
+        worker.join()
+    return alone, beside
 
 
 async def _fetch(args, port: int, start_trace: Callable[[], float], on_layer, on_text,
@@ -310,16 +330,24 @@ def warm_start(say: Callable[..., None]) -> WarmStart:
     return start
 
 
-def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int], say: Callable[..., None]) -> None:
-    """Set ``args.recompute_ms_per_token`` (unless given) to this model's measured text cost."""
+def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int], kv, profile,
+                      say: Callable[..., None]) -> None:
+    """Set ``args.recompute_ms_per_token`` (unless given) to this model's text cost measured
+    beside the codec decoding a chunk of ``kv`` (``recompute_seconds_per_token``)."""
+    import codec
+
     from streamer.model import hf
 
-    given = args.recompute_ms_per_token is not None
-    if not given:
-        args.recompute_ms_per_token = 1e3 * recompute_seconds_per_token(model, tokenizer, ids, hf)
-    say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token with this "
-        f"model ({'given' if given else f'measured here, x{RECOMPUTE_MARGIN:g} for sharing the cores with the fetch'})"
-        ": the policy weighs text chunks at that")
+    if args.recompute_ms_per_token is not None:
+        say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token (given): "
+            "the policy weighs text chunks at that")
+        return
+    blob = codec.encode(kv[:, :, :len(ids)], level=codec.DEFAULT_LEVEL, profile=profile)
+    alone, beside = recompute_seconds_per_token(model, tokenizer, ids, hf, lambda: codec.decode(blob, profile))
+    args.recompute_ms_per_token = 1e3 * beside
+    say(f"   recomputing a chunk from text costs {1e3 * beside:.2f} ms/token with this model while the "
+        f"codec decodes beside it, as during the fetch ({1e3 * alone:.2f} alone): the policy weighs "
+        "text chunks at that, and the session at its on_text calls' rate when slower")
 
 
 def demo_profile(args: argparse.Namespace, model, tokenizer, calibration_tokens: int, say: Callable[..., None]):
@@ -454,8 +482,8 @@ def run(args: argparse.Namespace, loaded: tuple[Any, Any] | None = None) -> dict
     layers, _, tokens, heads, head_dim = kv.shape
     say(f"1. KV cache of {tokens} tokens: {layers} layers x {heads} heads x {head_dim}, "
         f"{kv.numel() * 2 / 1e6:.1f} MB in fp16")
-    measure_recompute(args, model, tokenizer, ids[:CHUNK_TOKENS], say)
     profile = demo_profile(args, model, tokenizer, DEFAULT_CALIBRATION_TOKENS, say)
+    measure_recompute(args, model, tokenizer, ids[:CHUNK_TOKENS], kv, profile, say)
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

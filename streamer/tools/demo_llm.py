@@ -132,8 +132,8 @@ def run(args: argparse.Namespace, model, tokenizer) -> dict:
     layers, _, tokens, heads, head_dim = kv.shape
     say(f"1. KV cache of the {tokens}-token prompt: {layers} layers x {heads} KV heads x {head_dim}, "
         f"{kv.numel() * 2 / 1e6:.1f} MB in fp16")
-    demo.measure_recompute(args, model, tokenizer, ids[:CHUNK_TOKENS], say)
     profile = demo.demo_profile(args, model, tokenizer, CALIBRATION_TOKENS, say)
+    demo.measure_recompute(args, model, tokenizer, ids[:CHUNK_TOKENS], kv, profile, say)
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
