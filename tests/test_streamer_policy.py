@@ -12,6 +12,7 @@ from streamer.adapt.estimator import last_sample, robust_estimate
 from streamer.adapt.policies import (Observation, PlanInput, TEXT, describe, get_policy, greedy,
                                      mpc, mpc_plan, names, predicted_seconds)
 from streamer.adapt.base import choice_of, option_costs, option_seconds
+from streamer.adapt import mpc as mpc_module
 from streamer.adapt.mpc import PLAN_MARGIN, TEXT_LATER, guarded, with_margin
 from streamer.adapt.plan import DEFAULT_BINS, fastest, solve
 
@@ -189,23 +190,41 @@ def test_mpc_plans_ahead_for_a_big_chunk_later() -> None:
     assert mpc_plan(inp).columns == (1, 0)
 
 
-def test_text_goes_last_when_a_plan_needs_some() -> None:
+def test_text_goes_last_when_a_plan_needs_some(monkeypatch) -> None:
     """Text teaches nothing about the link: a plan that needs one text chunk takes it
-    at the end, so the next decision can still avoid it."""
+    at the end, so the next decision can still avoid it, unless a fade would make the
+    levels in front of it miss (the hedge, below)."""
     link = [Observation(1_000_000, 1.0)] * 4              # 1 MB/s, steady
     inp = _ladder(3, 2.2, link)                            # two smallest levels fit, not three
     assert mpc_plan(inp).columns == (3, 3, 4)
+    # with the link at 0.3 MB/s, a level first leaves nothing that fits, text first does:
+    # hedged, the text goes in front, where its recompute hides behind the transfers
+    assert mpc(inp) == TEXT
+    monkeypatch.setattr(mpc_module, "FADE_WEIGHT", 0.0)
     assert mpc(inp) == 3
 
 
+def test_a_budget_filled_at_a_steady_rate_is_hedged_against_a_fade(monkeypatch) -> None:
+    """All four chunks at the best level fill the budget at the steady 10 MB/s; a fade the
+    history never showed would then turn the last ones into text (1.0 each), while one
+    level step on the first chunk (0.001) leaves room to absorb it."""
+    steady = [Observation(1_000_000, 0.1)] * 6             # 10 MB/s: 32 MB in 3.2 s of 3.4
+    inp = _ladder(4, 3.4, steady)
+    assert mpc_plan(inp).columns == (0, 0, 0, 0)           # the plan at the rate seen
+    assert mpc(inp) == 1
+    monkeypatch.setattr(mpc_module, "FADE_WEIGHT", 0.0)
+    assert mpc(inp) == 0
+
+
 def test_an_erratic_peer_gets_a_more_cautious_first_step_than_a_steady_one() -> None:
-    """Same samples, same budget: at the central rate level 1 for all eight chunks just
-    fits (the plain plan takes it); a peer that fell to a third of its prediction in 2
-    fetches out of 10 risks text at the end with it, and mpc steps down now instead."""
+    """Same samples, same budget: at the central rate level 1 for all eight chunks fits
+    with room for an unseen fade (the steady peer takes it); a peer that fell to a third
+    of its prediction in 2 fetches out of 10 risks text at the end with it, and mpc steps
+    down now instead."""
     link = [Observation(10_000_000, 1.0)] * 6             # 10 MB/s
-    steady = _ladder(8, 3.3, link)                         # 8 x 4 MB at 10 MB/s: 3.2 s
+    steady = _ladder(8, 4.0, link)                         # 8 x 4 MB at 10 MB/s: 3.2 s
     assert mpc(steady) == 1
-    erratic = _ladder(8, 3.3, link, prior_errors=[0.0] * 8 + [np.log(1 / 3)] * 2)
+    erratic = _ladder(8, 4.0, link, prior_errors=[0.0] * 8 + [np.log(1 / 3)] * 2)
     assert mpc_plan(erratic).columns[0] == 1              # the central plan alone would not see it
     assert mpc(erratic) in (2, 3)
 
