@@ -287,44 +287,60 @@ class LanePayload:
     words: np.ndarray       # u16 [sum of word counts]
 
 
-def _section_plan(profile: Profile, slot: int, layer: int, coded_tokens: int, payload: memoryview
-                  ) -> LayerPlan:
-    """A version 5 section's plan: its own steps and kept rows, each checked before use
-    (a step a finite normal float32 in [MIN_STEP, MAX_STEP]; kept rows at most the
-    profile's stored basis rows, every channel for an identity profile)."""
-    if len(payload) < LANE_HEAD.size:
+@dataclass(frozen=True)
+class _LaneHead:
+    """The fixed head of a lane table, as stored; nothing in it checked yet but its length."""
+
+    lanes: int
+    size: int                              # bytes the head takes: where states and counts start
+    shape: tuple[int, int] | None          # (rows_per_lane, piece); None before version 4
+    steps: tuple[float, float] | None      # the section's own (version 5 only)
+    kept: tuple[int, int] | None           # likewise
+
+
+def _lane_head(layer: int, payload: memoryview, version: int) -> _LaneHead:
+    """The lane table head of a blob of format ``version``: the one place it is unpacked."""
+    head = LANE_HEAD if version >= 5 else V4_LANE_HEAD if version >= 4 else LEGACY_LANE_HEAD
+    if len(payload) < head.size:
         raise CorruptBitstream(f"layer {layer}: lane table truncated")
-    *_, step_k, step_v, kept_k, kept_v = LANE_HEAD.unpack_from(payload, 0)
-    for name, step in (("K", step_k), ("V", step_v)):
+    lanes, *fields = head.unpack_from(payload, 0)
+    if version < 4:
+        return _LaneHead(lanes, head.size, None, None, None)
+    piece, rows_per_lane, *own = fields
+    steps, kept = ((own[0], own[1]), (own[2], own[3])) if own else (None, None)
+    return _LaneHead(lanes, head.size, (rows_per_lane, piece), steps, kept)
+
+
+def _section_plan(profile: Profile, slot: int, layer: int, coded_tokens: int, head: _LaneHead
+                  ) -> LayerPlan:
+    """A section's plan: a version 5 section's own steps and kept rows, each checked before
+    use (a step a finite normal float32 in [MIN_STEP, MAX_STEP]; kept rows at most the
+    profile's stored basis rows, every channel for an identity profile); the profile's
+    level ``slot`` before version 5."""
+    if head.steps is None or head.kept is None:
+        return plan_layer(profile, slot, layer, coded_tokens)
+    for name, step in zip("KV", head.steps):
         if not control.MIN_STEP <= step <= control.MAX_STEP:  # False for NaN
             raise CorruptBitstream(f"layer {layer}: {name} step {step!r} outside "
                                    f"[{control.MIN_STEP!r}, {control.MAX_STEP!r}]")
     rows = profile.channels if profile.basis is None else profile.basis.shape[2]
-    for name, kept in (("K", kept_k), ("V", kept_v)):
+    for name, kept in zip("KV", head.kept):
         if kept > rows or (profile.basis is None and kept != rows):
             raise CorruptBitstream(f"layer {layer}: {kept} kept {name} rows, the profile "
                                    f"{'codes every one of' if profile.basis is None else 'stores'} {rows}")
-    return plan_layer(profile, slot, layer, coded_tokens, (step_k, step_v), (kept_k, kept_v))
+    return plan_layer(profile, slot, layer, coded_tokens, head.steps, head.kept)
 
 
-def _lane_table(plan: LayerPlan, layer: int, payload: memoryview, version: int
-                ) -> tuple[LayerPlan, int, str, str]:
-    """(plan with the payload's lane shape, lane table offset, state dtype, word count
-    dtype), the shape checked against FORMAT.md before the lane count is compared with it.
-    Versions 2 and 3 have no shape fields: whole rows, G = ceil(4096 / N), u32 counts."""
-    if version >= 4:
-        head = LANE_HEAD if version >= 5 else V4_LANE_HEAD
-        if len(payload) < head.size:
-            raise CorruptBitstream(f"layer {layer}: lane table truncated")
-        _, piece, rows_per_lane = V4_LANE_HEAD.unpack_from(payload, 0)
-        plan = plan.with_lanes(rows_per_lane, piece)
-        error = plan.shape_error()
-        if error:
-            raise CorruptBitstream(f"layer {layer}: impossible lane shape: {error}")
-        return plan, head.size, "<u4", "<u2"
-    if len(payload) < LEGACY_LANE_HEAD.size:
-        raise CorruptBitstream(f"layer {layer}: lane table truncated")
-    return plan.with_lanes(-(-LEGACY_LANE_VALUES // max(plan.tokens, 1)), 0), LEGACY_LANE_HEAD.size, "<u4", "<u4"
+def _lane_shape(plan: LayerPlan, layer: int, head: _LaneHead) -> LayerPlan:
+    """The plan with the head's lane shape, checked against FORMAT.md before the lane count
+    is compared with it. Versions 2 and 3 have no shape fields: whole rows, G = ceil(4096 / N)."""
+    if head.shape is None:
+        return plan.with_lanes(-(-LEGACY_LANE_VALUES // max(plan.tokens, 1)), 0)
+    plan = plan.with_lanes(*head.shape)
+    error = plan.shape_error()
+    if error:
+        raise CorruptBitstream(f"layer {layer}: impossible lane shape: {error}")
+    return plan
 
 
 def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int, payload: memoryview,
@@ -337,10 +353,10 @@ def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int, payl
     section's own in version 5, the profile's level ``slot`` before.
     """
     payload = memoryview(payload)
-    plan = _section_plan(profile, slot, layer, coded_tokens, payload) if version >= 5 else \
-        plan_layer(profile, slot, layer, coded_tokens)
-    plan, offset, state_type, count_type = _lane_table(plan, layer, payload, version)
-    (lanes,) = LEGACY_LANE_HEAD.unpack_from(payload, 0)
+    head = _lane_head(layer, payload, version)
+    plan = _lane_shape(_section_plan(profile, slot, layer, coded_tokens, head), layer, head)
+    lanes, offset = head.lanes, head.size
+    state_type, count_type = "<u4", "<u2" if version >= 4 else "<u4"
     if lanes != plan.lanes:
         raise CorruptBitstream(f"layer {layer}: {lanes} lanes, profile and shape imply {plan.lanes}")
     state_size, count_size = np.dtype(state_type).itemsize, np.dtype(count_type).itemsize
