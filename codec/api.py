@@ -102,14 +102,19 @@ def control_chunk(profile: Profile, slot: int, kv: torch.Tensor, body: torch.Ten
                       for kind in range(2)) for layer in range(body.shape[0])]
 
 
-def _misfits(profile: Profile, slot: int, controls, raw_layers: frozenset[int] = frozenset()
+def _misfit_limits(profile: Profile, slot: int, layers: int) -> list[list[float]]:
+    """Each layer K/V's misfit bound: ``MISFIT_FACTOR`` times its target
+    (``Profile.section_target``)."""
+    return [[MISFIT_FACTOR * profile.section_target(slot, layer, kind) for kind in range(2)]
+            for layer in range(layers)]
+
+
+def _misfits(controls, limits: list[list[float]], raw_layers: frozenset[int] = frozenset()
              ) -> dict[tuple[int, int], float]:
     """{(layer, kind): MSE/var at the profile's steps} of every layer K/V the profile does
-    not fit: the components its level drops lose over ``MISFIT_FACTOR`` times its target
-    (``Profile.section_target``; no step corrects that), or, in ``raw_layers`` (coded at
-    the target they were no smaller than raw), its steps alone would give over that much."""
-    limits = [[MISFIT_FACTOR * profile.section_target(slot, layer, kind) for kind in range(2)]
-              for layer in range(len(controls))]
+    not fit: the components its level drops lose over its limit (``_misfit_limits``; no
+    step corrects that), or, in ``raw_layers`` (coded at the target they were no smaller
+    than raw), its steps alone would give over that much."""
     return {(layer, kind): part.at_profile for layer, parts in enumerate(controls)
             for kind, part in enumerate(parts)
             if not part.dropped <= limits[layer][kind]
@@ -183,11 +188,16 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
     body = coded_body(kv, sinks, profile.rotary, start)
     controls = control_chunk(profile, slot, kv, body, sinks) if body.shape[2] >= MISFIT_MIN_TOKENS else None
     judged = embedded is None and controls is not None
-    raw = {layer for layer, _ in _misfits(profile, slot, controls)} if judged else set()
+    limits = _misfit_limits(profile, slot, layers) if judged else []
+    # before coding: layers whose dropped components alone miss the target, stored raw
+    raw = {layer for layer, _ in _misfits(controls, limits)} if judged else set()
     sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks,
                                            None if controls is None else controls[l], raw=l in raw)
                             for l in range(layers)))
-    misfits = _misfits(profile, slot, controls, frozenset(
+    # after: those again, plus the layers that came out raw (not smaller coded) whose
+    # profile steps alone would miss it too (recomputed, not merged, to keep the order
+    # _misfit_message breaks ties of the worst part by)
+    misfits = _misfits(controls, limits, frozenset(
         l for l, mode in enumerate(modes) if mode == container.MODE_RAW)) if judged else {}
     if misfits:
         warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=2)
