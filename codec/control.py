@@ -123,15 +123,18 @@ class _Part:
         """The median token's energy beyond ``kept`` rows over ``typical``, the median
         token's variance share."""
         lost = self.token_energy - np.square(self.coef[:, :kept], dtype=np.float64).sum(axis=1)
-        mse = float(np.median(lost)) if lost.size else 0.0
-        if typical > 0:
-            return mse / typical
-        return 0.0 if mse <= 0 else math.inf
+        return _share(float(np.median(lost)) if lost.size else 0.0, typical)
 
     def relative(self, mse: float) -> float:
-        if self.variance > 0:
-            return mse / self.variance
-        return 0.0 if mse <= 0 else math.inf
+        return _share(mse, self.variance)
+
+
+def _share(mse: float, variance: float) -> float:
+    """``mse / variance``, where a part of no variance loses nothing to no error and
+    infinitely much to any."""
+    if variance > 0:
+        return mse / variance
+    return 0.0 if mse <= 0 else math.inf
 
 
 def control_part(profile: Profile, slot: int, layer: int, kind: int, sample: np.ndarray,
