@@ -199,6 +199,9 @@ class OrderedDelivery:
         for fut in [state.kind, state.text, *[self._slot(chunk, l) for l in range(state.delivered, self._layers)]]:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
+                # the consumer raises ``exc`` from the first of these it reaches and never
+                # awaits the rest: mark each retrieved, or asyncio logs them when collected
+                fut.exception()
         if not state.done:
             self._cancel_decode(state)
 
