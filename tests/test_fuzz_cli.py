@@ -192,6 +192,21 @@ def test_minimize_keeps_the_units_that_add_coverage(tmp_path: Path, capsys) -> N
     assert all(fuzz.replay("sse", p.read_bytes()) is None for p in kept)
 
 
+@pytest.mark.parametrize("target", ["sse", "all"])
+def test_minimize_refuses_a_folder_of_corpora_for_one_target(tmp_path: Path, capsys, target: str) -> None:
+    """A corpus root (DIR/<target>/units) given for one target would have libFuzzer merge
+    every target's units into DIR: refused, untouched, naming the folder to pass instead.
+    With --target all, a target's folder holding folders is refused the same way."""
+    root = tmp_path if target == "sse" else tmp_path / "root"
+    units = root / "sse" / "nested" if target == "all" else root / "sse"
+    fuzz.write_seeds("sse", units)
+    tree = sorted(tmp_path.rglob("*"))
+    assert main(["fuzz", "--target", target, "--minimize", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "holds folders" in err and (target == "all" or f"pass {root / 'sse'}" in err), err
+    assert sorted(tmp_path.rglob("*")) == tree
+
+
 def test_replay_corpus_reports_units_and_seconds_per_target(capsys) -> None:
     assert main(["fuzz", "--target", "text", "--replay-corpus", str(CORPUS)]) == 0
     units = len(list((CORPUS / "text").iterdir()))

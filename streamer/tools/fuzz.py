@@ -611,14 +611,26 @@ def _handler(args: argparse.Namespace) -> int:
 
 def _minimize(targets: tuple[str, ...], corpus: Path, per_target: bool) -> int:
     """``--minimize DIR``: DIR is one target's corpus, or with ``--target all`` a tree of
-    them (DIR/<target>, as tests/data/fuzz_corpus)."""
+    them (DIR/<target>, as tests/data/fuzz_corpus).
+
+    A target's corpus holds only units: one holding folders is refused before anything
+    runs, as libFuzzer's merge would read the units of every folder below it (another
+    target's corpus) and write the ones kept for this target beside them."""
+    directories = {target: corpus / target if per_target else corpus for target in targets}
+    for target, directory in directories.items():
+        nested = sorted(p.name for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []
+        if nested:
+            hint = "" if per_target else (f"; pass {corpus / target} for --target {target}, or use "
+                                          f"--target all for a tree of corpora")
+            print(f"kvwire fuzz: --minimize {directory} holds folders ({', '.join(nested)}), not only "
+                  f"the units of {target}'s corpus{hint}", file=sys.stderr)
+            return 2
     try:
         import atheris  # noqa: F401
     except ImportError:
         print("kvwire fuzz: --minimize needs atheris (pip install atheris)", file=sys.stderr)
         return 2
-    for target in targets:
-        directory = corpus / target if per_target else corpus
+    for target, directory in directories.items():
         if not directory.is_dir():
             continue
         start = time.monotonic()
