@@ -36,6 +36,11 @@ def profile(llama_kv) -> codec.Profile:
     return codec.calibrate([llama_kv[:, :, :TOKENS]])
 
 
+def _assert_within_band(ratio: torch.Tensor) -> None:
+    """Every part's MSE/var over its target within +-BAND, the levels' promise."""
+    assert float(ratio.min()) > 1 - BAND and float(ratio.max()) < 1 + BAND, ratio
+
+
 def _per_part(kv: torch.Tensor, out: torch.Tensor, sinks: int) -> torch.Tensor:
     """MSE/var [layers, 2] of a decode, the chunk's own variance."""
     x, y = kv[:, :, sinks:].double(), out[:, :, sinks:].double()
@@ -65,7 +70,7 @@ def test_every_level_holds_its_target_on_scaled_chunks(llama_kv, profile, level,
     kv = _scaled(llama_kv[:, :, TOKENS:], factor)
     _, out = _roundtrip(kv, level, profile)
     ratio = _per_part(kv, out, profile.sink_tokens) / profile.targets[level]
-    assert float(ratio.min()) > 1 - BAND and float(ratio.max()) < 1 + BAND, ratio
+    _assert_within_band(ratio)
 
 
 @pytest.mark.parametrize("level", [1, 3])
@@ -77,7 +82,7 @@ def test_a_chunk_from_another_distribution_holds_its_target(llama_kv, profile, l
     kv = base + noise
     _, out = _roundtrip(kv, level, profile)
     ratio = _per_part(kv, out, profile.sink_tokens) / profile.targets[level]
-    assert float(ratio.min()) > 1 - BAND and float(ratio.max()) < 1 + BAND, ratio
+    _assert_within_band(ratio)
 
 
 def test_the_section_records_the_controlled_step(llama_kv, profile) -> None:
@@ -158,4 +163,4 @@ def test_embedded_profiles_are_controlled_too() -> None:
     for level in (1, 3):
         out = codec.decode(codec.encode(kv, level))
         ratio = _per_part(kv, out, 4) / codec.DEFAULT_TARGETS[level]
-        assert float(ratio.min()) > 1 - BAND and float(ratio.max()) < 1 + BAND, ratio
+        _assert_within_band(ratio)
