@@ -65,6 +65,24 @@ def codec_distortion():
     return _codec_distortion
 
 
+def _codec_section_plan(blob: bytes, profile, layer: int):
+    """The plan layer ``layer``'s section of ``blob`` decodes with, as ``parse_lanes``
+    reads it for every decoder (CPU and GPU): its steps and kept rows (the section's own
+    from version 5, the profile's level's before)."""
+    import codec
+    from codec import container, layer_codec
+
+    header = codec.parse_header(blob)
+    payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
+    return layer_codec.parse_lanes(profile, header.level, layer, header.coded_tokens, payload,
+                                   header.version).plan
+
+
+@pytest.fixture(scope="session")
+def codec_section_plan():
+    return _codec_section_plan
+
+
 @pytest.fixture(scope="session")
 def codec_test_kv():
     """An unseen float32 sample (seed 1) of the synthetic model: [2, 2, 300, 3, 5]."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import codec
-from codec import container, control, layer_codec
+from codec import container, control
 from codec.errors import CorruptBitstream
 from codec.synthetic import synthetic_kv
 from streamer.model import hf
@@ -85,29 +85,24 @@ def test_a_chunk_from_another_distribution_holds_its_target(llama_kv, profile, l
     _assert_within_band(ratio)
 
 
-def test_the_section_records_the_controlled_step(llama_kv, profile) -> None:
+def test_the_section_records_the_controlled_step(llama_kv, profile, codec_section_plan) -> None:
     """A 10x louder chunk gets ~10x the profile's step, read back by parse_lanes (the
     function the CPU and GPU decoders take their dequantization step from)."""
     level = 2
     blob, _ = _roundtrip(_scaled(llama_kv[:, :, TOKENS:], 10.0), level, profile)
-    header = codec.parse_header(blob)
     for layer in range(LAYERS):
-        payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
-        plan = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version).plan
+        plan = codec_section_plan(blob, profile, layer)
         for kv in range(2):
             ratio = plan.steps[kv] / float(profile.steps[level, layer, kv])
             assert 4.0 < ratio < 25.0, (layer, kv, ratio)
             assert set(plan.step[:plan.kept[0]] if kv == 0 else plan.step[plan.kept[0]:]) <= {plan.steps[kv]}
 
 
-def test_short_chunks_keep_the_profiles_steps(llama_kv, profile) -> None:
+def test_short_chunks_keep_the_profiles_steps(llama_kv, profile, codec_section_plan) -> None:
     """Under MISFIT_MIN_TOKENS coded tokens nothing is controlled: their own variance says little."""
     level = 1
     kv = llama_kv[:, :, TOKENS:TOKENS + codec.api.MISFIT_MIN_TOKENS - 1]
-    blob = codec.encode(kv, level, profile)
-    header = codec.parse_header(blob)
-    payload = container.split_section(container.section(blob, header, 0), header, 0)[1]
-    plan = layer_codec.parse_lanes(profile, level, 0, header.coded_tokens, payload, header.version).plan
+    plan = codec_section_plan(codec.encode(kv, level, profile), profile, 0)
     assert plan.steps == tuple(float(profile.steps[level, 0, kv]) for kv in range(2))
 
 

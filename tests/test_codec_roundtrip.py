@@ -286,16 +286,6 @@ def test_numpy_integer_level(codec_profile, codec_test_kv):
     assert codec.encode(codec_test_kv, np.int64(2), codec_profile) == codec.encode(codec_test_kv, 2, codec_profile)
 
 
-def _section_kept(blob, profile, layer, kv) -> int:
-    """The kept rows of ``kv`` that layer ``layer``'s section records (FORMAT.md, version 5)."""
-    from codec import container, layer_codec
-
-    header = codec.parse_header(blob)
-    payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
-    return layer_codec.parse_lanes(profile, header.level, layer, header.coded_tokens, payload,
-                                   header.version).plan.kept[kv]
-
-
 def _project_kept(profile, kept, layer, kv, x):
     """What the codec can reconstruct of tokens x [N, C] from ``kept`` rows: mean + projection on them."""
     mean = torch.from_numpy(profile.mean[layer, kv]).double()
@@ -307,7 +297,7 @@ def _project_kept(profile, kept, layer, kv, x):
 
 @pytest.mark.parametrize("transform", ["layer", "identity"])
 @pytest.mark.parametrize("factor", [1e3, -1e3, 1e5])
-def test_outliers_far_outside_calibration(codec_make_kv, codec_test_kv, transform, factor):
+def test_outliers_far_outside_calibration(codec_make_kv, codec_test_kv, codec_section_plan, transform, factor):
     """A token 1000x outside the calibrated range is escape-coded, not clipped.
 
     With PCA, components dropped at a level reconstruct as the mean whatever the
@@ -324,7 +314,7 @@ def test_outliers_far_outside_calibration(codec_make_kv, codec_test_kv, transfor
         blob = codec.encode(kv, level, profile)
         out = codec.decode(blob, profile)
         assert bool(torch.isfinite(out).all())
-        kept = _section_kept(blob, profile, 0, 1)
+        kept = codec_section_plan(blob, profile, 0).kept[1]   # V rows the section records
         reachable = _project_kept(profile, kept, 0, 1, spike.reshape(1, -1)).reshape(heads, head_dim)
         err = (out[0, 1, token].double() - reachable).norm() / spike.double().norm()
         assert err < 0.01, (level, float(err))
