@@ -203,14 +203,16 @@ def test_golden_older_blobs_still_decode(golden, version):
     torch.testing.assert_close(out.float(), golden["decoded_v4"], rtol=2e-3, atol=2e-3)
 
 
-def test_golden_v4_sections_dequantize_with_the_profiles_steps(golden, codec_section_plan):
+def test_golden_v4_sections_dequantize_with_the_profiles_steps(golden):
     """A version 4 section has no step of its own: the plan every decoder (CPU and GPU)
     dequantizes with is the profile's level's steps and kept rows, as version 4 wrote it."""
+    from codec import container, layer_codec
+
     profile, blob = golden["profile"], golden["v4"]
     header = codec.parse_header(blob)
-    assert header.version == 4
     for layer in range(header.layers):
-        plan = codec_section_plan(blob, profile, layer)
+        payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
+        plan = layer_codec.parse_lanes(profile, header.level, layer, header.coded_tokens, payload, 4).plan
         assert plan.steps == tuple(float(profile.steps[header.level, layer, kv]) for kv in range(2))
         assert plan.kept == tuple(int(profile.kept[header.level, layer, kv]) for kv in range(2))
 
