@@ -43,11 +43,6 @@ def rotary_profile() -> codec.Profile:
     return codec.calibrate([_rope_keys(_pre_rope(1, 400), 0)], rotary=ROPE)
 
 
-def _distortion(x: torch.Tensor, y: torch.Tensor, sinks: int) -> float:
-    x, y = x[:, :, sinks:].double(), y[:, :, sinks:].double()
-    return float(((x - y) ** 2).sum() / ((x - x.mean(dim=2, keepdim=True)) ** 2).sum())
-
-
 # ------------------------------------------------------------------ the rotation
 @pytest.mark.parametrize("rotary", [ROPE, codec.Rotary(head_dim=16, dim=8, theta=500000.0, rope_type="linear",
                                                         factor=4.0),
@@ -70,14 +65,14 @@ def test_rotation_at_position_zero_is_the_identity() -> None:
 
 # ------------------------------------------------------------------ encode / decode
 @pytest.mark.parametrize("start", [0, 1, 333, 40_000])
-def test_round_trip_at_several_starts_is_within_the_level(rotary_profile, start) -> None:
+def test_round_trip_at_several_starts_is_within_the_level(rotary_profile, codec_distortion, start) -> None:
     kv = _rope_keys(_pre_rope(2), start)
     for level in (0, 2, 4):
         blob = codec.encode(kv, level, rotary_profile, start=start)
         assert codec.parse_header(blob).start == start
         out = codec.decode(blob, rotary_profile)
         assert torch.equal(out[:, :, :4], kv[:, :, :4])  # sinks verbatim
-        assert _distortion(kv, out, 4) <= 1.6 * rotary_profile.targets[level]
+        assert codec_distortion(kv, out, 4) <= 1.6 * rotary_profile.targets[level]
 
 
 def test_decoded_keys_are_rope_of_the_position_free_reconstruction(rotary_profile) -> None:
@@ -244,7 +239,8 @@ def test_rotary_of_an_encoder_is_none() -> None:
 
 
 # ------------------------------------------------------------------ put_context
-async def test_put_context_encodes_each_chunk_at_its_own_positions(tmp_path, rotary_profile) -> None:
+async def test_put_context_encodes_each_chunk_at_its_own_positions(tmp_path, rotary_profile,
+                                                                  codec_distortion) -> None:
     from streamer.store import open_store
     from streamer.store.put import put_context
 
@@ -258,7 +254,7 @@ async def test_put_context_encodes_each_chunk_at_its_own_positions(tmp_path, rot
             assert codec.parse_header(blob).start == chunk.start
             original = kv[:, :, chunk.start:chunk.end]
             decoded = codec.decode(blob, rotary_profile)
-            assert _distortion(original, decoded, chunk.sink_tokens) <= 1.6 * rotary_profile.targets[1]
+            assert codec_distortion(original, decoded, chunk.sink_tokens) <= 1.6 * rotary_profile.targets[1]
     finally:
         await store.close()
 
