@@ -12,6 +12,13 @@ so no section is starved or coded needlessly well; under the clamp the optimum i
 ``w_s = clip(c / s_s)`` with the one scale ``c`` that keeps the geometric mean at 1
 (Karush-Kuhn-Tucker), found by bisection.
 
+The high-rate model is off at low rates: a section coded coarser saves fewer bits than a
+finer one spends (its entropy cannot fall below 0), so at equal geometric mean the
+weighted split costs more than the uniform one. ``fit_to_budget`` therefore scales the
+weights up, ``clip(c * w)`` with the smallest ``c >= 1``, until a measured bit estimate
+(``codec.profile`` uses each section's rate-distortion curve on the calibration sample)
+is no more than the uniform split's.
+
 A profile stores the weights ``[layers, 2]`` (one set for every level: the proxy is linear
 in the targets, so the optimal split does not depend on the level); the closed-loop step
 control then holds each section to ``t * w_s`` (``Profile.section_target``).
@@ -19,6 +26,7 @@ control then holds each section to ``t * w_s`` (``Profile.section_target``).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -60,6 +68,35 @@ def allocate(sensitivity: np.ndarray, max_weight: float = MAX_WEIGHT) -> np.ndar
         else:
             hi = mid
     return np.exp(log_weights(0.5 * (lo + hi))).astype(np.float32)
+
+
+def fit_to_budget(weights: np.ndarray, overspend: Callable[[np.ndarray], float],
+                  max_weight: float = MAX_WEIGHT, steps: int = 24) -> np.ndarray:
+    """``weights`` scaled up to ``clip(c * weights)`` with the smallest ``c >= 1`` whose
+    ``overspend`` (e.g. estimated bits minus the uniform split's) is at most 0.
+
+    The geometric-mean normalisation of ``allocate`` means equal bits only at high rate;
+    at low rate a section coded coarser saves fewer bits than a finer one spends, so the
+    allocation would cost more than the uniform split. ``overspend`` must not rise with c
+    (coarser targets never cost more bits); ``c = max_weight ** 2`` puts every weight at
+    ``max_weight``, i.e. every target at least the uniform one, so it always fits.
+    Weights already within budget (uniform ones, say) are returned as they are.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if overspend(w.astype(np.float32)) <= 0:
+        return w.astype(np.float32)
+
+    def scaled(log_c: float) -> np.ndarray:
+        return np.clip(w * math.exp(log_c), 1 / max_weight, max_weight).astype(np.float32)
+
+    lo, hi = 0.0, 2 * math.log(max_weight)  # overspend(lo) > 0 >= overspend(hi)
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        if overspend(scaled(mid)) <= 0:
+            hi = mid
+        else:
+            lo = mid
+    return scaled(hi)
 
 
 def validate_weights(weights: np.ndarray, layers: int) -> None:

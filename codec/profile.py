@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from . import entropy, transform
-from .allocation import validate_weights
+from .allocation import fit_to_budget, validate_weights
 from .container import MAX_CHANNELS, MAX_LEVELS, MAX_TABLES, MAX_TOKENS, MAX_U16
 from .errors import CorruptBitstream
-from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS, design_step
+from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS, design_step, distortion, kept_components
 from .rotary import Rotary, rotate
 
 PROFILE_FORMAT = "kvwire-profile"
@@ -38,6 +38,9 @@ PROFILE_VERSION_WEIGHTS = 3
 #: a section's target MSE/var (level target x weight) is capped here: the step design
 #: and the control need a target under 1 (a target of 1 drops the whole signal)
 MAX_SECTION_TARGET = 0.5
+#: the rate-distortion curves that fit the allocation to the uniform bits: tokens, steps
+_CURVE_TOKENS = 1024
+_CURVE_POINTS = 40
 #: Tokens coded in one delta group (anchor + 9 deltas), as in CacheGen.
 DELTA_GROUP = 10
 #: Attention-sink tokens kept verbatim at the start of a context.
@@ -316,14 +319,17 @@ def _delta_coefficients(coef: np.ndarray) -> np.ndarray:
     return (groups[:, :, 1:] - groups[:, :, :1]).reshape(coef.shape[0], -1)
 
 
-def _empirical_bits(values: np.ndarray, step: float) -> float:
-    """Sum over rows of the empirical entropy (bits) of rint(values / step)."""
+def _empirical_bits(values: np.ndarray, step: float, unbiased: bool = False) -> float:
+    """Sum over rows of the empirical entropy (bits) of rint(values / step). ``unbiased``
+    adds Miller-Madow's (symbols seen - 1) / (2 ln 2) bits per row: the plain estimate
+    falls short the more symbols a row has, which would favour finely coded sections when
+    comparing bit costs across sections."""
     total = 0.0
     for row in values:
         q = np.rint(row / step).astype(np.int64)
         counts = np.bincount(q - q.min())
         p = counts[counts > 0] / q.size
-        total += float(-(p * np.log2(p)).sum()) * q.size
+        total += float(-(p * np.log2(p)).sum()) * q.size + unbiased * (p.size - 1) / (2 * np.log(2))
     return total
 
 
@@ -356,8 +362,17 @@ class _Fit:
     delta_variances: np.ndarray
 
 
-def _fit_one(x: torch.Tensor, heads: int, head_dim: int, targets: Sequence[float], how: str,
-             delta: str, design_tokens: int) -> _Fit:
+@dataclass
+class _Basis:
+    """One section's transform and design sample: what does not depend on the targets."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor | None
+    coef: np.ndarray
+    variances: np.ndarray
+
+
+def _section_basis(x: torch.Tensor, heads: int, head_dim: int, how: str, design_tokens: int) -> _Basis:
     if x.shape[0] == 0:  # nothing beyond the sinks: a neutral fit keeps the profile valid
         x = torch.zeros(1, x.shape[1], dtype=torch.float32)
     if how == "identity":
@@ -372,9 +387,48 @@ def _fit_one(x: torch.Tensor, heads: int, head_dim: int, targets: Sequence[float
     mean32 = mean.to(torch.float32)
     basis32 = None if basis is None else basis.to(torch.float32)
     sample = x[torch.from_numpy(_design_sample(x.shape[0], design_tokens))]
-    coef = transform.forward(sample, mean32, basis32).numpy()
-    var = variances.numpy()
-    allow_drop = basis is not None
+    return _Basis(mean32, basis32, transform.forward(sample, mean32, basis32).numpy(), variances.numpy())
+
+
+def _bits_curve(section: _Basis) -> tuple[np.ndarray, np.ndarray]:
+    """(log MSE/var, bits per element) of direct coding at a grid of steps, on a token
+    sub-sample: a section's rate-distortion curve, read off by ``np.interp`` when the
+    allocation is fitted to the uniform split's bits (designing steps for every candidate
+    scale would cost a step bisection each)."""
+    coef, var = section.coef, section.variances
+    total = float(var.sum())
+    if total <= 0:
+        return np.zeros(1), np.zeros(1)
+    allow_drop = section.basis is not None
+    sub = coef[:, ::max(coef.shape[1] // _CURVE_TOKENS, 1)]
+    log_d, bits = [], []
+    for step in float(np.sqrt(var.max())) * np.logspace(-4, 1, _CURVE_POINTS):
+        kept = kept_components(var, step) if allow_drop else sub.shape[0]
+        log_d.append(np.log(max(distortion(sub, var, step, allow_drop) / total, 1e-30)))
+        bits.append(_empirical_bits(sub[:kept], step, unbiased=True) / sub.size)
+    # np.interp wants increasing abscissae: distortion rises with the step up to sampling noise
+    return np.maximum.accumulate(np.array(log_d)) + 1e-9 * np.arange(len(log_d)), np.array(bits)
+
+
+def _budget_weights(bases: list[list[_Basis]], targets: Sequence[float], weights: np.ndarray) -> np.ndarray:
+    """``weights`` scaled (``allocation.fit_to_budget``) so that at no level the sections'
+    estimated bits exceed those of the uniform split. Every level, not only the default:
+    one weight set serves them all, and the low-rate levels are where the high-rate model
+    that ``allocate`` normalises by is furthest off."""
+    curves = [[_bits_curve(b) for b in row] for row in bases]
+
+    def bits(w: np.ndarray | None, target: float) -> float:
+        return sum(float(np.interp(np.log(weighted_target(target, None if w is None else float(w[l, kv]))),
+                                   *curves[l][kv]))
+                   for l in range(len(curves)) for kv in range(2))
+
+    uniform = [bits(None, t) for t in targets]
+    return fit_to_budget(weights, lambda w: max(bits(w, t) - u for t, u in zip(targets, uniform)))
+
+
+def _fit_one(section: _Basis, targets: Sequence[float], delta: str) -> _Fit:
+    mean32, basis32, coef, var = section.mean, section.basis, section.coef, section.variances
+    allow_drop = basis32 is not None
     designed = [design_step(coef, var, t, allow_drop) for t in targets]
     delta_coef = _delta_coefficients(coef)
     delta_var = delta_coef.var(axis=1) if delta_coef.shape[1] else var.copy()
@@ -438,7 +492,8 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
                 rotary: Rotary | None = None, weights: np.ndarray | None = None) -> Profile:
     """Fit a profile to tokens[layer][kv] = tensor [N, C] (sinks already removed; keys
     already rotated back when ``rotary`` is given, which the profile then records). With
-    ``weights`` [layers, 2] each section's steps are designed for its weighted targets."""
+    ``weights`` [layers, 2] (scaled as ``calibrate`` says) each section's steps are designed
+    for its weighted targets."""
     if transform_kind not in TRANSFORMS:
         raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform_kind!r}")
     if delta not in ("auto", "never", "always"):
@@ -454,9 +509,11 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
     def section_targets(l: int, kv: int) -> list[float]:
         return [weighted_target(t, None if weights is None else float(weights[l, kv])) for t in targets]
 
-    fits = [[_fit_one(tokens[l][kv], heads, head_dim, section_targets(l, kv), transform_kind, delta,
-                      design_tokens)
-             for kv in range(2)] for l in range(L)]
+    bases = [[_section_basis(tokens[l][kv], heads, head_dim, transform_kind, design_tokens)
+              for kv in range(2)] for l in range(L)]
+    if weights is not None:
+        weights = _budget_weights(bases, targets, weights)
+    fits = [[_fit_one(bases[l][kv], section_targets(l, kv), delta) for kv in range(2)] for l in range(L)]
     shift = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
     table = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
     hist = np.zeros((V, entropy.NUM_CLASSES, entropy.ALPHABET), dtype=np.float64)
@@ -528,7 +585,9 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
     makes encode and decode do the same at each chunk's own positions.
     ``weights`` (float32 [layers, 2], e.g. ``codec.allocation.allocate(sensitivities)``):
     each level holds layer l's K or V to its target times ``weights[l, kind]``; None
-    holds every section to the level's target.
+    holds every section to the level's target. Weights whose estimated bits exceed the
+    uniform split's at any level are first scaled up until they do not (``_budget_weights``);
+    the profile carries the weights it used.
     """
     if rotary is not None and not isinstance(rotary, Rotary):
         raise ValueError(f"rotary must be a codec.Rotary or None, got {type(rotary).__name__}")

@@ -76,6 +76,52 @@ def test_clamped_weights_minimise_the_proxy_at_equal_bits() -> None:
             assert float(s @ np.exp(other)) >= best * (1 - 1e-6)
 
 
+def _low_rate_overspend(target: float):
+    """Bits over the uniform split under a rate model with a floor: -0.5 * log2(t) bits
+    per section, but never below 0 (a section coarser than its variance costs nothing,
+    so past that point it saves no more): the low-rate regime the geometric mean misses."""
+    def bits(t: np.ndarray) -> float:
+        return float(np.maximum(-0.5 * np.log2(np.minimum(t, 1.0)), 0.0).sum())
+
+    return lambda w: bits(target * w.astype(np.float64)) - bits(np.full(w.shape, target))
+
+
+@settings(max_examples=100, deadline=None)
+@given(sensitivities, st.floats(min_value=0.05, max_value=0.9))
+def test_budgeted_weights_spend_no_more_than_uniform(s: np.ndarray, target: float) -> None:
+    overspend = _low_rate_overspend(target)
+    w = allocation.allocate(s)
+    fitted = allocation.fit_to_budget(w, overspend)
+    assert fitted.dtype == np.float32 and fitted.shape == w.shape
+    assert overspend(fitted) <= 1e-9
+    bound = allocation.MAX_WEIGHT * (1 + 1e-6)
+    assert fitted.min() >= 1 / bound and fitted.max() <= bound
+    if overspend(w) <= 0:  # already within budget: left as it was
+        np.testing.assert_array_equal(fitted, w)
+    else:  # one scale up (ratios kept where unclamped), and the smallest that fits
+        assert np.all(fitted >= w * (1 - 1e-6))
+        free = (fitted > 1 / bound) & (fitted < allocation.MAX_WEIGHT / (1 + 1e-6))
+        if free.sum() > 1:
+            ratio = fitted[free].astype(np.float64) / w[free]
+            assert np.ptp(ratio) <= 1e-5 * ratio.max()
+        tighter = np.clip(fitted.astype(np.float64) * 0.99, 1 / allocation.MAX_WEIGHT, allocation.MAX_WEIGHT)
+        assert overspend(tighter) > 0 or np.array_equal(tighter, fitted)
+
+
+def test_an_overspending_allocation_is_scaled_up() -> None:
+    """The geometric-mean weights overspend when one section is past the floor."""
+    w = allocation.allocate(np.array([1.0, 64.0]))  # weights 8 and 1/8
+    overspend = _low_rate_overspend(0.5)
+    assert overspend(w) > 0.5  # 4 - 2 is the finer one's cost; the coarser saves only 0.5
+    fitted = allocation.fit_to_budget(w, overspend)
+    assert abs(overspend(fitted)) < 1e-3 and fitted[1] > w[1]
+
+
+def test_uniform_weights_stay_one() -> None:
+    ones = np.ones((3, 2), dtype=np.float32)
+    np.testing.assert_array_equal(allocation.fit_to_budget(ones, _low_rate_overspend(0.1)), ones)
+
+
 @pytest.mark.parametrize("bad", [[], [1.0, 0.0], [1.0, -2.0], [1.0, float("nan")], [float("inf")]])
 def test_allocate_rejects_unusable_sensitivities(bad) -> None:
     with pytest.raises(ValueError):
@@ -93,6 +139,29 @@ def weighted(llama_kv) -> codec.Profile:
 
 def _version(profile_bytes: bytes) -> int:
     return json.loads(load(profile_bytes)["metadata"].tobytes())["version"]
+
+
+@pytest.fixture(scope="module")
+def drifting_kv() -> torch.Tensor:
+    """A smooth random walk over 4096 tokens with values 3x keys: enough tokens that the
+    entropy estimates settle, and coarse levels where the rate model's floor shows."""
+    g = torch.Generator().manual_seed(0)
+    steps = torch.randn(2, 2, 4100, 2, 32, generator=g) * torch.tensor([1.0, 3.0]).view(1, 2, 1, 1, 1)
+    return steps.cumsum(2) * 0.05
+
+
+def test_allocated_profile_spends_no_more_than_uniform(drifting_kv, monkeypatch) -> None:
+    """At the default level the allocated profile's own estimate stays within the uniform
+    one's, where the geometric-mean weights alone overspend."""
+    extreme = np.array([[8.0, 0.125], [8.0, 0.125]], dtype=np.float32)
+    uniform = codec.calibrate([drifting_kv])
+    fitted = codec.calibrate([drifting_kv], weights=extreme)
+    level = codec.DEFAULT_LEVEL
+    assert fitted.estimated_bits[level] <= uniform.estimated_bits[level]
+    assert np.all(fitted.weights >= extreme) and fitted.weights.max() <= allocation.MAX_WEIGHT
+    monkeypatch.setattr(codec.profile, "_budget_weights", lambda bases, targets, w: w)
+    unfitted = codec.calibrate([drifting_kv], weights=extreme)
+    assert unfitted.estimated_bits[level] > uniform.estimated_bits[level]  # what the fit corrects
 
 
 def test_weighted_profile_round_trips(weighted, llama_kv) -> None:
