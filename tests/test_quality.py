@@ -174,7 +174,8 @@ def test_calibrate_cli_allocation(llama_dir, tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     profile = codec.Profile.load(out)
     assert profile.weights is not None and doc["weights"] == profile.weights.tolist()
-    assert abs(float(np.log(profile.weights.astype(np.float64)).mean())) < 1e-5
+    # geometric mean 1 (equal bits at high rate), scaled up only where that overspends
+    assert float(np.log(profile.weights.astype(np.float64)).mean()) >= -1e-5
     assert _main(["calibrate", "--model", llama_dir, "-o", str(out), "--tokens", "1500", "--window", "500",
                   "--allocation", "off", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weights"] is None and codec.Profile.load(out).weights is None
