@@ -113,11 +113,13 @@ def _misfits(controls, limits: list[list[float]], raw_layers: frozenset[int] = f
              ) -> dict[tuple[int, int], float]:
     """{(layer, kind): MSE/var at the profile's steps} of every layer K/V the profile does
     not fit: the components its level drops lose over its limit (``_misfit_limits``; no
-    step corrects that), or, in ``raw_layers`` (coded at the target they were no smaller
-    than raw), its steps alone would give over that much."""
+    step corrects that), or it has no variance and the profile's steps give any error at
+    all (infinitely many times its target, whatever the components dropped: whether those
+    lose exactly nothing comes down to float rounding), or, in ``raw_layers`` (coded at the
+    target they were no smaller than raw), its steps alone would give over that much."""
     return {(layer, kind): part.at_profile for layer, parts in enumerate(controls)
             for kind, part in enumerate(parts)
-            if not part.dropped <= limits[layer][kind]
+            if not part.dropped <= limits[layer][kind] or part.at_profile == math.inf
             or (layer in raw_layers and not part.at_profile <= limits[layer][kind])}
 
 
