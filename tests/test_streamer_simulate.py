@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from netsim.trace import Trace
 from streamer.adapt import estimator, overlap
+from streamer.adapt.decide import decide
 from streamer.adapt import mpc as mpc_rule
 from streamer.adapt.base import link_seconds
 from streamer.wire.manifest import ChunkInfo, Manifest
@@ -191,12 +192,28 @@ def test_cancel_abandons_a_chunk_the_link_can_no_longer_carry() -> None:
     assert sim.run("fixed:0", trace, slo=1.0, schedule=r.choices).completion <= r.completion + 1e-9
 
 
+def test_no_time_left_is_text_and_says_whether_the_deadline_passed() -> None:
+    m = make_manifest([[5_000_000]] * 2, [128] * 2)
+    policy = get_policy("fixed:0")
+    kwargs = dict(time_left=-1.0, history=[], prior_bps=None, recompute_seconds_per_token=1e-4)
+    assert decide(policy, m, 0, until_deadline=-0.1, **kwargs) == (TEXT, "deadline passed")
+    choice, reason = decide(policy, m, 0, until_deadline=2.0, **kwargs)
+    assert choice == TEXT and reason.startswith("no time left") and "2 s to the deadline" in reason
+    assert decide(policy, m, 0, time_left=0.5, history=[], prior_bps=None,
+                  recompute_seconds_per_token=1e-4, until_deadline=2.0) == (0, None)
+
+
 def test_past_the_deadline_the_rest_is_text() -> None:
     m = make_manifest([[5_000_000]] * 4, [128] * 4)
     sim = Simulator(m, rtt=0.002, recompute_seconds_per_token=1e-4)
     r = sim.run("fixed:0", Trace.constant(10.0, 10.0), slo=0.5)
     assert r.choices[0] == 0 and TEXT in r.choices
-    assert all(d.reason == "deadline passed" for d in r.decisions if d.time_left <= 0)
+    late = [d for d in r.decisions if d.time_left <= 0]
+    # the reason tells a deadline that has passed from one the bytes already asked for
+    # are predicted to use up
+    assert all(d.reason == "deadline passed" for d in late if d.at >= 0.5)
+    assert all(d.reason.startswith("no time left: the bytes already requested") for d in late if d.at < 0.5)
+    assert late and all(d.choice == TEXT for d in late)
     assert not r.met
     assert r.recompute == pytest.approx(1e-4 * 128 * r.text_chunks)
 
@@ -282,13 +299,14 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     real_decide = session_mod.decide
 
     def recording(policy, manifest, index, *, time_left, history, prior_bps, prior_errors,
-                  recompute_seconds_per_token, abandon, recompute_busy):
+                  recompute_seconds_per_token, abandon, recompute_busy, until_deadline):
         assert abandon is None   # the fetch below runs without the cancel rule
         out = real_decide(policy, manifest, index, time_left=time_left, history=history,
                           prior_bps=prior_bps, prior_errors=prior_errors, recompute_busy=recompute_busy,
-                          recompute_seconds_per_token=recompute_seconds_per_token)
+                          recompute_seconds_per_token=recompute_seconds_per_token,
+                          until_deadline=until_deadline)
         recorded.append((index, time_left, tuple(history), prior_bps, tuple(prior_errors),
-                         recompute_seconds_per_token, recompute_busy, out))
+                         recompute_seconds_per_token, recompute_busy, until_deadline, out))
         return out
 
     monkeypatch.setattr(session_mod, "decide", recording)
@@ -313,9 +331,10 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     assert len(recorded) >= len(manifest.chunks)
     assert any(h for _, _, h, *_ in recorded), "no throughput history was recorded"
     sim = Simulator(manifest, rtt=0.004, recompute_seconds_per_token=2e-4)
-    for index, time_left, history, prior, prior_errors, recompute, busy, (choice, reason) in recorded:
+    for index, time_left, history, prior, prior_errors, recompute, busy, until, (choice, reason) in recorded:
         assert recompute == sim.recompute
         assert sim.decide("mpc", index, time_left=time_left, history=history, prior_bps=prior,
-                          prior_errors=prior_errors, recompute_busy=busy) == (choice, reason)
+                          prior_errors=prior_errors, recompute_busy=busy,
+                          until_deadline=until) == (choice, reason)
     assert [c.level for c in report.chunks] == [out[0] for *_, out in recorded[:len(report.chunks)]]
     await asyncio.sleep(0)

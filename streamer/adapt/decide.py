@@ -50,14 +50,20 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
 def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: float,
            history: Sequence[Observation], prior_bps: float | None,
            recompute_seconds_per_token: float, prior_errors: Sequence[float] = (),
-           abandon: Abandon | None = None, recompute_busy: float = 0.0) -> tuple[Choice, str | None]:
+           abandon: Abandon | None = None, recompute_busy: float = 0.0,
+           until_deadline: float | None = None) -> tuple[Choice, str | None]:
     """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
 
-    Once the deadline has passed nothing fetched can make it, so the rest goes to
-    text (the caller recomputes) without asking the policy.
+    With no time left nothing fetched can make the deadline, so the rest goes to text
+    (the caller recomputes) without asking the policy. ``until_deadline`` (the deadline
+    less now, when the caller knows it) lets the reason say whether the deadline has
+    passed or only the bytes already requested are predicted to take what is left of it.
     """
     if time_left <= 0:
-        return TEXT, "deadline passed"
+        if until_deadline is None or until_deadline <= 0:
+            return TEXT, "deadline passed"
+        return TEXT, (f"no time left: the bytes already requested are predicted to take the "
+                      f"{until_deadline:.3g} s to the deadline")
     choice = policy(plan_input(manifest, first_chunk, time_left=time_left, history=history,
                                prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                                recompute_busy=recompute_busy,

@@ -241,13 +241,14 @@ class Simulator:
     def decide(self, policy: str | Policy, chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
                prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
-               recompute_busy: float = 0.0) -> tuple[Choice, str | None]:
+               recompute_busy: float = 0.0, until_deadline: float | None = None) -> tuple[Choice, str | None]:
         """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
         context's manifest and recompute cost (the session calls the same function)."""
         fn, _ = _as_policy(policy)
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
                       prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
-                      recompute_busy=recompute_busy, recompute_seconds_per_token=self.recompute)
+                      recompute_busy=recompute_busy, recompute_seconds_per_token=self.recompute,
+                      until_deadline=until_deadline)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
         return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]
@@ -400,7 +401,7 @@ class Simulator:
                 choice, reason = decide(fn, self.manifest, index, time_left=left, history=hist,
                                         prior_bps=prior_bps, prior_errors=prior_errors,
                                         recompute_seconds_per_token=self.recompute, abandon=abandon,
-                                        recompute_busy=busy)
+                                        recompute_busy=busy, until_deadline=slo - now)
             decisions.append(Decision(index, now, left, tuple(hist), prior_bps, est, choice, reason, busy))
             size = self._bytes_of(index, choice)
             s = max(now + owd, link_free)

@@ -553,12 +553,14 @@ class _Fetch:
         client = self.s._client
         rtt = client.rtt if client is not None else 0.0
         history, estimate = self._estimate(now)
-        left = time_left(self.deadline - now, self._outstanding_bytes(), estimate, rtt)
+        until_deadline = self.deadline - now
+        left = time_left(until_deadline, self._outstanding_bytes(), estimate, rtt)
         abandon = Abandon(rtt, self.s.connect_seconds) if self.s.config.cancels else None
         choice, reason = decide(self.s._policy, self.manifest, index, time_left=left, history=history,
                                 prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
                                 recompute_busy=self._pending_recompute(),
-                                recompute_seconds_per_token=self._recompute_rate())
+                                recompute_seconds_per_token=self._recompute_rate(),
+                                until_deadline=until_deadline)
         return choice, reason, left, estimate
 
     def _recompute_rate(self) -> float:
