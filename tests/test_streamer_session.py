@@ -298,6 +298,40 @@ async def test_many_concurrent_sessions_complete(context, sender) -> None:
     assert all(len(r.chunks) == len(context["manifest"].chunks) for r in reports)
 
 
+async def test_a_fetch_cancelled_while_it_drops_a_pending_read_is_cancelled(context, sender, monkeypatch) -> None:
+    """A fetch woken by something other than data cancels its pending queue read and waits
+    for it to unwind; a cancel of the fetch itself landing then is not the read's own, and
+    must end the fetch (it was swallowed: the receiver daemon's shutdown waited for the
+    whole fetch)."""
+    from streamer.net import client as client_module
+
+    unwinding = asyncio.Event()
+
+    class SlowToUnwind(client_module.ArrivalQueue):
+        armed = False
+
+        async def get(self):
+            try:
+                return await super().get()
+            except asyncio.CancelledError:
+                if not SlowToUnwind.armed:
+                    raise
+                unwinding.set()
+                await asyncio.Event().wait()   # unwinds only when cancelled once more
+                raise
+
+    monkeypatch.setattr(client_module, "ArrivalQueue", SlowToUnwind)
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), trace=20.0) as proxy:
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=30.0, policy="fixed:4") as session:
+            SlowToUnwind.armed = True
+            fetch = asyncio.create_task(session.fetch())
+            # a chunk in flight: the cancel rule's timer wakes the fetch and drops the read
+            await asyncio.wait_for(unwinding.wait(), 30)
+            fetch.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(fetch, 30)
+
+
 async def test_garbage_from_one_client_does_not_hurt_others(context, sender) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", sender.port)
     writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 10)

@@ -461,7 +461,10 @@ class _Fetch:
             try:
                 await getter
             except asyncio.CancelledError:
-                pass
+                # ours to absorb only if the getter's: a cancel of this fetch that lands
+                # while the getter unwinds must end the fetch (a shutdown waits for it)
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    raise
             else:  # the item was taken just as we cancelled: keep it
                 return getter.result()
         if getter is not None and getter in done:
