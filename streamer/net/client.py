@@ -145,9 +145,11 @@ class ClientConnection:
                                   "ssl_handshake_timeout": timeout}
         deadline = loop.time() + timeout
         try:
-            transport, protocol = await asyncio.wait_for(
-                loop.create_connection(lambda: _ReceiverProtocol(conn, queue), host, port, **tls),
-                timeout)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can lose a cancel that lands
+            # as the inner call completes (and leak the connection it made)
+            async with asyncio.timeout(timeout):
+                transport, protocol = await loop.create_connection(
+                    lambda: _ReceiverProtocol(conn, queue), host, port, **tls)
         except _ssl.SSLError as exc:
             raise ConnectionLost(f"TLS handshake with {host}:{port} failed: {exc}") from exc
         except (OSError, asyncio.TimeoutError) as exc:
@@ -207,7 +209,8 @@ class ClientConnection:
     async def next(self, timeout: float | None) -> Arrival:
         """The next event; ConnectionLost if none comes within ``timeout`` seconds."""
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
+            async with asyncio.timeout(timeout):   # not wait_for: see connect()
+                return await self.queue.get()
         except asyncio.TimeoutError:
             raise ConnectionLost(f"no data from {self.address[0]}:{self.address[1]} for {timeout:g} s") from None
 
