@@ -167,3 +167,28 @@ def test_a_stalls_upper_bound_is_not_remembered_for_the_next_fetch() -> None:
     assert memory is not None and memory.rate == pytest.approx(1_000_000)
     assert estimator.remember(measured + [Observation(64 * 1024, 10.0)]).rate < 100_000
     assert estimator.remember([stall]) is None
+
+
+def test_a_remembered_rate_is_calibrated_by_its_errors_once() -> None:
+    """The memory carries the mean and the errors beside it; the next fetch's estimate
+    from them is this fetch's slow estimate, not that estimate scaled by the errors again."""
+    history = [Observation(1_000_000, 1.0), Observation(400_000, 1.0), Observation(1_000_000, 1.0),
+               Observation(300_000, 1.0), Observation(800_000, 1.0)]
+    memory = estimator.remember(history)
+    assert memory is not None and memory.rate == pytest.approx(harmonic_mean(history))
+    factor = error_factor(memory.errors)
+    assert factor is not None and factor < 1.0
+    assert robust_estimate([], prior=memory.rate, prior_errors=memory.errors) == \
+        pytest.approx(harmonic_mean(history) * factor)
+
+
+def test_one_surprise_is_not_yet_a_calibration() -> None:
+    """A single 64x shortfall does not divide the central estimate by 64 (the next fetches
+    to the peer would go all text and measure nothing); once MIN_ERRORS agree, it does.
+    The low scenarios see it at once."""
+    deep = math.log(1 / 64)
+    assert error_factor([deep]) == 1.0
+    assert error_factor([deep] * estimator.MIN_ERRORS) == pytest.approx(1 / 64)
+    assert error_factor([0.0] * 10 + [deep]) == 1.0          # many errors: the median as before
+    rates = rate_scenarios([], prior=1e6, prior_errors=[deep])
+    assert rates.min() < 0.5e6 and rates.max() == pytest.approx(1e6)
