@@ -157,6 +157,21 @@ def test_mpc_tries_a_level_after_a_fade_only_when_a_slow_chunk_can_be_given_up()
     assert mpc(tight) == TEXT
 
 
+def test_mpc_does_not_probe_a_link_whose_best_rate_cannot_carry_the_level() -> None:
+    """The same four chunks on a link that has delivered 20 MB/s at best: the smallest
+    level (5 MB) then takes longer than the fetch has left at its best rate, so a probe
+    could only be given up in turn (on a steady slow link every chunk was tried and
+    abandoned until the text came too late)."""
+    history = [Observation(2 * MB, 0.1)] * 3 + [Observation(MB, 1.0)]
+    slow = PlanInput(sizes=[[10 * MB, 5 * MB]] * 4, text_bytes=[2000] * 4, text_seconds=[0.01] * 4,
+                     distortion=[0.001, 0.01], time_left=0.2, history=history,
+                     abandon=Abandon(rtt=0.005, reconnect_seconds=0.02))
+    assert mpc(slow) == TEXT
+    # 100 MB/s at best: the smallest level would make it, so it is tried
+    hopeful = PlanInput(**{**slow.__dict__, "history": [Observation(10 * MB, 0.1)] * 3 + [Observation(MB, 1.0)]})
+    assert mpc(hopeful) == 1
+
+
 async def test_a_session_abandons_a_chunk_when_the_link_drops(tmp_path) -> None:
     """8 chunks of ~0.5 MB at level 0, a prior of 50 Mbit/s, and a link that drops to
     4 Mbit/s as the fetch starts: the chunk in flight is abandoned (to a lower level or

@@ -163,7 +163,8 @@ def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
     return first + (link[1:, -1] + recompute[1:]).sum() <= inp.time_left
 
 
-def probe(inp: PlanInput, estimate: float, safe: np.ndarray, window: int = DEFAULT_WINDOW) -> Choice | None:
+def probe(inp: PlanInput, estimate: float, safe: np.ndarray, costs: np.ndarray,
+          window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice | None:
     """The smallest level of chunk 0, worth trying where the plan at ``estimate`` says
     text, or None; ``safe`` is :func:`guarded`'s answer for chunk 0's options.
 
@@ -174,14 +175,24 @@ def probe(inp: PlanInput, estimate: float, safe: np.ndarray, window: int = DEFAU
     measured yet in this fetch) and abandoning the chunk at the guard rate still leaves
     the rest time as text: if the link is still slow the rule gives the chunk to text
     after its first bytes. The smallest level (:func:`~streamer.adapt.base.probe_level`)
-    commits the fewest bytes to the bet.
+    commits the fewest bytes to the bet. Once this fetch has samples, the bet must be
+    winnable: a plan starting with that level must fit at the fastest of them (or the
+    prior). Otherwise, on a steady link too slow for KV, every chunk was tried and given
+    up in turn, each costing a look's worth of time, until the text left came too late
+    (``kvwire bench policies``, unseen set at 0.5 s: trace mmf-02).
     """
     if inp.abandon is None:
         return None
     rates = throughputs(inp.history)[-window:]
-    if rates.size and not max(float(rates.max()), inp.prior_bps or 0.0) > estimate:
-        return None
     column = probe_level(inp)
+    if rates.size:
+        hopeful = max(float(rates.max()), inp.prior_bps or 0.0)
+        if not hopeful > estimate:
+            return None
+        first = overlap.first_option_costs(link_seconds(inp, hopeful), inp.text_seconds, costs,
+                                           inp.time_left, inp.recompute_busy, bins)
+        if not np.isfinite(first[column]):
+            return None   # the bet cannot win: even at the hopeful rate it misses
     return column if safe[column] else None
 
 
@@ -201,6 +212,6 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
     best = safe if np.isfinite(safe).any() else totals
     choice = choice_of(int(np.argmin(best)), inp.levels)
     if choice == TEXT:
-        tried = probe(inp, estimate, ok, window)
+        tried = probe(inp, estimate, ok, costs, window, bins)
         return choice if tried is None else tried
     return choice
