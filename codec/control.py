@@ -99,7 +99,9 @@ class _Part:
                  weights: np.ndarray, rows: int) -> None:
         centered = (sample - profile.mean[layer, kind]) * np.sqrt(weights, dtype=np.float32)[:, None]
         self.drop = profile.basis is not None
-        self.coef = centered @ profile.basis[layer, kind, :rows].T if self.drop else centered  # [n, rows]
+        # [n, rows], as transform.forward computes the coded coefficients: float64, rounded once
+        self.coef = (centered.astype(np.float64) @ profile.basis[layer, kind, :rows].T.astype(np.float64)
+                     ).astype(np.float32) if self.drop else centered
         self.tokens = max(sample.shape[0], 1)
         self.energy = np.square(self.coef, dtype=np.float64).sum(axis=0) / self.tokens  # per row
         self.token_energy = np.square(centered, dtype=np.float64).sum(axis=1)

@@ -43,12 +43,16 @@ def pca_basis(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def forward(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     """Coefficients [kept, N] (component-major, as the coder wants rows) of x [N, C].
 
-    ``basis`` [kept, C] float32, or None for the identity transform.
+    ``basis`` [kept, C] float32, or None for the identity transform. The product runs
+    in float64 and is rounded once to float32: a float32 GEMM rounds differently on each
+    BLAS kernel (AVX2, AVX-512, another library), so the same KV and profile would give
+    other coefficients, and other bytes, on another machine; float64's differences are
+    far below float32's rounding step, so the rounded coefficients agree.
     """
     centered = x.to(torch.float32) - mean
     if basis is None:
         return centered.T.contiguous()
-    return (basis @ centered.T).contiguous()
+    return (basis.double() @ centered.double().T).float()
 
 
 def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
