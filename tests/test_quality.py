@@ -163,6 +163,8 @@ def test_calibrate_cli_minilm(tmp_path, capsys):
     profile = codec.Profile.load(out)
     assert (profile.layers, profile.heads, profile.head_dim) == (6, 12, 32)
     assert profile.id in capsys.readouterr().out
+    # an encoder's sections are weighted too by default (its embedding's sensitivity)
+    assert (profile.weights is not None) == quality.ALLOCATION_DEFAULT
 
 
 def test_calibrate_cli_allocation(llama_dir, tmp_path, capsys):

@@ -740,6 +740,12 @@ def sentence_embedding(model, token_ids: Sequence[int], kv: torch.Tensor | None 
     With ``kv`` the attention uses those keys and values instead of its own: the
     embedding then shows what a transmitted (lossy) cache does to the model.
     """
+    return _embedding(model, token_ids, kv)
+
+
+def _embedding(model, token_ids: Sequence[int], kv: torch.Tensor | None) -> torch.Tensor:
+    """``sentence_embedding`` where autograd is on: differentiable with respect to a
+    ``kv`` that requires grad (``streamer.model.sensitivity`` backpropagates through it)."""
     ids = torch.tensor([list(token_ids)], device=_model_device(model))
     with _replaced_kv(model, kv) if kv is not None else contextlib.nullcontext():
         hidden = model(input_ids=ids).last_hidden_state[0]

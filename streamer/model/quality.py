@@ -119,13 +119,16 @@ def model_rotary(model, rotary: bool | None = None) -> codec.Rotary | None:
 
 #: ``allocation`` choices, as ROTARY_MODES.
 ALLOCATION_MODES = ("auto", "on", "off", "both")
-#: Whether ``kvwire calibrate`` and ``bench quality`` weight each (layer, K/V)'s target of
-#: a causal LM by its measured sensitivity (codec.allocation) by default. On: on SmolLM2,
+#: Whether ``kvwire calibrate`` and ``bench quality`` weight each (layer, K/V)'s target by
+#: the model's measured sensitivity to it (codec.allocation) by default. On: on SmolLM2,
 #: with the weights fitted to the uniform split's bits, it raised top-1 agreement at
 #: levels 1-4 (level 3: 0.965 -> 0.979, level 4: 0.948 -> 0.966) and cut level 4's
 #: perplexity change from +0.71% to -0.00% at bits within 0.006 of uniform
-#: (``kvwire bench quality --model smollm2 --windows 1 --allocation both`` at ced9bd0;
-#: README). It costs a few forward and backward passes at calibration.
+#: (``kvwire bench quality --model smollm2 --windows 1 --allocation both`` at ced9bd0);
+#: on MiniLM (an encoder: its embedding's sensitivity) every level took fewer bits at a
+#: higher cosine (level 2: 2.816 -> 2.734 bits/el, 1 - cos 5.4e-4 -> 2.0e-4; ``kvwire
+#: bench quality --allocation both``; README). It costs a few forward and backward passes
+#: at calibration.
 ALLOCATION_DEFAULT = True
 
 
@@ -133,9 +136,9 @@ def model_weights(model, tokenizer, token_ids: Sequence[int], allocation: bool |
                   ) -> np.ndarray | None:
     """The per-section target weights a profile of ``model`` carries: sensitivities
     measured on ``token_ids`` (``sensitivity.kv_sensitivity``) allocated by
-    ``codec.allocation.allocate`` when ``allocation`` (None: ALLOCATION_DEFAULT, which
-    applies to causal LMs only) is on, else None. ValueError when on for an encoder."""
-    on = (ALLOCATION_DEFAULT and hf.is_decoder(model)) if allocation is None else allocation
+    ``codec.allocation.allocate`` when ``allocation`` (None: ALLOCATION_DEFAULT) is on,
+    else None."""
+    on = ALLOCATION_DEFAULT if allocation is None else allocation
     if not on:
         return None
     measured = sensitivity.kv_sensitivity(model, tokenizer, token_ids)
