@@ -4,6 +4,8 @@ continuation token (Fisher traces), for an encoder (MiniLM) 1 - cosine of the se
 embedding (Jacobian traces) (issue #14 item 3)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -24,20 +26,31 @@ def ids() -> list[int]:
     return torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
-def _noise_kl(model, kv: torch.Tensor, continuation: list[int], layer: int, kind: int, mse: float,
-              repeats: int) -> float:
-    """Mean KL per continuation token of white noise of MSE/var ``mse`` in one section."""
-    reference = torch.log_softmax(hf.continuation_logits(model, kv, continuation).double(), -1)
+def _noise_cost(kv: torch.Tensor, layer: int, kind: int, mse: float, repeats: int, seed: int,
+                cost: Callable[[torch.Tensor], float]) -> float:
+    """Mean ``cost(noisy kv)`` over ``repeats`` draws of white noise of MSE/var ``mse`` in one
+    section (the coded tokens, after the sinks)."""
     energy = float(section_energy(kv, SINKS)[layer, kind])
     sigma = (mse * energy / (kv.shape[3] * kv.shape[4])) ** 0.5
-    generator = torch.Generator().manual_seed(7)
+    generator = torch.Generator().manual_seed(seed)
     total = 0.0
     for _ in range(repeats):
         noisy = kv.clone()
         noisy[layer, kind, SINKS:] += sigma * torch.randn(noisy[layer, kind, SINKS:].shape, generator=generator)
-        logp = torch.log_softmax(hf.continuation_logits(model, noisy, continuation).double(), -1)
-        total += float((reference.exp() * (reference - logp)).sum(-1).mean())
+        total += cost(noisy)
     return total / repeats
+
+
+def _noise_kl(model, kv: torch.Tensor, continuation: list[int], layer: int, kind: int, mse: float,
+              repeats: int) -> float:
+    """Mean KL per continuation token of white noise of MSE/var ``mse`` in one section."""
+    reference = torch.log_softmax(hf.continuation_logits(model, kv, continuation).double(), -1)
+
+    def kl(noisy: torch.Tensor) -> float:
+        logp = torch.log_softmax(hf.continuation_logits(model, noisy, continuation).double(), -1)
+        return float((reference.exp() * (reference - logp)).sum(-1).mean())
+
+    return _noise_cost(kv, layer, kind, mse, repeats, 7, kl)
 
 
 def test_sensitivity_is_the_kl_noise_costs(llama, ids) -> None:
@@ -65,15 +78,8 @@ def _noise_one_minus_cosine(model, kv: torch.Tensor, ids: list[int], layer: int,
                             repeats: int) -> float:
     """Mean 1 - cos of the sentence embedding under white noise of MSE/var ``mse`` in one section."""
     reference = hf.sentence_embedding(model, ids, kv).double()
-    energy = float(section_energy(kv, SINKS)[layer, kind])
-    sigma = (mse * energy / (kv.shape[3] * kv.shape[4])) ** 0.5
-    generator = torch.Generator().manual_seed(11)
-    total = 0.0
-    for _ in range(repeats):
-        noisy = kv.clone()
-        noisy[layer, kind, SINKS:] += sigma * torch.randn(noisy[layer, kind, SINKS:].shape, generator=generator)
-        total += 1.0 - float(reference @ hf.sentence_embedding(model, ids, noisy).double())
-    return total / repeats
+    return _noise_cost(kv, layer, kind, mse, repeats, 11,
+                       lambda noisy: 1.0 - float(reference @ hf.sentence_embedding(model, ids, noisy).double()))
 
 
 @pytest.mark.model
