@@ -113,11 +113,12 @@ def kv_sensitivity(model, tokenizer, token_ids: Sequence[int], *, context_tokens
                    draws: int | None = None, sink_tokens: int = DEFAULT_SINK_TOKENS, seed: int = 0) -> np.ndarray:
     """float64 [layers, 2]: the quality proxy per unit MSE/var of each (layer, K/V) of the
     KV (module docstring), averaged over ``windows`` consecutive windows of ``token_ids``
-    with ``draws`` draws each (default DRAWS, ENCODER_DRAWS for an encoder). A causal LM's window is ``context_tokens`` of context whose
-    KV is perturbed and ``continuation_tokens`` scored after it; an encoder's is
-    ``context_tokens`` (``continuation_tokens`` unused), its embedding the proxy's. A text
-    or a model's positions too short for one window give one window of what fits, split
-    alike. The attention-sink tokens, sent verbatim, are left out."""
+    with ``draws`` draws each (default DRAWS, ENCODER_DRAWS for an encoder). A causal LM's
+    window is ``context_tokens`` of context whose KV is perturbed and
+    ``continuation_tokens`` scored after it; an encoder's is ``context_tokens``
+    (``continuation_tokens`` unused), its embedding the proxy's. A text or a model's
+    positions too short for one window give one window of what fits, split alike. The
+    attention-sink tokens, sent verbatim, are left out."""
     decoder = hf.is_decoder(model)
     if not decoder:
         continuation_tokens = 0
