@@ -120,12 +120,15 @@ def test_mpc_plan_is_no_worse_than_any_feasible_plan(inp, data) -> None:
     rows = np.arange(chunks)
     other_time = seconds[rows, other].sum()
     budget = with_margin(inp).time_left   # mpc plans for all but PLAN_MARGIN of the time left
-    if other_time <= budget - chunks * budget / DEFAULT_BINS:
+    if budget > 0 and other_time <= budget - chunks * budget / DEFAULT_BINS:   # no budget fits nothing
         # the text-last tie-break adds at most TEXT_LATER * chunks per chunk
         assert plan.feasible and plan.cost <= costs[rows, other].sum() + TEXT_LATER * chunks ** 2 + 1e-12
     choice = mpc(inp)
     column = inp.levels if choice == TEXT else choice
-    assert choice == choice_of(plan.columns[0], inp.levels) or guarded(with_margin(inp))[column]
+    # the plan's first step, or one the guard passes; with none passed, the least expected
+    # cost over all options (mpc's docstring), which may differ from the one-rate plan's
+    safe = guarded(with_margin(inp))
+    assert choice == choice_of(plan.columns[0], inp.levels) or safe[column] or not safe.any()
 
 
 @given(plan_inputs())

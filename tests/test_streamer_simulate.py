@@ -267,9 +267,11 @@ def test_no_level_that_misses_the_deadline_when_a_quicker_option_fits(name, inp)
     if estimate is None or choice == TEXT:
         return  # no estimate: the probe (smallest level) is the documented rule
     if name == "mpc":
-        starts = overlap.first_option_costs(link_seconds(inp, estimate), inp.text_seconds,
-                                            mpc_rule.plan_costs(inp), inp.time_left, inp.recompute_busy)
-        fits = np.isfinite(starts) & mpc_rule.guarded(inp)
+        planned = mpc_rule.with_margin(inp)   # mpc plans for the time left less its margin
+        starts = overlap.first_option_costs(link_seconds(planned, estimate), planned.text_seconds,
+                                            mpc_rule.plan_costs(planned), planned.time_left,
+                                            planned.recompute_busy)
+        fits = np.isfinite(starts) & mpc_rule.guarded(planned)
         assert fits[choice] or not fits.any(), (choice, starts, fits)
         return
     mine = predicted_seconds(inp, choice, estimate)
