@@ -82,6 +82,13 @@ class PlanInput:
     #: while row 0 and later chunks stream, and row 0 is delivered only after it
     #: (``adapt.overlap``); ``time_left`` does not have it taken off
     recompute_busy: float = 0.0
+    #: seconds the receiver takes to decode each chunk [chunks][levels] (``adapt.decoding``):
+    #: a KV option holds the pipeline for the slower of its transfer and its decode
+    #: (:func:`link_seconds`); empty: the decoder keeps up with any link
+    decode_seconds: Sequence[Sequence[float]] = ()
+    #: seconds of decoding still owed for chunks already requested beyond what their bytes
+    #: still take to arrive (already off ``time_left``): row 0 decodes only after it
+    decode_busy: float = 0.0
 
     def __post_init__(self) -> None:
         # Shape checks only (cheap, O(chunks)): a mismatch here would otherwise
@@ -101,6 +108,11 @@ class PlanInput:
             raise ValueError(f"text_penalty must be >= 0, got {self.text_penalty}")
         if not self.recompute_busy >= 0:
             raise ValueError(f"recompute_busy must be >= 0, got {self.recompute_busy}")
+        if not self.decode_busy >= 0:
+            raise ValueError(f"decode_busy must be >= 0, got {self.decode_busy}")
+        if self.decode_seconds and (len(self.decode_seconds) != chunks
+                                    or any(len(row) != levels for row in self.decode_seconds)):
+            raise ValueError(f"decode_seconds needs {chunks} rows of {levels} levels, or none")
 
     @property
     def levels(self) -> int:
@@ -122,14 +134,25 @@ def option_costs(inp: PlanInput) -> np.ndarray:
 
 
 def link_seconds(inp: PlanInput, estimate: float) -> np.ndarray:
-    """Seconds of link time [chunks, levels + 1] of every option of every remaining chunk
-    at ``estimate`` bytes/s: a level's bytes, or text's token ids (its recompute runs on
-    the caller's compute: :mod:`streamer.adapt.overlap`)."""
+    """Seconds [chunks, levels + 1] each option of every remaining chunk holds the
+    transfer pipeline at ``estimate`` bytes/s: a level's bytes, or its decode where that
+    is slower (chunk ``i`` decodes while chunk ``i + 1`` arrives: ``adapt.decoding``), or
+    text's token ids (its recompute runs on the caller's compute: ``adapt.overlap``)."""
     if not estimate > 0:
         raise ValueError(f"estimate must be > 0 bytes/s, got {estimate}")
-    sizes = np.asarray(inp.sizes, dtype=np.float64)
-    text = np.asarray(inp.text_bytes, dtype=np.float64)
-    return np.concatenate((sizes, text[:, None]), axis=1) / estimate
+    sizes = np.asarray(inp.sizes, dtype=np.float64) / estimate
+    if inp.decode_seconds:
+        sizes = np.maximum(sizes, np.asarray(inp.decode_seconds, dtype=np.float64))
+    text = np.asarray(inp.text_bytes, dtype=np.float64) / estimate
+    return np.concatenate((sizes, text[:, None]), axis=1)
+
+
+def pipeline_budget(inp: PlanInput) -> float:
+    """``time_left`` less what the decoder adds beyond the pipeline :func:`link_seconds`
+    times: the decode still owed for chunks already requested. (After the last byte only
+    the last section's decode is left, a layer's share of a chunk's: the sections of a
+    chunk pipeline too, and the planners' margin covers it.)"""
+    return inp.time_left - inp.decode_busy
 
 
 def option_seconds(inp: PlanInput, estimate: float) -> np.ndarray:
@@ -149,7 +172,8 @@ def predicted_seconds(inp: PlanInput, choice: Choice, estimate: float, chunk: in
         raise ValueError(f"estimate must be > 0 bytes/s, got {estimate}")
     if choice == TEXT:
         return inp.text_bytes[chunk] / estimate + float(inp.text_seconds[chunk])
-    return inp.sizes[chunk][check_level(choice, inp.levels)] / estimate
+    seconds = inp.sizes[chunk][check_level(choice, inp.levels)] / estimate
+    return max(seconds, float(inp.decode_seconds[chunk][choice])) if inp.decode_seconds else seconds
 
 
 def check_level(level: Choice, levels: int) -> int:

@@ -33,7 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamer.adapt.base import TEXT, Choice, Observation, PlanInput, predicted_seconds
+from streamer.adapt.base import (TEXT, Choice, Observation, PlanInput, link_seconds, option_seconds,
+                                 pipeline_budget, predicted_seconds)
 from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES
 
 #: Bytes assumed already committed to the path when a CANCEL goes out and so still to
@@ -124,6 +125,8 @@ class InFlight:
     level: int
     remaining_bytes: int
     delivered_layers: int
+    #: decoding its sections not received yet will take (``adapt.decoding``)
+    remaining_decode_seconds: float = 0.0
 
 
 def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
@@ -131,9 +134,10 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     """What to switch the chunk in flight to, or None to keep it.
 
     ``plan`` describes the chunk in flight (row 0) and every chunk after it, with
-    ``time_left`` the seconds to the deadline and ``recompute_busy`` the recompute still
-    owed for earlier text chunks; ``rate`` is the robust estimate (bytes/s), partial rate
-    of the chunk in flight included; ``reconnect_seconds`` what connecting and opening
+    ``time_left`` the seconds to the deadline, ``recompute_busy`` the recompute still
+    owed for earlier text chunks and ``decode_busy`` the decoding owed for the sections
+    already in (``base.pipeline_budget`` takes it off); ``rate`` is the robust estimate
+    (bytes/s), partial rate of the chunk in flight included; ``reconnect_seconds`` what connecting and opening
     the context took; ``shortfall`` the share of ``rate`` the link may still fall to
     (``estimator.shortfall``: this peer's worst recent shortfall, at least
     ``GUARD_FACTOR``). A chunk on course near the deadline is kept only if it would still
@@ -142,9 +146,9 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     """
     if not rate > 0:
         return None
-    later = range(1, len(plan.sizes))
-    later_series = sum(_cheapest(plan, chunk, rate) for chunk in later)
-    later_levels = sum(min(plan.sizes[chunk]) for chunk in later) / rate
+    budget = pipeline_budget(plan)
+    later_series = float(option_seconds(plan, rate)[1:].min(axis=1).sum())
+    later_levels = float(link_seconds(plan, rate)[1:, :-1].min(axis=1).sum())
 
     def finish(link: float, recompute: float = 0.0) -> float:
         """When the last chunk is delivered if the chunk in flight takes ``link`` more
@@ -154,7 +158,11 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
         done = max(plan.recompute_busy, link) + recompute
         return min(done + later_series, max(done, link + later_levels))
 
-    keep = head.remaining_bytes / rate
+    def keeping(at: float) -> float:
+        """Seconds the chunk in flight still holds the pipeline if kept, its bytes at ``at`` bytes/s."""
+        return max(head.remaining_bytes / at, head.remaining_decode_seconds)
+
+    keep = keeping(rate)
     drain = min(head.remaining_bytes, COMMITTED_BYTES + rate * rtt) / rate
     abort = reconnect_seconds < drain
     restart = (reconnect_seconds if abort else drain) + rtt
@@ -167,21 +175,21 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
         """:func:`finish` after re-requesting the chunk as ``option``, its bytes at ``at`` bytes/s."""
         if option == TEXT:
             return finish(restart + text_bytes / at, text_seconds)
-        return finish(restart + plan.sizes[0][option] / at)
+        return finish(restart + predicted_seconds(plan, option, at))
 
-    can_wait = finish(PATIENCE_S + restart + text_bytes / rate, text_seconds) <= plan.time_left
-    if finish(keep) <= plan.time_left:
+    can_wait = finish(PATIENCE_S + restart + text_bytes / rate, text_seconds) <= budget
+    if finish(keep) <= budget:
         # keep while it could still be given up later; past that point, only a chunk
         # that would finish even at ``shortfall`` of this rate
-        if can_wait or finish(keep / shortfall) <= plan.time_left:
+        if can_wait or finish(keeping(rate * shortfall)) <= budget:
             return None
         # at ``shortfall`` of the rate: what a level (re-requested) still makes for sure
         safe = [option for option in options
-                if switched(option, rate if option == TEXT else rate * shortfall) <= plan.time_left]
+                if switched(option, rate if option == TEXT else rate * shortfall) <= budget]
         if not safe:
             return None   # nothing is surer than keeping
         return Switch(min(safe, key=lambda option: _distortion(plan, option)), abort)
-    fitting = [option for option in options if switched(option, rate) <= plan.time_left]
+    fitting = [option for option in options if switched(option, rate) <= budget]
     levels = [option for option in fitting if option != TEXT]
     if levels:   # a lower level makes the deadline, keeping does not: no gain test needed
         return Switch(min(levels, key=lambda option: _distortion(plan, option)), abort)
@@ -192,11 +200,6 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
     choice = min(options, key=lambda option: cost[option])
     return Switch(choice, abort) if cost[choice] <= (1 - MIN_GAIN) * keep else None
-
-
-def _cheapest(plan: PlanInput, chunk: int, rate: float) -> float:
-    return min(predicted_seconds(plan, option, rate, chunk)
-               for option in [TEXT, *range(plan.levels)])
 
 
 def _distortion(plan: PlanInput, choice: Choice) -> float:

@@ -35,23 +35,30 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
                recompute_seconds_per_token: float, text_penalty: float = 1.0,
                prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
-               recompute_busy: float = 0.0) -> PlanInput:
-    """The policy's view of chunks ``first_chunk..`` of a manifest."""
+               recompute_busy: float = 0.0, decode_seconds_per_token: float | None = None,
+               decode_busy: float = 0.0) -> PlanInput:
+    """The policy's view of chunks ``first_chunk..`` of a manifest; each option's decode is
+    timed at ``decode_seconds_per_token`` per token of a layer section (``adapt.decoding``;
+    None: not timed)."""
     chunks = manifest.chunks[first_chunk:]
+    decode_seconds = () if decode_seconds_per_token is None else [
+        [decode_seconds_per_token * manifest.layers * (c.end - c.start)] * len(c.sizes) for c in chunks]
     return PlanInput(
         sizes=[[size if size > 0 else UNAVAILABLE_BYTES for size in c.sizes] for c in chunks],
         text_bytes=[c.text_bytes for c in chunks],
         text_seconds=[recompute_seconds_per_token * (c.end - c.start) for c in chunks],
         distortion=list(manifest.level_distortion),
         time_left=time_left, history=list(history), prior_bps=prior_bps, text_penalty=text_penalty,
-        prior_errors=tuple(prior_errors), abandon=abandon, recompute_busy=recompute_busy)
+        prior_errors=tuple(prior_errors), abandon=abandon, recompute_busy=recompute_busy,
+        decode_seconds=decode_seconds, decode_busy=decode_busy)
 
 
 def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: float,
            history: Sequence[Observation], prior_bps: float | None,
            recompute_seconds_per_token: float, prior_errors: Sequence[float] = (),
            abandon: Abandon | None = None, recompute_busy: float = 0.0,
-           until_deadline: float | None = None) -> tuple[Choice, str | None]:
+           until_deadline: float | None = None, decode_seconds_per_token: float | None = None,
+           decode_busy: float = 0.0) -> tuple[Choice, str | None]:
     """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
 
     With no time left nothing fetched can make the deadline, so the rest goes to text
@@ -67,7 +74,9 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
     choice = policy(plan_input(manifest, first_chunk, time_left=time_left, history=history,
                                prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                                recompute_busy=recompute_busy,
-                               recompute_seconds_per_token=recompute_seconds_per_token))
+                               recompute_seconds_per_token=recompute_seconds_per_token,
+                               decode_seconds_per_token=decode_seconds_per_token,
+                               decode_busy=decode_busy))
     if choice != TEXT and manifest.chunks[first_chunk].sizes[choice] == 0:
         raise ValueError(f"policy chose level {choice}, which chunk {first_chunk} was not stored at")
     return choice, None

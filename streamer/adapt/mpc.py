@@ -64,7 +64,7 @@ import numpy as np
 
 from streamer.adapt import overlap
 from streamer.adapt.base import (TEXT, Choice, PlanInput, choice_of, link_seconds, option_costs,
-                                 option_seconds, probe_level)
+                                 option_seconds, pipeline_budget, probe_level)
 from streamer.adapt.cancel import abandon_seconds
 from streamer.adapt.estimator import (DEFAULT_WINDOW, guard_estimate, rate_scenarios, robust_estimate,
                                       throughputs)
@@ -93,10 +93,11 @@ def plan_costs(inp: PlanInput) -> np.ndarray:
 
 
 def with_margin(inp: PlanInput) -> PlanInput:
-    """``inp`` with ``PLAN_MARGIN`` of its time left held back (none of an overdrawn budget)."""
-    if inp.time_left <= 0:
-        return inp
-    return dataclasses.replace(inp, time_left=inp.time_left * (1.0 - PLAN_MARGIN))
+    """``inp`` with the time its plans have: what the decoder adds off
+    (``base.pipeline_budget``), and ``PLAN_MARGIN`` of the rest held back (none of an
+    overdrawn budget)."""
+    budget = pipeline_budget(inp)
+    return dataclasses.replace(inp, time_left=budget * (1.0 - PLAN_MARGIN) if budget > 0 else budget)
 
 
 def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,

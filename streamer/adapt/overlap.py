@@ -28,6 +28,13 @@ The plan (:func:`solve`) is exact within two shapes of schedule and takes the ch
 
 A plan one shape calls feasible is feasible under the model, so the planner may be
 pessimistic (a schedule with text between KV chunks is timed in series), never optimistic.
+
+The receiver's **decoder** is a third stage, between the link and delivery: a KV chunk's
+sections decode while the next chunk's arrive, so a chunk holds the pipeline for the
+slower of its transfer and its decode. ``link`` here is that time
+(``base.link_seconds``), and the decoding owed for chunks already requested comes off the
+budget (``base.pipeline_budget``, ``adapt.decoding``); where the decoder keeps up (the
+simulator's receiver, a GPU decoder) both reduce to the link alone.
 """
 from __future__ import annotations
 

@@ -241,14 +241,19 @@ class Simulator:
     def decide(self, policy: str | Policy, chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
                prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
-               recompute_busy: float = 0.0, until_deadline: float | None = None) -> tuple[Choice, str | None]:
+               recompute_busy: float = 0.0, until_deadline: float | None = None,
+               decode_seconds_per_token: float | None = None,
+               decode_busy: float = 0.0) -> tuple[Choice, str | None]:
         """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
-        context's manifest and recompute cost (the session calls the same function)."""
+        context's manifest and recompute cost (the session calls the same function).
+        ``decode_seconds_per_token`` and ``decode_busy`` replay a session's decoder; the
+        simulated receiver's own keeps up with any link (None)."""
         fn, _ = _as_policy(policy)
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
                       prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                       recompute_busy=recompute_busy, recompute_seconds_per_token=self.recompute,
-                      until_deadline=until_deadline)
+                      until_deadline=until_deadline, decode_seconds_per_token=decode_seconds_per_token,
+                      decode_busy=decode_busy)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
         return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,11 @@ class OrderedDelivery:
         #: (tokens, seconds) of each on_text call, in order: the caller's recompute rate as
         #: it is during this fetch (``adapt.recompute``)
         self.recomputes: list[tuple[int, float]] = []
+        #: (chunk, seconds) of each section decoded, in the order they finished: the
+        #: decoder's cost as it is during this fetch (``adapt.decoding``)
+        self.decodes: list[tuple[int, float]] = []
+        #: the sections (chunk, layer) handed to the decoder and not finished
+        self._decoding: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------- backlog (backpressure)
     def _release(self, chunk: int, layer: int | None = None) -> None:
@@ -178,9 +184,23 @@ class OrderedDelivery:
             job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
                                              layer, section)
         slot.set_result(job)
+        self._decoding.add((chunk, layer))
+        job.add_done_callback(functools.partial(self._decoded, chunk, layer))
         size = len(section)
         self.backlog_bytes += size - self._backlog.get((chunk, layer), 0)
         self._backlog[(chunk, layer)] = size
+
+    def _decoded(self, chunk: int, layer: int, job: asyncio.Future) -> None:
+        self._decoding.discard((chunk, layer))
+        # a failed decode is the consumer's to raise (exception() only marks it seen: a
+        # retargeted chunk's moot failure is not logged as unretrieved)
+        if not job.cancelled() and job.exception() is None:
+            self.decodes.append((chunk, job.result()[2]))
+
+    def decoding(self) -> list[int]:
+        """The chunk of each section handed to the decoder and not finished: what it still
+        owes (``adapt.decoding`` prices it)."""
+        return [chunk for chunk, _ in self._decoding]
 
     def add_text(self, chunk: int, token_ids: list[int]) -> None:
         state = self._chunks[chunk]

@@ -10,7 +10,10 @@ over busy time only: a chunk's clock starts when the previous chunk ended or whe
 its request could first have been answered (sent + one round trip), whichever is
 later, so neither idle time nor a burst of buffered bytes distorts it. Layer sections are handed to
 ``OrderedDelivery`` as they land, so decoding overlaps receiving and layer 0 of
-chunk 0 reaches the consumer while later chunks are still on the wire.
+chunk 0 reaches the consumer while later chunks are still on the wire. The decoder is
+timed too (``adapt.decoding``): every decision sees its seconds per token, as its recent
+sections took, and the decoding still owed, so a plan on a receiver whose decoder is
+slower than the link is timed by the decoder.
 
 Faults: a reset, a close, a protocol error or a stall longer than ``stall_timeout``
 triggers a reconnect with bounded exponential backoff (cycling through
@@ -52,7 +55,8 @@ from typing import Any, Callable, Sequence
 
 import codec
 
-from streamer.adapt import cancel, estimator
+from streamer.adapt import cancel, decoding, estimator
+from streamer.adapt.decoding import RECENT_SECTIONS
 from streamer.adapt.recompute import RECENT, recompute_rate
 from streamer.adapt.base import Abandon
 from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input, time_left
@@ -181,6 +185,9 @@ class StreamSession:
         #: (tokens, seconds) of the caller's last on_text calls, across fetches: its compute
         #: outlives a fetch, so the next one plans text at the rate it showed (adapt.recompute)
         self.recomputes: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT)
+        #: (tokens, seconds) of the last sections decoded, across fetches: the decoder's cost,
+        #: so the next fetch's first plan is timed by it too (adapt.decoding)
+        self.decodes: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT_SECTIONS)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
         self._fetch: _Fetch | None = None
 
@@ -432,6 +439,7 @@ class _Fetch:
         self.report.cancels = self.cancels
         self.report.recompute_seconds_per_token = self._recompute_rate()
         self.s.recomputes.extend(self.delivery.recomputes)
+        self.s.decodes.extend(self._decoded_sections())
         self.report.chunks = [c.report for c in self.chunks if c.report is not None]
         for chunk in self.chunks:
             if chunk.report is not None:
@@ -559,12 +567,43 @@ class _Fetch:
         until_deadline = self.deadline - now
         left = time_left(until_deadline, self._outstanding_bytes(), estimate, rtt)
         abandon = Abandon(rtt, self.s.connect_seconds) if self.s.config.cancels else None
+        per_token = self._decode_rate()
+        # the decoding owed for what was requested, beyond the wait for its bytes (off ``left``)
+        decode_busy = 0.0 if per_token is None else max(0.0, per_token * self._decode_owed() - (until_deadline - left))
         choice, reason = decide(self.s._policy, self.manifest, index, time_left=left, history=history,
                                 prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
                                 recompute_busy=self._pending_recompute(),
                                 recompute_seconds_per_token=self._recompute_rate(),
-                                until_deadline=until_deadline)
+                                until_deadline=until_deadline, decode_seconds_per_token=per_token,
+                                decode_busy=decode_busy)
         return choice, reason, left, estimate
+
+    def _decode_rate(self) -> float | None:
+        """The decoder's seconds per token of a section, over its recent sections (this
+        fetch's and the session's earlier ones); None before any (``adapt.decoding``)."""
+        return decoding.seconds_per_token([*self.s.decodes, *self._decoded_sections()])
+
+    def _tokens(self, chunk: int) -> int:
+        return self.manifest.chunks[chunk].end - self.manifest.chunks[chunk].start
+
+    def _decoded_sections(self) -> list[tuple[int, float]]:
+        """(tokens, seconds) of the sections this fetch decoded."""
+        return [(self._tokens(chunk), seconds) for chunk, seconds in self.delivery.decodes]
+
+    def _unarrived_tokens(self, chunk: _Chunk) -> int:
+        """Section tokens of a requested KV chunk not handed to the decoder yet."""
+        if chunk.choice == TEXT or chunk.choice is None:
+            return 0
+        return self._tokens(chunk.index) * (self.manifest.layers - chunk.next_layer)
+
+    def _decoder_owed(self) -> int:
+        """Section tokens handed to the decoder and not decoded yet."""
+        return sum(self._tokens(chunk) for chunk in self.delivery.decoding())
+
+    def _decode_owed(self) -> int:
+        """Section tokens still to decode for every chunk requested: those in the decoder,
+        and those of the chunks in flight still to arrive (it decodes them in turn)."""
+        return self._decoder_owed() + sum(self._unarrived_tokens(self.chunks[i]) for i in self.inflight)
 
     def _recompute_rate(self) -> float:
         """Seconds per token to plan text at: the configured rate, or the caller's recent
@@ -599,12 +638,16 @@ class _Fetch:
         sample = cancel.chunk_rate(head.marks, estimate)
         if sample is None:
             return
+        per_token = self._decode_rate()
+        decoding_at = per_token or 0.0
         plan = plan_input(self.manifest, head.index, time_left=self.deadline - now, history=[],
                           prior_bps=None, prior_errors=(), recompute_busy=self._pending_recompute(),
-                          recompute_seconds_per_token=self._recompute_rate())
+                          recompute_seconds_per_token=self._recompute_rate(),
+                          decode_seconds_per_token=per_token, decode_busy=decoding_at * self._decoder_owed())
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - received,
-                                    delivered_layers=self.delivery.delivered_layers(head.index))
+                                    delivered_layers=self.delivery.delivered_layers(head.index),
+                                    remaining_decode_seconds=decoding_at * self._unarrived_tokens(head))
         switch = cancel.reconsider(plan, in_flight, rate=sample.bytes / sample.busy_seconds, rtt=client.rtt,
                                    reconnect_seconds=self.s.connect_seconds,
                                    shortfall=estimator.shortfall(self.history, self.prior_errors))

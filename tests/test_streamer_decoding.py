@@ -1,0 +1,116 @@
+"""The decoder as a pipeline stage: its measured rate (``adapt.decoding``), how the planners
+and the cancel rule time it (``base.link_seconds``, ``base.pipeline_budget``), and the
+delivery's record of what it decoded and still owes."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from streamer.adapt.base import TEXT, Observation, PlanInput, link_seconds, pipeline_budget, predicted_seconds
+from streamer.adapt.cancel import InFlight, Switch, reconsider
+from streamer.adapt.decoding import RECENT_SECTIONS, seconds_per_token
+from streamer.adapt.mpc import mpc, mpc_plan
+from streamer.net.delivery import OrderedDelivery
+
+MB = 1_000_000
+
+
+# ------------------------------------------------------------------ the rate
+def test_no_section_decoded_means_no_rate() -> None:
+    assert seconds_per_token([]) is None
+    assert seconds_per_token([(0, 0.5)]) is None   # sections of no tokens are ignored
+
+
+def test_the_rate_is_token_weighted_over_the_recent_sections() -> None:
+    assert seconds_per_token([(100, 0.01), (1000, 0.1)]) == pytest.approx(1e-4)
+    slow_then_fast = [(1000, 1.0)] + [(1000, 0.01)] * RECENT_SECTIONS
+    assert seconds_per_token(slow_then_fast) == pytest.approx(1e-5)
+
+
+def test_negative_seconds_are_refused() -> None:
+    with pytest.raises(ValueError, match="seconds"):
+        seconds_per_token([(10, -1.0)])
+
+
+@given(st.lists(st.tuples(st.integers(1, 10_000), st.floats(0, 10)), min_size=1, max_size=40))
+def test_the_rate_lies_between_the_recent_sections_rates(sections) -> None:
+    recent = [seconds / tokens for tokens, seconds in sections[-RECENT_SECTIONS:]]
+    rate = seconds_per_token(sections)
+    assert min(recent) * (1 - 1e-12) <= rate <= max(recent) * (1 + 1e-12)
+
+
+# ------------------------------------------------------------------ the planners' view
+def _plan(time_left: float, decode: float, chunks: int = 2, decode_busy: float = 0.0) -> PlanInput:
+    """``chunks`` chunks of 1 MB / 0.25 MB at levels 0-1 (link: 100 MB/s), each decoding in
+    ``decode`` seconds at either level; text: 2 kB recomputed in 10 ms."""
+    return PlanInput(sizes=[[MB, MB // 4]] * chunks, text_bytes=[2000] * chunks,
+                     text_seconds=[0.01] * chunks, distortion=[0.001, 0.05], time_left=time_left,
+                     history=[Observation(10 * MB, 0.1)] * 4,
+                     decode_seconds=[[decode, decode]] * chunks if decode else (), decode_busy=decode_busy)
+
+
+def test_a_kv_option_holds_the_pipeline_for_its_transfer_or_its_decode() -> None:
+    seconds = link_seconds(_plan(1.0, decode=0.05), 100 * MB)
+    np.testing.assert_allclose(seconds[0], [0.05, 0.05, 2e-5])       # L1's 2.5 ms transfer waits for its decode
+    np.testing.assert_allclose(link_seconds(_plan(1.0, decode=0.0), 100 * MB)[0], [0.01, 0.0025, 2e-5])
+    assert predicted_seconds(_plan(1.0, decode=0.05), 1, 100 * MB) == pytest.approx(0.05)
+
+
+def test_the_budget_loses_the_decode_owed() -> None:
+    assert pipeline_budget(_plan(1.0, decode=0.2, decode_busy=0.3)) == pytest.approx(0.7)
+    assert pipeline_budget(_plan(1.0, decode=0.0)) == 1.0
+
+
+def test_mpc_takes_the_best_level_when_the_decoder_is_the_bottleneck() -> None:
+    """Both levels hold the pipeline for their 0.3 s decode: the smaller one buys nothing."""
+    assert mpc(_plan(1.0, decode=0.3)) == 0
+
+
+def test_mpc_plans_text_when_the_decode_owed_leaves_no_time_for_kv() -> None:
+    """Decoding both chunks takes 0.9 s of the 1 s left: both at level 0. With the decoder
+    0.2 s behind on earlier chunks they would be delivered after 1.1 s: one goes to text
+    (10 ms; placed last, so the first stays level 0)."""
+    assert mpc_plan(_plan(1.0, decode=0.45)).columns == (0, 0)
+    assert mpc_plan(_plan(1.0, decode=0.45, decode_busy=0.2)).columns == (0, 2)
+
+
+def test_the_cancel_rule_counts_the_decode_of_what_is_still_to_arrive() -> None:
+    """100 kB to go at 100 MB/s is 1 ms of link, but its sections take 0.5 s to decode (as
+    would a re-requested level's): with 0.1 s left, keeping misses and text (10 ms) fits."""
+    plan = _plan(0.1, decode=0.5, chunks=1)
+    fast = InFlight(level=0, remaining_bytes=100_000, delivered_layers=0, remaining_decode_seconds=0.001)
+    slow = InFlight(level=0, remaining_bytes=100_000, delivered_layers=0, remaining_decode_seconds=0.5)
+    assert reconsider(plan, fast, rate=100 * MB, rtt=0.001, reconnect_seconds=0.01) is None
+    assert reconsider(plan, slow, rate=100 * MB, rtt=0.001, reconnect_seconds=0.01) == Switch(TEXT, abort=False)
+
+
+# ------------------------------------------------------------------ the delivery's record
+async def test_the_delivery_times_each_section_and_knows_what_the_decoder_owes() -> None:
+    release = threading.Event()
+
+    def decode(header, profile, layer, section):
+        if layer == 1:
+            release.wait(5)
+        return torch.zeros(1), torch.zeros(1)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = OrderedDelivery(chunks=1, layers=2, on_layer=None, on_text=None,
+                                   on_corrupt=lambda *a: None, executor=pool, decode=decode)
+        delivery.resolve(0, 0)
+        delivery.add_section(0, 0, None, None, b"a")
+        delivery.add_section(0, 1, None, None, b"b")
+        consumer = asyncio.create_task(delivery.run())
+        while len(delivery.decodes) < 1:
+            await asyncio.sleep(0.001)
+        assert delivery.decoding() == [0]          # layer 1 is still in the decoder
+        release.set()
+        await asyncio.wait_for(consumer, 5)
+    assert delivery.decoding() == []
+    assert [chunk for chunk, _ in delivery.decodes] == [0, 0]
+    assert all(seconds >= 0 for _, seconds in delivery.decodes)
