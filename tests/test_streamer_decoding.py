@@ -1,4 +1,4 @@
-"""The decoder as a pipeline stage: its measured rate (``adapt.decoding``), how the planners
+"""The decoder as a pipeline stage: its measured cost (``adapt.decoding``), how the planners
 and the cancel rule time it (``base.link_seconds``, ``base.pipeline_budget``), and the
 delivery's record of what it decoded and still owes."""
 from __future__ import annotations
@@ -14,35 +14,52 @@ from hypothesis import given, strategies as st
 
 from streamer.adapt.base import TEXT, Observation, PlanInput, link_seconds, pipeline_budget, predicted_seconds
 from streamer.adapt.cancel import InFlight, Switch, reconsider
-from streamer.adapt.decoding import RECENT_SECTIONS, seconds_per_token
+from streamer.adapt.decoding import PER_TOKEN_SHARE, RECENT_SECTIONS, measure
 from streamer.adapt.mpc import mpc, mpc_plan
 from streamer.net.delivery import OrderedDelivery
 
 MB = 1_000_000
 
 
-# ------------------------------------------------------------------ the rate
-def test_no_section_decoded_means_no_rate() -> None:
-    assert seconds_per_token([]) is None
-    assert seconds_per_token([(0, 0.5)]) is None   # sections of no tokens are ignored
+# ------------------------------------------------------------------ the cost
+def test_no_section_decoded_means_no_cost() -> None:
+    assert measure([]) is None
+    assert measure([(0, 100, 0.5), (10, 0, 0.5)]) is None   # sections of no tokens or bytes are ignored
 
 
-def test_the_rate_is_token_weighted_over_the_recent_sections() -> None:
-    assert seconds_per_token([(100, 0.01), (1000, 0.1)]) == pytest.approx(1e-4)
-    slow_then_fast = [(1000, 1.0)] + [(1000, 0.01)] * RECENT_SECTIONS
-    assert seconds_per_token(slow_then_fast) == pytest.approx(1e-5)
+def test_the_cost_is_token_weighted_over_the_recent_sections() -> None:
+    cost = measure([(100, 1000, 0.01), (1000, 10_000, 0.1)])
+    assert (cost.seconds_per_token, cost.bytes_per_token) == (pytest.approx(1e-4), pytest.approx(10.0))
+    slow_then_fast = [(1000, 10_000, 1.0)] + [(1000, 10_000, 0.01)] * RECENT_SECTIONS
+    assert measure(slow_then_fast).seconds_per_token == pytest.approx(1e-5)
+
+
+def test_sections_like_those_measured_cost_what_they_took() -> None:
+    cost = measure([(512, 200_000, 0.02)] * 6)
+    assert cost.seconds(512, 200_000) == pytest.approx(0.02)
+    assert cost.seconds(6 * 512, 6 * 200_000) == pytest.approx(0.12)   # a chunk: its sections' sum
+
+
+def test_fewer_bytes_decode_faster_but_not_in_proportion() -> None:
+    """Part of a section's decode is per element: a quarter of the bytes takes more than a
+    quarter of the time (PER_TOKEN_SHARE), and less than all of it."""
+    cost = measure([(512, 200_000, 0.02)])
+    assert 0.02 / 4 < cost.seconds(512, 50_000) < 0.02
+    assert cost.seconds(512, 50_000) == pytest.approx(0.02 * (PER_TOKEN_SHARE + (1 - PER_TOKEN_SHARE) / 4))
 
 
 def test_negative_seconds_are_refused() -> None:
     with pytest.raises(ValueError, match="seconds"):
-        seconds_per_token([(10, -1.0)])
+        measure([(10, 10, -1.0)])
 
 
-@given(st.lists(st.tuples(st.integers(1, 10_000), st.floats(0, 10)), min_size=1, max_size=40))
-def test_the_rate_lies_between_the_recent_sections_rates(sections) -> None:
-    recent = [seconds / tokens for tokens, seconds in sections[-RECENT_SECTIONS:]]
-    rate = seconds_per_token(sections)
-    assert min(recent) * (1 - 1e-12) <= rate <= max(recent) * (1 + 1e-12)
+@given(st.lists(st.tuples(st.integers(1, 10_000), st.integers(1, 10**6), st.floats(0, 10)),
+                min_size=1, max_size=40))
+def test_the_recent_sections_together_cost_what_they_took(sections) -> None:
+    recent = sections[-RECENT_SECTIONS:]
+    cost = measure(sections)
+    total = cost.seconds(sum(t for t, _, _ in recent), sum(b for _, b, _ in recent))
+    assert total == pytest.approx(sum(s for _, _, s in recent), rel=1e-9, abs=1e-12)
 
 
 # ------------------------------------------------------------------ the planners' view
@@ -104,13 +121,13 @@ async def test_the_delivery_times_each_section_and_knows_what_the_decoder_owes()
                                    on_corrupt=lambda *a: None, executor=pool, decode=decode)
         delivery.resolve(0, 0)
         delivery.add_section(0, 0, None, None, b"a")
-        delivery.add_section(0, 1, None, None, b"b")
+        delivery.add_section(0, 1, None, None, b"bb")
         consumer = asyncio.create_task(delivery.run())
         while len(delivery.decodes) < 1:
             await asyncio.sleep(0.001)
-        assert delivery.decoding() == [0]          # layer 1 is still in the decoder
+        assert delivery.decoding() == [(0, 2)]          # layer 1 (2 bytes) is still in the decoder
         release.set()
         await asyncio.wait_for(consumer, 5)
     assert delivery.decoding() == []
-    assert [chunk for chunk, _ in delivery.decodes] == [0, 0]
-    assert all(seconds >= 0 for _, seconds in delivery.decodes)
+    assert [(chunk, size) for chunk, size, _ in delivery.decodes] == [(0, 1), (0, 2)]
+    assert all(seconds >= 0 for _, _, seconds in delivery.decodes)

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from streamer.wire.manifest import Manifest
 from streamer.adapt.base import Abandon
+from streamer.adapt.decoding import DecodeCost
 from streamer.adapt.policies import TEXT, Choice, Observation, PlanInput, Policy
 
 #: Chunks requested beyond the one in progress (text requests are tiny and not counted):
@@ -35,16 +36,17 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
                history: Sequence[Observation], prior_bps: float | None,
                recompute_seconds_per_token: float, text_penalty: float = 1.0,
                prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
-               recompute_busy: float = 0.0, decode_seconds_per_token: float | None = None,
+               recompute_busy: float = 0.0, decode_cost: DecodeCost | None = None,
                decode_busy: float = 0.0) -> PlanInput:
     """The policy's view of chunks ``first_chunk..`` of a manifest; each option's decode is
-    timed at ``decode_seconds_per_token`` per token of a layer section (``adapt.decoding``;
-    None: not timed)."""
+    timed at ``decode_cost`` (``adapt.decoding``; None: not timed)."""
     chunks = manifest.chunks[first_chunk:]
-    decode_seconds = () if decode_seconds_per_token is None else [
-        [decode_seconds_per_token * manifest.layers * (c.end - c.start)] * len(c.sizes) for c in chunks]
+    sizes = [[size if size > 0 else UNAVAILABLE_BYTES for size in c.sizes] for c in chunks]
+    decode_seconds = () if decode_cost is None else [
+        [decode_cost.seconds(manifest.layers * (c.end - c.start), size) for size in row]
+        for c, row in zip(chunks, sizes)]
     return PlanInput(
-        sizes=[[size if size > 0 else UNAVAILABLE_BYTES for size in c.sizes] for c in chunks],
+        sizes=sizes,
         text_bytes=[c.text_bytes for c in chunks],
         text_seconds=[recompute_seconds_per_token * (c.end - c.start) for c in chunks],
         distortion=list(manifest.level_distortion),
@@ -57,7 +59,7 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
            history: Sequence[Observation], prior_bps: float | None,
            recompute_seconds_per_token: float, prior_errors: Sequence[float] = (),
            abandon: Abandon | None = None, recompute_busy: float = 0.0,
-           until_deadline: float | None = None, decode_seconds_per_token: float | None = None,
+           until_deadline: float | None = None, decode_cost: DecodeCost | None = None,
            decode_busy: float = 0.0) -> tuple[Choice, str | None]:
     """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
 
@@ -75,8 +77,7 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
                                prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                                recompute_busy=recompute_busy,
                                recompute_seconds_per_token=recompute_seconds_per_token,
-                               decode_seconds_per_token=decode_seconds_per_token,
-                               decode_busy=decode_busy))
+                               decode_cost=decode_cost, decode_busy=decode_busy))
     if choice != TEXT and manifest.chunks[first_chunk].sizes[choice] == 0:
         raise ValueError(f"policy chose level {choice}, which chunk {first_chunk} was not stored at")
     return choice, None

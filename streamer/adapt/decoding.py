@@ -1,4 +1,4 @@
-"""The receiver's decode cost: seconds per token of a layer section, as its decoder shows it.
+"""The receiver's decode cost: seconds per layer section, as its decoder shows it.
 
 A KV chunk is delivered once its sections are decoded, and the decoder is a pipeline
 stage of its own: chunk ``i`` decodes while chunk ``i + 1`` arrives. Where the decoder is
@@ -11,36 +11,61 @@ recompute: 1.05 s). So the planners time a KV option at the slower of its transf
 its decode (``base.link_seconds``), and the decode still owed comes off their budget
 (``base.pipeline_budget``).
 
-The cost is counted per token, the same at every level. Most of a section's decode is per
-element (rANS symbols, dequantisation, the inverse transform): on the demo's MiniLM chunks
-decoded alone, 27 ms a chunk at level 4 and 48 ms at level 0 for four times the bytes.
-What the level changes is dwarfed by what load does: during a fetch on 2 cores the same
-sections took 2-4x longer while the link ran at 200 Mbit/s (the receiving loop, the
-sender and the proxy share the cores) than while it ran at 25 Mbit/s. A per-byte term
-fitted on such sections reads that load as a price of bytes (the sections decoded under
-load were the large ones) and steered the plan to the smallest level for no gain; one
-figure per token, the mean over the recent sections, follows the load and leaves the
-level to the link. With decode the bottleneck, every level then holds the pipeline alike,
-and the plans' ties go to the better level.
+A section's decode is partly per element (rANS symbols, dequantisation, the inverse
+transform) and partly per coded byte. Decoded alone on this session's machine, the
+demo's MiniLM chunks take 27 ms at level 4 and 48 ms at level 0 (3.8x the bytes): about
+half of a mid-level chunk's time is per token. During a fetch on 2 cores the same chunks
+took 2-5x longer, and longer still while the link ran fast (the receiving loop, the
+sender and the proxy share the cores), so the two terms cannot be told apart from the
+sections a fetch decodes: a least-squares fit read the load as a price of bytes (the
+sections decoded under load were the large ones) and sent a feasible fetch to level 4;
+a per-token figure alone made every level look alike when the decoder was the
+bottleneck, and the plan kept level 0, whose decode then ran 20 ms past a 1 s SLO. So
+the *scale* is measured (the mean over the recent sections, which follows the load) and
+the *split* is fixed: ``PER_TOKEN_SHARE`` of a section's time at the measured sections'
+bytes per token is per token, the rest scales with its bytes.
 
 Pure; the delivery times each section as it is decoded, the session asks here.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-#: How many recent sections the rate is judged by: a few chunks' worth, so it follows the
+#: How many recent sections the cost is judged by: a few chunks' worth, so it follows the
 #: load of the moment and no single slow section decides it.
 RECENT_SECTIONS = 24
+#: Share of a section's decode that is per token at the bytes per token of the sections
+#: measured (the rest scales with its coded bytes): ~0.5 from the idle timings above.
+PER_TOKEN_SHARE = 0.5
 
 
-def seconds_per_token(sections: Sequence[tuple[int, float]]) -> float | None:
-    """Seconds a section takes to decode per token of it: the token-weighted mean over the
-    last ``RECENT_SECTIONS`` of ``sections`` ((tokens, seconds), oldest first), or None with
-    none (sections of no tokens are ignored)."""
-    recent = [(tokens, seconds) for tokens, seconds in sections if tokens > 0][-RECENT_SECTIONS:]
-    if any(not seconds >= 0 for _, seconds in recent):
+@dataclass(frozen=True)
+class DecodeCost:
+    """The decoder as recently measured: ``seconds_per_token`` at ``bytes_per_token``."""
+
+    seconds_per_token: float
+    bytes_per_token: float
+
+    def __post_init__(self) -> None:
+        if not (self.seconds_per_token >= 0 and self.bytes_per_token > 0):
+            raise ValueError(f"invalid {self}: seconds_per_token >= 0 and bytes_per_token > 0 needed")
+
+    def seconds(self, tokens: float, nbytes: float) -> float:
+        """Seconds a section (or the sum of sections) of ``tokens`` tokens and ``nbytes``
+        coded bytes takes to decode."""
+        return self.seconds_per_token * (PER_TOKEN_SHARE * tokens
+                                         + (1.0 - PER_TOKEN_SHARE) * nbytes / self.bytes_per_token)
+
+
+def measure(sections: Sequence[tuple[int, int, float]]) -> DecodeCost | None:
+    """The cost over the last ``RECENT_SECTIONS`` of ``sections`` ((tokens, bytes, seconds),
+    oldest first; token-weighted), or None with none (sections of no tokens or no bytes
+    are ignored)."""
+    recent = [s for s in sections if s[0] > 0 and s[1] > 0][-RECENT_SECTIONS:]
+    if any(not seconds >= 0 for _, _, seconds in recent):
         raise ValueError(f"decode seconds must be >= 0, got {recent}")
     if not recent:
         return None
-    return sum(seconds for _, seconds in recent) / sum(tokens for tokens, _ in recent)
+    tokens = sum(t for t, _, _ in recent)
+    return DecodeCost(sum(s for _, _, s in recent) / tokens, sum(b for _, b, _ in recent) / tokens)

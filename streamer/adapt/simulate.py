@@ -77,6 +77,7 @@ from netsim.trace import Trace
 from streamer.adapt import cancel as cancel_rule
 from streamer.adapt.base import Abandon
 from streamer.adapt.cancel import RECONSIDER_S
+from streamer.adapt.decoding import DecodeCost
 from streamer.adapt import estimator
 from streamer.adapt.decide import (DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, MAX_QUEUED_AHEAD, decide,
                                    plan_input, time_left)
@@ -242,18 +243,16 @@ class Simulator:
                history: Sequence[Observation], prior_bps: float | None,
                prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
                recompute_busy: float = 0.0, until_deadline: float | None = None,
-               decode_seconds_per_token: float | None = None,
-               decode_busy: float = 0.0) -> tuple[Choice, str | None]:
+               decode_cost: DecodeCost | None = None, decode_busy: float = 0.0) -> tuple[Choice, str | None]:
         """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
         context's manifest and recompute cost (the session calls the same function).
-        ``decode_seconds_per_token`` and ``decode_busy`` replay a session's decoder; the
-        simulated receiver's own keeps up with any link (None)."""
+        ``decode_cost`` and ``decode_busy`` replay a session's decoder; the simulated
+        receiver's own keeps up with any link (None)."""
         fn, _ = _as_policy(policy)
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
                       prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                       recompute_busy=recompute_busy, recompute_seconds_per_token=self.recompute,
-                      until_deadline=until_deadline, decode_seconds_per_token=decode_seconds_per_token,
-                      decode_busy=decode_busy)
+                      until_deadline=until_deadline, decode_cost=decode_cost, decode_busy=decode_busy)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
         return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]

@@ -94,11 +94,11 @@ class OrderedDelivery:
         #: (tokens, seconds) of each on_text call, in order: the caller's recompute rate as
         #: it is during this fetch (``adapt.recompute``)
         self.recomputes: list[tuple[int, float]] = []
-        #: (chunk, seconds) of each section decoded, in the order they finished: the
+        #: (chunk, bytes, seconds) of each section decoded, in the order they finished: the
         #: decoder's cost as it is during this fetch (``adapt.decoding``)
-        self.decodes: list[tuple[int, float]] = []
-        #: the sections (chunk, layer) handed to the decoder and not finished
-        self._decoding: set[tuple[int, int]] = set()
+        self.decodes: list[tuple[int, int, float]] = []
+        #: bytes of each section (chunk, layer) handed to the decoder and not finished
+        self._decoding: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------- backlog (backpressure)
     def _release(self, chunk: int, layer: int | None = None) -> None:
@@ -184,23 +184,23 @@ class OrderedDelivery:
             job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
                                              layer, section)
         slot.set_result(job)
-        self._decoding.add((chunk, layer))
-        job.add_done_callback(functools.partial(self._decoded, chunk, layer))
         size = len(section)
+        self._decoding[(chunk, layer)] = size
+        job.add_done_callback(functools.partial(self._decoded, chunk, layer, size))
         self.backlog_bytes += size - self._backlog.get((chunk, layer), 0)
         self._backlog[(chunk, layer)] = size
 
-    def _decoded(self, chunk: int, layer: int, job: asyncio.Future) -> None:
-        self._decoding.discard((chunk, layer))
+    def _decoded(self, chunk: int, layer: int, size: int, job: asyncio.Future) -> None:
+        self._decoding.pop((chunk, layer), None)
         # a failed decode is the consumer's to raise (exception() only marks it seen: a
         # retargeted chunk's moot failure is not logged as unretrieved)
         if not job.cancelled() and job.exception() is None:
-            self.decodes.append((chunk, job.result()[2]))
+            self.decodes.append((chunk, size, job.result()[2]))
 
-    def decoding(self) -> list[int]:
-        """The chunk of each section handed to the decoder and not finished: what it still
-        owes (``adapt.decoding`` prices it)."""
-        return [chunk for chunk, _ in self._decoding]
+    def decoding(self) -> list[tuple[int, int]]:
+        """(chunk, bytes) of each section handed to the decoder and not finished: what it
+        still owes (``adapt.decoding`` prices it)."""
+        return [(chunk, size) for (chunk, _), size in self._decoding.items()]
 
     def add_text(self, chunk: int, token_ids: list[int]) -> None:
         state = self._chunks[chunk]

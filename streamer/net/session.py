@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import codec
 
 from streamer.adapt import cancel, decoding, estimator
-from streamer.adapt.decoding import RECENT_SECTIONS
+from streamer.adapt.decoding import RECENT_SECTIONS, DecodeCost
 from streamer.adapt.recompute import RECENT, recompute_rate
 from streamer.adapt.base import Abandon
 from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input, time_left
@@ -185,9 +185,9 @@ class StreamSession:
         #: (tokens, seconds) of the caller's last on_text calls, across fetches: its compute
         #: outlives a fetch, so the next one plans text at the rate it showed (adapt.recompute)
         self.recomputes: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT)
-        #: (tokens, seconds) of the last sections decoded, across fetches: the decoder's cost,
-        #: so the next fetch's first plan is timed by it too (adapt.decoding)
-        self.decodes: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT_SECTIONS)
+        #: (tokens, bytes, seconds) of the last sections decoded, across fetches: the decoder's
+        #: cost, so the next fetch's first plan is timed by it too (adapt.decoding)
+        self.decodes: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=RECENT_SECTIONS)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
         self._fetch: _Fetch | None = None
 
@@ -567,43 +567,45 @@ class _Fetch:
         until_deadline = self.deadline - now
         left = time_left(until_deadline, self._outstanding_bytes(), estimate, rtt)
         abandon = Abandon(rtt, self.s.connect_seconds) if self.s.config.cancels else None
-        per_token = self._decode_rate()
+        cost = self._decode_cost()
         # the decoding owed for what was requested, beyond the wait for its bytes (off ``left``)
-        decode_busy = 0.0 if per_token is None else max(0.0, per_token * self._decode_owed() - (until_deadline - left))
+        decode_busy = 0.0 if cost is None else max(0.0, self._decode_owed(cost) - (until_deadline - left))
         choice, reason = decide(self.s._policy, self.manifest, index, time_left=left, history=history,
                                 prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
                                 recompute_busy=self._pending_recompute(),
                                 recompute_seconds_per_token=self._recompute_rate(),
-                                until_deadline=until_deadline, decode_seconds_per_token=per_token,
-                                decode_busy=decode_busy)
+                                until_deadline=until_deadline, decode_cost=cost, decode_busy=decode_busy)
         return choice, reason, left, estimate
 
-    def _decode_rate(self) -> float | None:
-        """The decoder's seconds per token of a section, over its recent sections (this
-        fetch's and the session's earlier ones); None before any (``adapt.decoding``)."""
-        return decoding.seconds_per_token([*self.s.decodes, *self._decoded_sections()])
+    def _decode_cost(self) -> DecodeCost | None:
+        """The decoder's cost, over its recent sections (this fetch's and the session's
+        earlier ones); None before any (``adapt.decoding``)."""
+        return decoding.measure([*self.s.decodes, *self._decoded_sections()])
 
     def _tokens(self, chunk: int) -> int:
         return self.manifest.chunks[chunk].end - self.manifest.chunks[chunk].start
 
-    def _decoded_sections(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) of the sections this fetch decoded."""
-        return [(self._tokens(chunk), seconds) for chunk, seconds in self.delivery.decodes]
+    def _decoded_sections(self) -> list[tuple[int, int, float]]:
+        """(tokens, bytes, seconds) of the sections this fetch decoded."""
+        return [(self._tokens(chunk), size, seconds) for chunk, size, seconds in self.delivery.decodes]
 
-    def _unarrived_tokens(self, chunk: _Chunk) -> int:
-        """Section tokens of a requested KV chunk not handed to the decoder yet."""
+    def _unarrived_decode(self, chunk: _Chunk, cost: DecodeCost) -> float:
+        """Seconds the sections of a requested KV chunk not handed to the decoder yet will take."""
         if chunk.choice == TEXT or chunk.choice is None:
-            return 0
-        return self._tokens(chunk.index) * (self.manifest.layers - chunk.next_layer)
+            return 0.0
+        header = chunk.header
+        unarrived = chunk.expected if header is None else sum(
+            length for length, _ in header.sections[chunk.next_layer:])
+        return cost.seconds(self._tokens(chunk.index) * (self.manifest.layers - chunk.next_layer), unarrived)
 
-    def _decoder_owed(self) -> int:
-        """Section tokens handed to the decoder and not decoded yet."""
-        return sum(self._tokens(chunk) for chunk in self.delivery.decoding())
+    def _decoder_owed(self, cost: DecodeCost) -> float:
+        """Seconds the decoder needs for the sections handed to it and not finished."""
+        return sum(cost.seconds(self._tokens(chunk), size) for chunk, size in self.delivery.decoding())
 
-    def _decode_owed(self) -> int:
-        """Section tokens still to decode for every chunk requested: those in the decoder,
-        and those of the chunks in flight still to arrive (it decodes them in turn)."""
-        return self._decoder_owed() + sum(self._unarrived_tokens(self.chunks[i]) for i in self.inflight)
+    def _decode_owed(self, cost: DecodeCost) -> float:
+        """Seconds of decoding still owed for every chunk requested: the sections in the
+        decoder, and those of the chunks in flight still to arrive (it decodes them in turn)."""
+        return self._decoder_owed(cost) + sum(self._unarrived_decode(self.chunks[i], cost) for i in self.inflight)
 
     def _recompute_rate(self) -> float:
         """Seconds per token to plan text at: the configured rate, or the caller's recent
@@ -638,16 +640,16 @@ class _Fetch:
         sample = cancel.chunk_rate(head.marks, estimate)
         if sample is None:
             return
-        per_token = self._decode_rate()
-        decoding_at = per_token or 0.0
+        cost = self._decode_cost()
         plan = plan_input(self.manifest, head.index, time_left=self.deadline - now, history=[],
                           prior_bps=None, prior_errors=(), recompute_busy=self._pending_recompute(),
-                          recompute_seconds_per_token=self._recompute_rate(),
-                          decode_seconds_per_token=per_token, decode_busy=decoding_at * self._decoder_owed())
+                          recompute_seconds_per_token=self._recompute_rate(), decode_cost=cost,
+                          decode_busy=0.0 if cost is None else self._decoder_owed(cost))
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - received,
                                     delivered_layers=self.delivery.delivered_layers(head.index),
-                                    remaining_decode_seconds=decoding_at * self._unarrived_tokens(head))
+                                    remaining_decode_seconds=0.0 if cost is None
+                                    else self._unarrived_decode(head, cost))
         switch = cancel.reconsider(plan, in_flight, rate=sample.bytes / sample.busy_seconds, rtt=client.rtt,
                                    reconnect_seconds=self.s.connect_seconds,
                                    shortfall=estimator.shortfall(self.history, self.prior_errors))
