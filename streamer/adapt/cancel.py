@@ -43,6 +43,11 @@ from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES
 COMMITTED_BYTES = 256 * 1024
 #: How often the rule looks at the chunk in flight between arrivals (seconds).
 RECONSIDER_S = 0.02
+#: The least time between two looks, however fast bytes arrive: a look costs the receiving
+#: loop ~1 ms of Python (the estimate, the plan), and on every arrival at 200 Mbit/s the
+#: looks took 0.16 s of the loop's time in a 0.9 s fetch of ``kvwire demo`` (cProfile,
+#: 121 looks), time the decode thread waits for the GIL.
+MIN_LOOK_S = RECONSIDER_S / 2
 #: The span of recent arrivals a chunk is also judged by (see ``chunk_rate``).
 RECENT_S = 0.02
 #: How long a slow chunk is waited for: it is kept while giving it up for text would

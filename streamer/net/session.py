@@ -22,8 +22,8 @@ re-requested at the same level and their delivered layers are skipped; the other
 are decided afresh. A corrupt section is refetched (twice at most). When the
 deadline has passed, everything not yet requested goes to text.
 
-Cancel and downgrade: on every arrival and every ``cancel.RECONSIDER_S`` while a chunk is
-in flight, ``adapt.cancel.reconsider`` judges it by its own rate (``cancel.chunk_rate``:
+Cancel and downgrade: on arrivals (at most every ``cancel.MIN_LOOK_S``) and every
+``cancel.RECONSIDER_S`` while a chunk is in flight, ``adapt.cancel.reconsider`` judges it by its own rate (``cancel.chunk_rate``:
 its whole transfer so far or its last few tens of ms, whichever is slower) and asks
 whether finishing it still leaves the later chunks time for their cheapest answers,
 and a collapse time to be given up; if not, the session sends CANCEL for it (and for
@@ -632,6 +632,8 @@ class _Fetch:
         if not self.s.config.cancels or head is None or head.cancelling or client is None or client.closed:
             return
         now = time.monotonic()
+        if head.marks and now - head.marks[-1][0] < cancel.MIN_LOOK_S:
+            return   # looked a moment ago: arrivals come faster than the rule needs to look
         received = self._progress(head)
         if not head.marks:
             head.marks.append((self._busy_start(head), 0))
