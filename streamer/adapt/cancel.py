@@ -142,12 +142,12 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     ``time_left`` the seconds to the deadline, ``recompute_busy`` the recompute still
     owed for earlier text chunks and ``decode_busy`` the decoding owed for the sections
     already in (``base.pipeline_budget`` takes it off); ``rate`` is the robust estimate
-    (bytes/s), partial rate of the chunk in flight included; ``reconnect_seconds`` what connecting and opening
-    the context took; ``shortfall`` the share of ``rate`` the link may still fall to
-    (``estimator.shortfall``: this peer's worst recent shortfall, at least
-    ``GUARD_FACTOR``). A chunk on course near the deadline is kept only if it would still
-    make it at that share: on a steady peer it is kept, on an erratic one it is given up
-    for text while that still fits.
+    (bytes/s), partial rate of the chunk in flight included; ``reconnect_seconds`` what
+    connecting and opening the context took; ``shortfall`` the share of ``rate`` the
+    link may still fall to (``estimator.shortfall``: this peer's worst recent shortfall,
+    at least ``GUARD_FACTOR``). A chunk on course near the deadline is kept only if it
+    would still make it at that share: on a steady peer it is kept, on an erratic one it
+    is given up for text while that still fits.
     """
     if not rate > 0:
         return None

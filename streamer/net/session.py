@@ -23,16 +23,16 @@ are decided afresh. A corrupt section is refetched (twice at most). When the
 deadline has passed, everything not yet requested goes to text.
 
 Cancel and downgrade: on arrivals (at most every ``cancel.MIN_LOOK_S``) and every
-``cancel.RECONSIDER_S`` while a chunk is in flight, ``adapt.cancel.reconsider`` judges it by its own rate (``cancel.chunk_rate``:
-its whole transfer so far or its last few tens of ms, whichever is slower) and asks
-whether finishing it still leaves the later chunks time for their cheapest answers,
-and a collapse time to be given up; if not, the session sends CANCEL for it (and for
-any chunk requested behind it, which would otherwise arrive first) and re-requests it
-at a lower level or as text (superseding layers already delivered), the chunks behind
-it decided afresh with the rate the rule judged by as the newest sample. Knowing that
-a slow chunk is given up, mpc may try a level where the estimate alone says text
-(``adapt.mpc.probe``): a fade that pulled the estimate down is not followed to text for
-the rest of the fetch.
+``cancel.RECONSIDER_S`` while a chunk is in flight, ``adapt.cancel.reconsider`` judges
+it by its own rate (``cancel.chunk_rate``: its whole transfer so far or its last few
+tens of ms, whichever is slower) and asks whether finishing it still leaves the later
+chunks time for their cheapest answers, and a collapse time to be given up; if not, the
+session sends CANCEL for it (and for any chunk requested behind it, which would
+otherwise arrive first) and re-requests it at a lower level or as text (superseding
+layers already delivered), the chunks behind it decided afresh with the rate the rule
+judged by as the newest sample. Knowing that a slow chunk is given up, mpc may try a
+level where the estimate alone says text (``adapt.mpc.probe``): a fade that pulled the
+estimate down is not followed to text for the rest of the fetch.
 
 Security and limits: ``auth_token`` authenticates to the sender (and the sender to us)
 in the handshake; a refused token raises :class:`AuthenticationFailed` at once (no
@@ -439,7 +439,7 @@ class _Fetch:
         self.report.cancels = self.cancels
         self.report.recompute_seconds_per_token = self._recompute_rate()
         self.s.recomputes.extend(self.delivery.recomputes)
-        self.s.decodes.extend(self._decoded_sections())
+        self.s.decodes.extend(self._recent_decodes())
         self.report.chunks = [c.report for c in self.chunks if c.report is not None]
         for chunk in self.chunks:
             if chunk.report is not None:
@@ -580,18 +580,20 @@ class _Fetch:
     def _decode_cost(self) -> DecodeCost | None:
         """The decoder's cost, over its recent sections (this fetch's and the session's
         earlier ones); None before any (``adapt.decoding``)."""
-        return decoding.measure([*self.s.decodes, *self._decoded_sections()])
+        return decoding.measure([*self.s.decodes, *self._recent_decodes()])
 
     def _tokens(self, chunk: int) -> int:
         return self.manifest.chunks[chunk].end - self.manifest.chunks[chunk].start
 
-    def _decoded_sections(self) -> list[tuple[int, int, float]]:
-        """(tokens, bytes, seconds) of the sections this fetch decoded."""
-        return [(self._tokens(chunk), size, seconds) for chunk, size, seconds in self.delivery.decodes]
+    def _recent_decodes(self) -> list[tuple[int, int, float]]:
+        """(tokens, bytes, seconds) of the last sections this fetch decoded: only the last
+        ``RECENT_SECTIONS`` count, and this runs on every look of the cancel rule."""
+        return [(self._tokens(chunk), size, seconds)
+                for chunk, size, seconds in self.delivery.decodes[-RECENT_SECTIONS:]]
 
     def _unarrived_decode(self, chunk: _Chunk, cost: DecodeCost) -> float:
         """Seconds the sections of a requested KV chunk not handed to the decoder yet will take."""
-        if chunk.choice == TEXT or chunk.choice is None:
+        if chunk.choice == TEXT:
             return 0.0
         header = chunk.header
         unarrived = chunk.expected if header is None else sum(
