@@ -1,6 +1,7 @@
 """Adaptation policies: the deadline DP against brute force, and each policy's rule."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -11,9 +12,9 @@ from hypothesis import strategies as st
 from streamer.adapt.estimator import last_sample, robust_estimate
 from streamer.adapt.policies import (Observation, PlanInput, TEXT, describe, get_policy, greedy,
                                      mpc, mpc_plan, names, predicted_seconds)
-from streamer.adapt.base import choice_of, option_costs, option_seconds
+from streamer.adapt.base import Abandon, choice_of, option_costs, option_seconds
 from streamer.adapt import mpc as mpc_module
-from streamer.adapt.mpc import PLAN_MARGIN, TEXT_LATER, guarded, with_margin
+from streamer.adapt.mpc import PLAN_MARGIN, TEXT_LATER, expected_costs, guarded, plan_costs, with_margin
 from streamer.adapt.plan import DEFAULT_BINS, fastest, solve
 
 REL = 1e-9  # float slack on "fits the budget"
@@ -240,6 +241,23 @@ def test_the_guard_refuses_a_chunk_that_a_relapse_would_make_miss() -> None:
     assert mpc_plan(inp).columns[0] == 0
     assert not guarded(inp)[0]                             # at 8 MB/s it would take 1 s
     assert mpc(inp) != 0
+
+
+def test_a_level_the_cancel_rule_can_give_up_is_priced_as_a_bet_not_a_miss() -> None:
+    """A peer at 10 MB/s half the time and at a twentieth of it otherwise: two chunks in
+    0.5 s fit as levels only when fast. Without the cancel rule a level would miss in the
+    slow scenarios and mpc sends text; with it, a slow level is given up for text in time,
+    so the level costs what that leaves (both chunks as text) there, and mpc bets on it.
+    Text's own price does not change."""
+    link = [Observation(10_000_000, 1.0)] * 6
+    final = PlanInput(sizes=[[8_000_000, 4_000_000, 2_000_000, 1_000_000]] * 2, text_bytes=[4_000] * 2,
+                      text_seconds=[0.05] * 2, distortion=[1e-4, 1e-3, 1e-2, 5e-2], time_left=0.5,
+                      history=link, prior_errors=[0.0] * 5 + [np.log(1 / 20)] * 5)
+    cancellable = dataclasses.replace(final, abandon=Abandon(rtt=0.005, reconnect_seconds=0.01))
+    assert mpc(final) == TEXT and mpc(cancellable) == 2
+    plain, bet = (expected_costs(with_margin(inp), plan_costs(with_margin(inp))) for inp in (final, cancellable))
+    assert bet[-1] == plain[-1]
+    assert np.all(bet[1:-1] < plain[1:-1]) and np.isinf(bet[0]) and np.isinf(plain[0])   # 8 MB never fits
 
 
 # ------------------------------------------------------------------ first chunk

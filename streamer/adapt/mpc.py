@@ -17,6 +17,9 @@ Four rules come from what a plan at one rate cannot see:
   the peer's recent prediction errors (:func:`streamer.adapt.estimator.rate_scenarios`),
   of the cheapest plan it starts (:func:`expected_costs`). A steady peer has one rate
   and gets the plain plan; an erratic one buys a little caution where text would be dear.
+  Where a level starts no plan that fits at some rate but the cancel rule could give it
+  up for text in time, it is scored as what the rule then leaves (every chunk as text),
+  not as a miss: a bet that wins at the fast rates and loses a try at the slow ones.
 * **Text last, unless in front pays.** Sending a chunk as text is irrevocable and
   teaches nothing about the link (token ids are a few kB), while a KV chunk is a
   measurement. When a plan needs some text, text is therefore placed as late as possible
@@ -119,16 +122,22 @@ def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WIND
                    bins: int = DEFAULT_BINS) -> np.ndarray:
     """For each option of chunk 0, the mean over the rate scenarios
     (``estimator.rate_scenarios``, and the fade below the slowest of them, weighted
-    ``FADE_WEIGHT``) of the cheapest plan starting with it; a scenario in which it starts
-    no plan that fits counts as every chunk lost and one more; inf for an option that fits
-    in no scenario.
+    ``FADE_WEIGHT``) of the cheapest plan starting with it; inf for an option that fits
+    in no scenario. In a scenario in which an option starts no plan that fits, a level
+    the cancel rule can give up in time for text (:func:`finish_as_text`) costs what
+    the rule then leaves, every chunk as text; otherwise the option counts as every chunk
+    lost and one more.
 
     Planning at one central rate fills the budget exactly, so a link a little slower than
     predicted turns the last chunks into text, which costs far more than the level steps
     that a little caution costs; weighing every option over the rates this peer has shown
-    buys that caution where the link is erratic, and none where it is steady.
+    buys that caution where the link is erratic, and none where it is steady. Counting
+    the rule's way out prices a KV chunk on a link that may be slow as the bet it is:
+    the level if the link is fast, text after a wasted try if not; scored as a miss, a
+    level on an erratic link lost to text against a plan that gave the chunk up at once.
     """
     miss = inp.text_penalty * len(inp.sizes) + 1.0
+    all_text = float(costs[:, -1].sum())
     rates, counts = np.unique(rate_scenarios(inp.history, window, inp.prior_bps, inp.prior_errors),
                               return_counts=True)
     rates = np.append(rates, FADE_FACTOR * rates.min())
@@ -139,29 +148,38 @@ def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WIND
         first = overlap.first_option_costs(link_seconds(inp, float(rate)), inp.text_seconds, costs,
                                            inp.time_left, inp.recompute_busy, bins)
         fits |= np.isfinite(first)
-        total += weight * np.where(np.isfinite(first), first, miss)
+        lost = np.where(finish_as_text(inp, float(rate)), all_text, miss)
+        total += weight * np.where(np.isfinite(first), first, lost)
     return np.where(fits, total / weights.sum(), np.inf)
 
 
-def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
-    """Which options of chunk 0 leave the rest able to finish as text at the guard rate.
-
-    With the cancel rule on, a KV chunk that proves slow costs at most what giving it up
-    for text costs (``cancel.abandon_seconds`` at the guard rate, plus its text), so
-    that bound applies where lower; a collapse later in the chunk is the rule's to
-    catch while giving up still fits (``cancel.reconsider``).
-    """
-    rate = guard_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
-    assert rate is not None  # only called with information
+def finish_as_text(inp: PlanInput, rate: float) -> np.ndarray:
+    """Which options of chunk 0 leave the rest able to finish as text with the link at
+    ``rate`` bytes/s: chunk 0 delivered once its bytes are in (as text: once recomputed),
+    and not before the recompute already owed (``adapt.overlap``), the rest as text
+    then in series. With the cancel rule on, a KV chunk that proves slow
+    takes at most what giving it up for text takes (``cancel.abandon_seconds``, plus its
+    text), where lower."""
     link, recompute = link_seconds(inp, rate), np.asarray(inp.text_seconds, dtype=np.float64)
-    # chunk 0 is delivered once its bytes are in (as text: once recomputed), and not
-    # before the recompute already owed (adapt.overlap); the rest as text then in series
     first = np.maximum(link[0], inp.recompute_busy)
     first[-1] += recompute[0]
     if inp.abandon is not None:
         given_up = abandon_seconds(rate, inp.abandon.rtt, inp.abandon.reconnect_seconds) + link[0, -1]
         first[:-1] = np.minimum(first[:-1], max(given_up, inp.recompute_busy) + recompute[0])
     return first + (link[1:, -1] + recompute[1:]).sum() <= inp.time_left
+
+
+def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
+    """Which options of chunk 0 leave the rest able to finish as text at the guard rate
+    (:func:`finish_as_text`).
+
+    With the cancel rule on, a KV chunk that proves slow costs at most what giving it up
+    for text costs, so that bound applies where lower; a collapse later in the chunk is
+    the rule's to catch while giving up still fits (``cancel.reconsider``).
+    """
+    rate = guard_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
+    assert rate is not None  # only called with information
+    return finish_as_text(inp, rate)
 
 
 def probe(inp: PlanInput, estimate: float, safe: np.ndarray, costs: np.ndarray,
