@@ -67,18 +67,25 @@ def test_rotary_of_smollm2_removes_exactly_its_rope(smollm2, context_ids) -> Non
     torch.testing.assert_close(back, projected["k"][0], rtol=1e-4, atol=1e-4)
 
 
-def test_calibrate_cli_takes_the_gguf_file(tmp_path, capsys) -> None:
+def test_calibrate_cli_takes_the_gguf_file(smollm2, tmp_path, monkeypatch) -> None:
     """kvwire calibrate --model FILE.gguf (issue #14 item 7): a GGUF file, not only a
-    Hugging Face directory, and the profile carries the model's shape."""
+    Hugging Face directory, and the profile carries the model's shape. The CLI gets the
+    session's model for that very file (the fixture loaded it with the same
+    ``hf.load_model``), so the ~40 s of dequantizing the weights is paid once per suite."""
     import codec
     from streamer.tools.cli import main
 
-    try:
-        path = hf.smollm2_path()
-    except RuntimeError as exc:
-        pytest.skip(f"SmolLM2 unavailable: {exc}")
+    path = hf.smollm2_path()
+    asked: list[str] = []
+
+    def load_model(name: str | None = None):
+        asked.append(name)
+        return smollm2
+
+    monkeypatch.setattr(hf, "load_model", load_model)
     out = tmp_path / "smollm2.kvprofile"
     assert main(["calibrate", "--model", path, "--tokens", "128", "-o", str(out)]) == 0
+    assert asked == [path] and hf.is_gguf(path)
     profile = codec.Profile.load(out)
     assert (profile.layers, profile.heads, profile.head_dim) == (30, 3, 64)
 
