@@ -158,6 +158,33 @@ def test_rate_scenarios_spread_with_the_peers_errors_and_not_without() -> None:
     assert rates.max() <= 10_000_000.0 + 1e-6
 
 
+def test_a_stalls_upper_bound_leaves_the_estimate_once_the_link_measures_more() -> None:
+    """A bound says the link gave at most that while it stalled: it counts until a later
+    transfer measures more (the stall is over), and stays while what follows is slower
+    or only bounded too."""
+    before, stall = Observation(1_000_000, 1.0), Observation(64 * 1024, 1.0, upper_bound=True)
+    back = Observation(1_000_000, 1.0)
+    assert throughputs([before, stall, back]).tolist() == [1_000_000, 1_000_000]
+    assert robust_estimate([before, stall, back]) == pytest.approx(1_000_000)
+    still_slow = Observation(10_000, 1.0)
+    assert throughputs([before, stall, still_slow]).tolist() == [1_000_000, 64 * 1024, 10_000]
+    assert throughputs([before, stall]).tolist() == [1_000_000, 64 * 1024]
+    again = Observation(128 * 1024, 1.0, upper_bound=True)   # a bound is no measurement of the end
+    assert throughputs([stall, again]).tolist() == [64 * 1024, 128 * 1024]
+
+
+@given(histories, st.lists(st.booleans(), min_size=20, max_size=20))
+def test_throughputs_drop_exactly_the_superseded_bounds(history, bounds) -> None:
+    """Against the definition, one observation at a time: every measurement is kept, in
+    order, and a bound only while nothing measured after it is faster."""
+    history = [Observation(o.bytes, o.busy_seconds, upper_bound=b) for o, b in zip(history, bounds)]
+    rates = _rates(history)
+    expected = [r for i, (o, r) in enumerate(zip(history, rates))
+                if not (o.upper_bound and any(q > r for p, q in zip(history[i + 1:], rates[i + 1:])
+                                              if not p.upper_bound))]
+    assert throughputs(history).tolist() == expected
+
+
 def test_a_stalls_upper_bound_is_not_remembered_for_the_next_fetch() -> None:
     """A chunk judged during a long stall leaves a bound of a few kB/s; remembered, it
     would make the next fetch all text, which measures nothing, for good."""
