@@ -147,9 +147,11 @@ def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WIND
     for rate, weight in zip(rates, weights):
         first = overlap.first_option_costs(link_seconds(inp, float(rate)), inp.text_seconds, costs,
                                            inp.time_left, inp.recompute_busy, bins)
-        fits |= np.isfinite(first)
-        lost = np.where(finish_as_text(inp, float(rate)), all_text, miss)
-        total += weight * np.where(np.isfinite(first), first, lost)
+        finite = np.isfinite(first)
+        fits |= finite
+        if not finite.all():   # only then is the way out asked about (a decision's hot path)
+            first = np.where(finite, first, np.where(finish_as_text(inp, float(rate)), all_text, miss))
+        total += weight * first
     return np.where(fits, total / weights.sum(), np.inf)
 
 
