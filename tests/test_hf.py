@@ -297,6 +297,24 @@ def test_a_damaged_gguf_file_is_a_clear_error(tmp_path):
         hf.load_model(str(broken))
 
 
+def test_a_gguf_load_parses_the_file_once_and_leaves_gguf_as_it_was(tmp_path):
+    """transformers opens a GGUF file once for the config, the tokenizer and the weights;
+    within a load the reader and the tensor-name table are memoized, and afterwards
+    (also after a failed load) gguf's own functions are back."""
+    gguf = pytest.importorskip("gguf")
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = next(iter(gguf.MODEL_ARCH_NAMES))
+    with hf._gguf_parsed_once():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(range(60)))
+    with pytest.raises((hf.ModelLoadError, RuntimeError)):
+        hf.load_model(str(broken))
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
+
+
 def test_calibrate_cli_reports_a_bad_model_path_without_a_traceback(tmp_path, capsys):
     from streamer.tools.cli import main
 

@@ -140,9 +140,41 @@ def _load_gguf(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(Path(path).parent), Path(path).name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     return model, tokenizer
+
+
+_GGUF_LOAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Within one load, parse the GGUF file once and build gguf's tensor-name table once.
+
+    transformers (5.x) opens the file three times for one model (config, tokenizer,
+    weights; ~6.5 s each for SmolLM2 on 2 cores, most of it gguf-py slicing the
+    vocabulary's strings) and rebuilds ``get_tensor_name_map`` for each of the model's
+    ~400 modules (~7 s). Both are pure functions of their arguments (the reader maps
+    the file read-only), so they are memoized for the load's duration: loads hold a
+    lock so that the module attributes are swapped and restored by one thread at a
+    time. A transformers that stops calling them only loses the speed-up.
+    """
+    import functools
+
+    import gguf
+
+    with _GGUF_LOAD_LOCK:
+        originals = {"GGUFReader": gguf.GGUFReader, "get_tensor_name_map": gguf.get_tensor_name_map}
+        for attribute, original in originals.items():
+            setattr(gguf, attribute, functools.cache(original))
+        try:
+            yield
+        finally:
+            for attribute, original in originals.items():
+                setattr(gguf, attribute, original)
 
 
 def _load_directory(path: str):
