@@ -63,6 +63,19 @@ def test_rotation_at_position_zero_is_the_identity() -> None:
     assert torch.equal(rotate(keys, ROPE, ROPE.angles(0, 1)), keys)
 
 
+def test_angles_are_shared_per_position_range_and_rotate_leaves_them_intact() -> None:
+    """Every layer of a chunk reuses one (cos, sin): recomputing them was a sixth of a
+    30-layer chunk's decode. Shared tensors must come back equal to a fresh computation
+    of another range's neighbours, and no rotation may write into them."""
+    cos, sin = ROPE.angles(500, 40)
+    assert ROPE.angles(500, 40)[0] is cos and ROPE.angles(501, 40)[0] is not cos
+    torch.testing.assert_close(ROPE.angles(501, 40)[0][:-1], cos[1:], rtol=0, atol=0)
+    before = cos.clone(), sin.clone()
+    keys = torch.randn(40, 2 * 16, generator=torch.Generator().manual_seed(1))
+    rotate(rotate(keys, ROPE, (cos, sin)), ROPE, (cos, sin), inverse=True)
+    assert torch.equal(cos, before[0]) and torch.equal(sin, before[1])
+
+
 # ------------------------------------------------------------------ encode / decode
 @pytest.mark.parametrize("start", [0, 1, 333, 40_000])
 def test_round_trip_at_several_starts_is_within_the_level(rotary_profile, codec_distortion, start) -> None:
