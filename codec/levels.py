@@ -42,8 +42,13 @@ def distortion(coef: np.ndarray, variances: np.ndarray, step: float, allow_drop:
     """Total squared error per token when quantizing ``coef`` [C, N] with ``step``."""
     kept = kept_components(variances, step) if allow_drop else coef.shape[0]
     head = coef[:kept]
-    err = (head - np.rint(head / step) * step).astype(np.float64)  # float32 squares underflow for tiny KV
-    return float(np.mean(np.sum(err * err, axis=0))) + float(variances[kept:].sum())
+    rounded = head / step   # head - rint(head / step) * step in float32, in place: calibration
+    np.rint(rounded, out=rounded)  # evaluates this thousands of times on [C, N] samples
+    rounded *= step
+    np.subtract(head, rounded, out=rounded)
+    err = rounded.astype(np.float64)  # float32 squares underflow for tiny KV
+    np.multiply(err, err, out=err)
+    return float(np.mean(np.sum(err, axis=0))) + float(variances[kept:].sum())
 
 
 def design_step(coef: np.ndarray, variances: np.ndarray, target: float,
@@ -65,6 +70,8 @@ def design_step(coef: np.ndarray, variances: np.ndarray, target: float,
     scale = float(np.sqrt(variances.max()))
     lo, hi = np.log(scale * 1e-7), np.log(scale * 1e3)
     for _ in range(_BISECTION_STEPS):
+        if np.float32(np.exp(lo)) == np.float32(np.exp(hi)):
+            break   # every later bracket rounds to this same step: the result is settled
         mid = 0.5 * (lo + hi)
         if distortion(coef, variances, float(np.exp(mid)), allow_drop) <= goal:
             lo = mid
