@@ -23,8 +23,8 @@ bytes' exact transfer time over the trace plus one round trip, and their time to
 token adds the first token's step measured on the fetched KV.
 
 ``kvwire demo`` without ``--model`` stays the MiniLM demo: on 2 cores this one loads
-and dequantizes the model (~15-25 s), calibrates on 30 layers and generates twice on
-the CPU, so it takes minutes, not the MiniLM demo's ~30 s.
+and dequantizes the model (~20 s), calibrates on 30 layers (~40 s) and generates twice
+on the CPU, so it takes about 2 minutes, not the MiniLM demo's ~30 s.
 """
 from __future__ import annotations
 
