@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 import threading
@@ -162,8 +163,6 @@ def _gguf_parsed_once():
     lock so that the module attributes are swapped and restored by one thread at a
     time. A transformers that stops calling them only loses the speed-up.
     """
-    import functools
-
     import gguf
 
     with _GGUF_LOAD_LOCK:
