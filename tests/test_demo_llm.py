@@ -12,7 +12,7 @@ import json
 import pytest
 
 from streamer.model import hf
-from streamer.tools import demo_llm
+from streamer.tools import demo, demo_llm
 from streamer.tools.cli import build_parser, main
 
 #: What the MiniLM demo's --json prints (streamer.tools.demo.run): the LLM demo keeps them all.
@@ -85,15 +85,11 @@ def test_the_llm_demo_on_smollm2(smollm2, tmp_path, capsys) -> None:
     """The real thing, shortened: a 300-token document, a 6-token answer, a loose SLO, and
     a profile calibrated on 1024 tokens and passed as ``--profile`` (the demo's own 2048-token
     calibration is ~40 s of CPU here; the random-Llama test above runs that path)."""
-    from streamer.model import quality
-
     model, tokenizer = smollm2
-    profile_path = tmp_path / "smollm2.kvprofile"
-    calibration = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:1024]
-    quality.calibrate_profile(model, tokenizer, calibration).save(profile_path)
     args = build_parser().parse_args(["demo", "--model", "smollm2", "--json", "--tokens", "300",
-                                      "--max-new-tokens", "6", "--slo", "30", "--profile", str(profile_path),
-                                      "--out-dir", str(tmp_path)])
+                                      "--max-new-tokens", "6", "--slo", "30",
+                                      "--profile", str(tmp_path / "smollm2.kvprofile"), "--out-dir", str(tmp_path)])
+    demo.demo_profile(args, model, tokenizer, 1024, lambda *a, **k: None)   # saved to --profile
     result = demo_llm.run(args, model, tokenizer)
     doc = json.loads(capsys.readouterr().out)
     assert doc == json.loads(json.dumps(result))

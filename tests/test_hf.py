@@ -288,10 +288,16 @@ def test_a_path_that_is_neither_a_model_directory_nor_a_gguf_file_is_a_clear_err
         hf.load_model(str(tmp_path / "missing"))
 
 
+def _damaged_gguf(folder):
+    """The GGUF magic, then garbage."""
+    broken = folder / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(range(60)))
+    return broken
+
+
 def test_a_damaged_gguf_file_is_a_clear_error(tmp_path):
     """The GGUF magic, then garbage: transformers' own error, wrapped with the path."""
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + bytes(range(60)))
+    broken = _damaged_gguf(tmp_path)
     assert hf.is_gguf(broken) and hf.resolve_model_path(str(broken)) == str(broken)
     with pytest.raises((hf.ModelLoadError, RuntimeError), match="broken.gguf|gguf"):
         hf.load_model(str(broken))
@@ -308,10 +314,8 @@ def test_a_gguf_load_parses_the_file_once_and_leaves_gguf_as_it_was(tmp_path):
         assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
         assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + bytes(range(60)))
     with pytest.raises((hf.ModelLoadError, RuntimeError)):
-        hf.load_model(str(broken))
+        hf.load_model(str(_damaged_gguf(tmp_path)))
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == originals
 
 
