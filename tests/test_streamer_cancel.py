@@ -3,6 +3,7 @@ session that abandons a chunk when the link drops under it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -10,10 +11,10 @@ import netsim
 import streamer
 from streamer.adapt.base import TEXT, Abandon, Observation, PlanInput
 from streamer.adapt.cancel import (COMMITTED_BYTES, PATIENCE_S, RECENT_S, InFlight, Switch, abandon_seconds,
-                                   chunk_rate, reconsider)
+                                   chunk_rate, give_up_seconds, reconsider)
 from streamer.adapt.decide import time_left
 from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES, shortfall
-from streamer.adapt.mpc import mpc
+from streamer.adapt.mpc import mpc, mpc_plan
 
 MB = 1_000_000
 
@@ -37,7 +38,11 @@ def test_downgrades_when_finishing_would_sink_the_deadline() -> None:
     # at 1 MB/s keeping takes 0.9 s of 0.6 s left; level 2 (0.25 MB) after the
     # committed bytes drain (~0.26 s) fits, and is the best option that does
     switch = reconsider(_plan(0.6), head, rate=MB, rtt=0.001, reconnect_seconds=1.0)
-    assert switch == Switch(choice=2, abort=False)
+    assert switch is not None and (switch.choice, switch.abort) == (2, False)
+    # the CANCEL's answer is due once the committed bytes drained at the guard's share of
+    # the rate, and a round trip: past that the session drops the connection instead
+    drain = (COMMITTED_BYTES + MB * 0.001) / MB
+    assert switch.escalate_after == pytest.approx(drain / GUARD_FACTOR + 0.001)
 
 
 def test_only_text_once_a_layer_went_out() -> None:
@@ -45,7 +50,7 @@ def test_only_text_once_a_layer_went_out() -> None:
     cannot wait for the link (~0.29 s to give it up now, ~0.41 s after PATIENCE_S)."""
     head = InFlight(level=0, remaining_bytes=900_000, delivered_layers=1)
     switch = reconsider(_plan(0.35), head, rate=MB, rtt=0.001, reconnect_seconds=1.0)
-    assert switch == Switch(choice=TEXT, abort=False)
+    assert switch is not None and (switch.choice, switch.abort) == (TEXT, False)
 
 
 def test_aborts_the_connection_when_draining_costs_more_than_reconnecting() -> None:
@@ -132,6 +137,43 @@ def test_abandoning_costs_detection_plus_the_cheaper_way_out() -> None:
     assert fast < 0.05 + 0.04 + 0.01 < slow
     with pytest.raises(ValueError):
         abandon_seconds(0.0, rtt=0.01, reconnect_seconds=0.05)
+
+
+def test_giving_up_at_a_set_moment_needs_no_window_to_see_a_drop() -> None:
+    for rate in (100_000, 100 * MB):
+        assert abandon_seconds(rate, rtt=0.01, reconnect_seconds=0.05) == pytest.approx(
+            give_up_seconds(rate, rtt=0.01, reconnect_seconds=0.05) + RECENT_S)
+
+
+def test_text_is_put_off_while_the_recompute_owed_covers_giving_up() -> None:
+    """The chunk of ``test_only_text_once_a_layer_went_out`` behind earlier text chunks:
+    its own text could start only once their recompute is done, so while that still
+    outlasts giving it up (~0.26 s of drain, its token ids, a look) it is kept."""
+    head = InFlight(level=0, remaining_bytes=900_000, delivered_layers=1)
+    owed = dataclasses.replace(_plan(0.35), recompute_busy=0.3)
+    assert reconsider(owed, head, rate=MB, rtt=0.001, reconnect_seconds=1.0) is None
+    almost = dataclasses.replace(owed, recompute_busy=0.1)
+    switch = reconsider(almost, head, rate=MB, rtt=0.001, reconnect_seconds=1.0)
+    assert switch is not None and switch.choice == TEXT
+
+
+def test_mpc_tries_a_chunk_it_would_send_as_text_while_the_caller_recomputes() -> None:
+    """Four 10/5 MB chunks at 10 MB/s, 50 ms of recompute each and 0.2 s still owed: the
+    plan is text, text, text, level 1. Chunk 0's text could not start before 0.2 s, so
+    with the cancel rule on it is tried at its smallest level meanwhile, unless holding
+    the link that long would push the level-1 chunk past the deadline (0.6 s left)."""
+    history = [Observation(10 * MB, 1.0)] * 4
+    plan = PlanInput(sizes=[[10 * MB, 5 * MB]] * 4, text_bytes=[2000] * 4, text_seconds=[0.05] * 4,
+                     distortion=[0.001, 0.01], time_left=0.75, history=history, recompute_busy=0.2,
+                     abandon=Abandon(rtt=0.005, reconnect_seconds=0.02))
+    assert mpc_plan(plan).columns == (2, 2, 2, 1)
+    assert mpc(plan) == 1
+    assert mpc(dataclasses.replace(plan, abandon=None)) == TEXT          # no way to give it up
+    # a 0.2 s round trip: giving it up (~0.25 s) outlasts the recompute owed
+    slow_to_give_up = dataclasses.replace(plan, abandon=Abandon(rtt=0.2, reconnect_seconds=0.02))
+    assert give_up_seconds(10 * MB, 0.2, 0.02) > 0.2 and mpc(slow_to_give_up) == TEXT
+    tight = dataclasses.replace(plan, time_left=0.6)
+    assert mpc_plan(tight).columns == (2, 2, 2, 1) and mpc(tight) == TEXT
 
 
 def test_time_left_counts_at_least_the_round_trip() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 import pytest
 import torch
@@ -141,9 +142,13 @@ async def test_a_plain_on_text_recomputes_off_the_event_loop() -> None:
                                    decode=_decoder(set()))
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, TEXT)
+        assert delivery.recompute_began(0) is None
+        before = time.monotonic()
         delivery.add_text(0, [1, 2, 3])
         while not started.is_set():
             await asyncio.sleep(0.001)
+        # when it began is what the session takes off the recompute it still counts owed
+        assert before <= delivery.recompute_began(0) <= time.monotonic()
         delivery.resolve(1, 0)   # the next chunk lands while chunk 0 is recomputed
         for layer in range(LAYERS):
             delivery.add_section(1, layer, None, None, b"1,")

@@ -2,6 +2,7 @@
 and cancel rule that use it."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -118,12 +119,17 @@ def test_recompute_owed_overlaps_the_next_transfers() -> None:
 
 def test_cancel_rule_counts_recompute_owed_as_overlapping() -> None:
     """A chunk in flight behind 0.3 s of owed recompute is kept when it and the rest
-    finish by the deadline while that recompute runs; a collapse still gives it up."""
+    finish by the deadline while that recompute runs. A collapse gives it up, but not
+    while that recompute still outlasts giving it up: its text could start no sooner."""
     plan = _four_chunks(sizes=[[3 * MB]] * 3, text_bytes=[4_000] * 3, text_seconds=[0.3] * 3,
                         time_left=0.95, recompute_busy=0.3, history=[])
     head = InFlight(level=0, remaining_bytes=3 * MB, delivered_layers=0)
     assert reconsider(plan, head, rate=10 * MB, rtt=0.01, reconnect_seconds=0.05) is None
-    switch = reconsider(plan, head, rate=3 * MB, rtt=0.01, reconnect_seconds=0.05)
+    assert reconsider(plan, head, rate=3 * MB, rtt=0.01, reconnect_seconds=0.05) is None
+    # 0.25 s on: 0.05 s of recompute left, less than the ~0.06 s of a reconnect and a round trip
+    later = dataclasses.replace(plan, time_left=0.7, recompute_busy=0.05)
+    switch = reconsider(later, dataclasses.replace(head, remaining_bytes=int(2.25 * MB)),
+                        rate=3 * MB, rtt=0.01, reconnect_seconds=0.05)
     assert switch is not None and switch.choice == TEXT
 
 

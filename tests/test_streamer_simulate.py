@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from netsim.trace import Trace
-from streamer.adapt import estimator, overlap
+from streamer.adapt import cancel, estimator, overlap, simulate
 from streamer.adapt.decide import decide
 from streamer.adapt import mpc as mpc_rule
 from streamer.adapt.base import link_seconds
@@ -190,6 +190,28 @@ def test_cancel_abandons_a_chunk_the_link_can_no_longer_carry() -> None:
     assert any(d.reason and d.reason.startswith("cancelled") for d in r.decisions)
     # the abandoned bytes cost link time: the replayed final schedule is never slower
     assert sim.run("fixed:0", trace, slo=1.0, schedule=r.choices).completion <= r.completion + 1e-9
+
+
+@pytest.mark.parametrize("escalate_after, finishes_by", [(0.05, 1.0), (math.inf, 10.0)])
+def test_a_cancel_the_fade_holds_up_is_dropped_once_overdue(monkeypatch, escalate_after, finishes_by) -> None:
+    """The link falls to 0.05 Mbit/s as a chunk is given up by CANCEL: the 256 KB the
+    sender had committed would take ~40 s to drain. Past the switch's ``escalate_after``
+    the connection is dropped and the text re-requested on a new one; with no such bound
+    the fetch waits out the drain. (Token ids of 10 bytes: text gets through even so.)"""
+    m = make_manifest([[4_000_000, 2_000_000]] * 4, [512] * 4, text_bytes=10)
+    trace = Trace([0.0, 0.05], [400.0, 0.05])
+    sim = Simulator(m, rtt=0.004, recompute_seconds_per_token=1e-4)
+
+    def cancel_once_slow(plan, head, *, rate, **_):
+        return cancel.Switch(TEXT, abort=False, escalate_after=escalate_after) if rate < 1e6 else None
+
+    monkeypatch.setattr(simulate.cancel_rule, "reconsider", cancel_once_slow)
+    r = sim.run("mpc", trace, slo=1.0, prior_bps=50e6)
+    assert r.cancels >= 1 and r.finish > 0.05
+    if math.isfinite(escalate_after):
+        assert r.met and r.finish <= finishes_by
+    else:
+        assert r.finish >= finishes_by
 
 
 def test_no_time_left_is_text_and_says_whether_the_deadline_passed() -> None:

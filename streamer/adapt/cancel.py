@@ -25,6 +25,19 @@ still fit after ``PATIENCE_S`` more (three looks' worth of noticing a collapse),
 decides only when that margin runs out (a lower level that makes the deadline is taken
 at once: it costs little, and may not fit later).
 
+Nor is text taken before it is needed. A text chunk's recompute starts only once the
+caller has recomputed the text chunks before it, so while that recompute still outlasts
+giving the chunk up (the restart and its token ids, with a look to spare), a switch to
+text is put off at no cost: the link may come back meanwhile. This is what makes the
+planner's free tries of a chunk it would send as text (``mpc.free_probe``) free.
+
+A CANCEL is answered once the bytes the sender had committed have drained, which a fade
+can hold up for as long as it lasts. Each switch says by when its answer is due
+(``Switch.escalate_after``: the drain at ``shortfall`` of the rate, and a round trip);
+the session drops the connection when it has not come by then, as it would have if the
+rule had chosen to abort. (The abort/CANCEL choice itself weighs the drain at that share
+too.)
+
 Pure: the session calls it on every arrival and on a short timer while a chunk is in
 flight; unit tests call it on hand-made situations.
 """
@@ -107,11 +120,18 @@ def abandon_seconds(rate: float, rtt: float, reconnect_seconds: float) -> float:
     (if it was slow from the start), the recent window and one look to see the drop,
     then draining what is committed or reconnecting (whichever is shorter), and the
     re-request's round trip. What lets a planner try a chunk it cannot be sure of."""
+    return give_up_seconds(rate, rtt, reconnect_seconds) + RECENT_S
+
+
+def give_up_seconds(rate: float, rtt: float, reconnect_seconds: float) -> float:
+    """Seconds the rule takes, from a KV chunk's first byte at ``rate`` bytes/s, to give
+    it up at a moment set in advance rather than on seeing a drop: ``MIN_SAMPLE_BYTES`` to
+    judge it by and one look, then draining or reconnecting, and the re-request's round
+    trip (:func:`abandon_seconds` adds the recent window a drop takes to show)."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
-    detect = MIN_SAMPLE_BYTES / rate + RECENT_S + RECONSIDER_S
     drain = (COMMITTED_BYTES + rate * rtt) / rate
-    return detect + min(drain, reconnect_seconds) + rtt
+    return MIN_SAMPLE_BYTES / rate + RECONSIDER_S + min(drain, reconnect_seconds) + rtt
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,11 @@ class Switch:
 
     choice: Choice
     abort: bool
+    #: after a CANCEL (not an abort), seconds by which its answer should have come: what
+    #: is committed drained at ``shortfall`` of the rate, and a round trip. A link that
+    #: fades during the drain can hold the answer back for as long as the fade lasts;
+    #: past this, the session drops the connection instead (``Switch.abort``'s way).
+    escalate_after: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -169,8 +194,9 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
 
     keep = keeping(rate)
     drain = min(head.remaining_bytes, COMMITTED_BYTES + rate * rtt) / rate
-    abort = reconnect_seconds < drain
+    abort = reconnect_seconds < drain / shortfall
     restart = (reconnect_seconds if abort else drain) + rtt
+    escalate = 0.0 if abort else drain / shortfall + rtt
     options: list[Choice] = [TEXT]
     if head.delivered_layers == 0:
         options += range(head.level + 1, plan.levels)
@@ -183,28 +209,37 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
         return finish(restart + predicted_seconds(plan, option, at))
 
     can_wait = finish(PATIENCE_S + restart + text_bytes / rate, text_seconds) <= budget
-    if finish(keep) <= budget:
-        # keep while it could still be given up later; past that point, only a chunk
-        # that would finish even at ``shortfall`` of this rate
-        if can_wait or finish(keeping(rate * shortfall)) <= budget:
-            return None
-        # at ``shortfall`` of the rate: what a level (re-requested) still makes for sure
-        safe = [option for option in options
-                if switched(option, rate if option == TEXT else rate * shortfall) <= budget]
-        if not safe:
-            return None   # nothing is surer than keeping
-        return Switch(min(safe, key=lambda option: _distortion(plan, option)), abort)
-    fitting = [option for option in options if switched(option, rate) <= budget]
-    levels = [option for option in fitting if option != TEXT]
-    if levels:   # a lower level makes the deadline, keeping does not: no gain test needed
-        return Switch(min(levels, key=lambda option: _distortion(plan, option)), abort)
-    if can_wait:
-        return None   # only text is left, and it can still be had later: a fade may end
-    if fitting:
-        return Switch(TEXT, abort)
-    cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
-    choice = min(options, key=lambda option: cost[option])
-    return Switch(choice, abort) if cost[choice] <= (1 - MIN_GAIN) * keep else None
+
+    def judge() -> Switch | None:
+        """The rule's answer on the link as it is now, before text is put off."""
+        if finish(keep) <= budget:
+            # keep while it could still be given up later; past that point, only a chunk
+            # that would finish even at ``shortfall`` of this rate
+            if can_wait or finish(keeping(rate * shortfall)) <= budget:
+                return None
+            # at ``shortfall`` of the rate: what a level (re-requested) still makes for sure
+            safe = [option for option in options
+                    if switched(option, rate if option == TEXT else rate * shortfall) <= budget]
+            if not safe:
+                return None   # nothing is surer than keeping
+            return Switch(min(safe, key=lambda option: _distortion(plan, option)), abort, escalate)
+        fitting = [option for option in options if switched(option, rate) <= budget]
+        levels = [option for option in fitting if option != TEXT]
+        if levels:   # a lower level makes the deadline, keeping does not: no gain test needed
+            return Switch(min(levels, key=lambda option: _distortion(plan, option)), abort, escalate)
+        if can_wait:
+            return None   # only text is left, and it can still be had later: a fade may end
+        if fitting:
+            return Switch(TEXT, abort, escalate)
+        cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
+        choice = min(options, key=lambda option: cost[option])
+        return Switch(choice, abort, escalate) if cost[choice] <= (1 - MIN_GAIN) * keep else None
+
+    switch = judge()
+    if switch is not None and switch.choice == TEXT \
+            and restart + text_bytes / rate + RECONSIDER_S <= plan.recompute_busy:
+        return None   # text still lands before the recompute reaches this chunk at the next look
+    return switch
 
 
 def _distortion(plan: PlanInput, choice: Choice) -> float:

@@ -29,13 +29,16 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived.
   ``time_left`` is ``adapt.decide.time_left``: ``slo - now - max(outstanding / estimate,
   rtt)``, and the recompute still owed (``PlanInput.recompute_busy``) is that of the text
-  chunks not yet delivered, as the session counts it; the prior is the caller's (the session's
+  chunks not yet delivered, less what the one being recomputed has had, as the session
+  counts it; the prior is the caller's (the session's
   per-server prior is the previous fetch's robust estimate: :attr:`SimResult.next_prior`).
 * **Cancel** (mpc by default, as in the session: ``cancel=``). While a KV chunk arrives,
   ``adapt.cancel.reconsider`` runs every ``RECONSIDER_S`` on the same inputs the session
   gives it. On a CANCEL the sender stops ``rtt / 2`` later, after the
   ``cancel.COMMITTED_BYTES`` it had queued; the re-request goes out when those bytes and
-  the CANCELLED answer are in. On an abort the bytes in flight are lost and the
+  the CANCELLED answer are in, or, when that would come later than the switch's
+  ``escalate_after``, the connection is dropped then (as the session does) and it goes
+  out ``reconnect_seconds`` later. On an abort the bytes in flight are lost and the
   re-request goes out ``reconnect_seconds`` later. Either way every chunk requested
   behind the abandoned one is re-decided, text ones included (the session keeps a text
   request already sent; re-deciding it with the same information gives text again
@@ -365,11 +368,12 @@ class Simulator:
             return out
 
         def recompute_owed(index: int, now: float) -> float:
-            """Recompute seconds of the chunks before ``index`` sent as text and not yet
-            delivered at ``now``, each counted whole (what the session sees)."""
+            """Recompute seconds of the chunks before ``index`` sent as text and still to
+            run at ``now`` (the session's count: each not delivered whole, less what the
+            one being recomputed has had)."""
             done = delivered(index)
-            return self.recompute * float(sum(self.tokens[j] for j in range(index)
-                                              if is_text[j] and done[j] > now))
+            return float(sum(min(self.recompute * float(self.tokens[j]), done[j] - now)
+                             for j in range(index) if is_text[j] and done[j] > now))
 
         def crossing(now: float, limit: float) -> float:
             """Earliest time >= now when the bytes still due drop to ``limit``.
@@ -453,6 +457,9 @@ class Simulator:
                     return None   # the whole chunk is on its way: nothing left to cancel
                 stop = link_start[j] + trace.time_to_send(8.0 * carried, start + link_start[j])
                 link_free, last_end, again = stop, stop + owd, stop + owd
+                if again > now + switch.escalate_after:   # the drain stalls: drop the connection
+                    dropped = now + switch.escalate_after
+                    link_free, last_end, again = dropped, dropped, dropped + self.reconnect_seconds
             history = history + [sample]   # what the link was judged to carry: the freshest sample
             cancelled.append((j, choices[j], head.delivered_layers, switch.choice))
             forced[j] = (switch.choice, f"cancelled at level {choices[j]}: predicted to miss the deadline")

@@ -66,6 +66,7 @@ class _ChunkSlots:
     superseded: int = 0           # layers delivered before the chunk switched to text
     decode_seconds: float = 0.0
     recompute_seconds: float = 0.0   # what on_text took (0 until it returned)
+    recompute_began: float | None = None   # time.monotonic() when on_text was called
     done: bool = False
 
 
@@ -237,6 +238,10 @@ class OrderedDelivery:
     def recompute_seconds(self, chunk: int) -> float:
         return self._chunks[chunk].recompute_seconds
 
+    def recompute_began(self, chunk: int) -> float | None:
+        """When ``on_text`` was called for ``chunk`` (``time.monotonic()``), or None."""
+        return self._chunks[chunk].recompute_began
+
     # ------------------------------------------------------------- consumer side
     async def run(self) -> None:
         """Deliver every chunk in order; returns when all are delivered."""
@@ -251,6 +256,7 @@ class OrderedDelivery:
                     token_ids = await state.text
                     if self._on_text is not None:
                         began = time.perf_counter()
+                        state.recompute_began = time.monotonic()
                         await _call(self._on_text, index, token_ids, off_loop=True)
                         state.recompute_seconds = time.perf_counter() - began
                         self.recomputes.append((len(token_ids), state.recompute_seconds))

@@ -30,9 +30,12 @@ chunks time for their cheapest answers, and a collapse time to be given up; if n
 session sends CANCEL for it (and for any chunk requested behind it, which would
 otherwise arrive first) and re-requests it at a lower level or as text (superseding
 layers already delivered), the chunks behind it decided afresh with the rate the rule
-judged by as the newest sample. Knowing that a slow chunk is given up, mpc may try a
-level where the estimate alone says text (``adapt.mpc.probe``): a fade that pulled the
-estimate down is not followed to text for the rest of the fetch.
+judged by as the newest sample. A CANCEL not answered by the switch's
+``escalate_after`` (a fade holding up what the sender had queued) drops the connection
+instead, as an abort would have. Knowing that a slow chunk is given up, mpc may try a
+level where the estimate alone says text (``adapt.mpc.probe``, and ``mpc.free_probe``
+while the caller still recomputes earlier text): a fade that pulled the estimate down is
+not followed to text for the rest of the fetch.
 
 Security and limits: ``auth_token`` authenticates to the sender (and the sender to us)
 in the handshake; a refused token raises :class:`AuthenticationFailed` at once (no
@@ -141,6 +144,7 @@ class _Chunk:
     discard: bool = False      # ignore the rest of the current answer (its header was corrupt)
     cancelling: bool = False   # CANCEL sent; re-requested when its answer ends
     switch_to: Choice | None = None   # what to re-request a cancelled chunk at (None: decide afresh)
+    escalate_at: float | None = None   # drop the connection if the CANCEL is unanswered by then
     #: the cancel rule's looks at the current answer: (time, bytes received), from its busy start
     marks: list[tuple[float, int]] = field(default_factory=list)
     report: ChunkReport | None = None
@@ -616,11 +620,18 @@ class _Fetch:
                               [*self.s.recomputes, *self.delivery.recomputes])
 
     def _pending_recompute(self) -> float:
-        """Seconds the caller will still spend recomputing chunks already sent as text (each
-        not yet delivered counted whole): it overlaps the transfers (``adapt.overlap``)."""
-        per_token = self._recompute_rate()
-        return sum(per_token * self.manifest.chunks[c.index].tokens
-                   for c in self.chunks if c.choice == TEXT and not self.delivery.is_done(c.index))
+        """Seconds the caller will still spend recomputing chunks already sent as text: each
+        not yet delivered whole, less what the one being recomputed has had (at least
+        nothing). It overlaps the transfers (``adapt.overlap``), and it says by when a chunk
+        in flight can still be given up for text at no cost (``adapt.cancel``): counted
+        whole, that point came up to a chunk's recompute late."""
+        per_token, now, owed = self._recompute_rate(), time.monotonic(), 0.0
+        for chunk in self.chunks:
+            if chunk.choice == TEXT and not self.delivery.is_done(chunk.index):
+                whole = per_token * self.manifest.chunks[chunk.index].tokens
+                began = self.delivery.recompute_began(chunk.index)
+                owed += whole if began is None else max(whole - (now - began), 0.0)
+        return owed
 
     def _outstanding_bytes(self) -> int:
         return sum(max(self.chunks[i].expected - self.chunks[i].received, 0) for i in self.inflight)
@@ -631,9 +642,15 @@ class _Fetch:
         connection when what it has queued would take longer to arrive than a new one."""
         head = self._head_in_progress()
         client = self.s._client
-        if not self.s.config.cancels or head is None or head.cancelling or client is None or client.closed:
+        if not self.s.config.cancels or head is None or client is None or client.closed:
             return
         now = time.monotonic()
+        if head.cancelling:
+            if head.escalate_at is not None and now >= head.escalate_at:
+                head.escalate_at = None
+                await self._reconnect("cancel: the abandoned chunk's queued bytes are not draining",
+                                      abort=True)
+            return
         if head.marks and now - head.marks[-1][0] < cancel.MIN_LOOK_S:
             return   # looked a moment ago: arrivals come faster than the rule needs to look
         received = self._progress(head)
@@ -676,6 +693,7 @@ class _Fetch:
             except (ConnectionLost, p.ProtocolError):
                 return   # the connection-lost event that follows triggers the reconnect
             chunk.cancelling = True
+        head.escalate_at = now + switch.escalate_after
 
     def _request_ahead(self) -> None:
         """Request the next chunk once the bytes still due would take about one request's answer time."""
@@ -722,6 +740,7 @@ class _Fetch:
         chunk.refetch = False
         chunk.discard = False
         chunk.cancelling = False
+        chunk.escalate_at = None
         chunk.switch_to = None
         info = self.manifest.chunks[chunk.index]
         chunk.expected = info.text_bytes if choice == TEXT else info.sizes[choice]
