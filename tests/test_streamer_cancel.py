@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -249,3 +250,49 @@ async def test_a_session_abandons_a_chunk_when_the_link_drops(tmp_path) -> None:
         assert chunk.bytes < abandoned, "the abandoned transfer was drained in full"
     order = [c for c, _ in seen]
     assert order == sorted(order) and {c for c, _ in seen} == set(range(len(manifest.chunks)))
+
+
+@pytest.mark.parametrize("escalate_after", [0.2, float("inf")])
+async def test_a_session_drops_a_connection_whose_cancel_a_stall_holds_up(tmp_path, monkeypatch,
+                                                                          escalate_after) -> None:
+    """The link (8 Mbit/s) stalls for 5 s 0.6 s after each connection opens (once the
+    session's handshake is through), as a fetch starts. The cancel rule (here made to give
+    a KV chunk up for text once it is judged slower than 0.2 MB/s) sends CANCEL for the
+    chunk the stall caught, and the answer waits behind the committed bytes, stuck in the
+    stall. With ``escalate_after`` the session drops that connection and finishes on a new
+    one without the stall watchdog (``stall_timeout``) firing; with no bound it waits for
+    the watchdog's reconnect."""
+    import codec
+    from netsim.shaping import Stall
+    from streamer.adapt import cancel
+    from streamer_helpers import synthetic_kv
+
+    layers, heads, head_dim, tokens = 4, 2, 32, 4 * 512
+    kv = synthetic_kv(3, tokens, layers, heads, head_dim)
+    profile = codec.calibrate([synthetic_kv(4, 2048, layers, heads, head_dim)])
+    store = await streamer.open_store(str(tmp_path))
+    await streamer.put_context(store, "ctx", kv, list(range(tokens)), profile=profile, chunk_tokens=512)
+
+    def give_up_when_stalled(plan, head, *, rate, **_):
+        return Switch(TEXT, abort=False, escalate_after=escalate_after) if rate < 0.2 * MB else None
+
+    monkeypatch.setattr(cancel, "reconsider", give_up_when_stalled)
+    sender = await streamer.serve(store)
+    texts: list[int] = []
+    stall_at = 0.6
+    down = netsim.LinkSpec(trace=netsim.Trace.constant(8.0, 1.0), stalls=(Stall(stall_at, 5.0),))
+    try:
+        async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), down=down,
+                                       up=netsim.LinkSpec()) as proxy:
+            async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=5.0, policy="mpc",
+                                              prior_bps=1e6, stall_timeout=1.0,
+                                              on_text=lambda c, ids: texts.append(c)) as session:
+                opened = proxy.stats.per_connection[-1].opened   # the proxy's clock: time.monotonic()
+                assert time.monotonic() < opened + stall_at - 0.05, "the handshake ran into the stall"
+                await asyncio.sleep(opened + stall_at - 0.05 - time.monotonic())   # chunk 0 meets it
+                report = await session.fetch()
+    finally:
+        await sender.close()
+        await store.close()
+    assert report.cancels >= 1 and texts
+    assert report.reconnects == (0 if escalate_after < 1.0 else 1)
