@@ -57,7 +57,7 @@ Five rules come from what a plan at one rate cannot see:
   smallest level for free (:func:`free_probe`): the cancel rule gives it up for text by
   the time the recompute reaches it, unless the link came back meanwhile. On the unseen
   set at 0.5 s this took the text share from 60.9% to 57.5% of chunks (``kvwire bench
-  policies``, 7bdc14b and the commit that added it).
+  policies``, 7bdc14b and 091cce4).
 
 Text costs ``text_penalty`` plus its token bytes and recompute seconds (``adapt.overlap``
 says when these overlap the transfers); with the
