@@ -194,9 +194,9 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
 
     keep = keeping(rate)
     drain = min(head.remaining_bytes, COMMITTED_BYTES + rate * rtt) / rate
-    abort = reconnect_seconds < drain / shortfall
+    slow_drain = drain / shortfall   # what the drain may take if the link falls as far as it may
+    abort = reconnect_seconds < slow_drain
     restart = (reconnect_seconds if abort else drain) + rtt
-    escalate = 0.0 if abort else drain / shortfall + rtt
     options: list[Choice] = [TEXT]
     if head.delivered_layers == 0:
         options += range(head.level + 1, plan.levels)
@@ -210,8 +210,8 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
 
     can_wait = finish(PATIENCE_S + restart + text_bytes / rate, text_seconds) <= budget
 
-    def judge() -> Switch | None:
-        """The rule's answer on the link as it is now, before text is put off."""
+    def judge() -> Choice | None:
+        """What to switch to on the link as it is now (None: keep), before text is put off."""
         if finish(keep) <= budget:
             # keep while it could still be given up later; past that point, only a chunk
             # that would finish even at ``shortfall`` of this rate
@@ -222,24 +222,25 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
                     if switched(option, rate if option == TEXT else rate * shortfall) <= budget]
             if not safe:
                 return None   # nothing is surer than keeping
-            return Switch(min(safe, key=lambda option: _distortion(plan, option)), abort, escalate)
+            return min(safe, key=lambda option: _distortion(plan, option))
         fitting = [option for option in options if switched(option, rate) <= budget]
         levels = [option for option in fitting if option != TEXT]
         if levels:   # a lower level makes the deadline, keeping does not: no gain test needed
-            return Switch(min(levels, key=lambda option: _distortion(plan, option)), abort, escalate)
+            return min(levels, key=lambda option: _distortion(plan, option))
         if can_wait:
             return None   # only text is left, and it can still be had later: a fade may end
         if fitting:
-            return Switch(TEXT, abort, escalate)
+            return TEXT
         cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
         choice = min(options, key=lambda option: cost[option])
-        return Switch(choice, abort, escalate) if cost[choice] <= (1 - MIN_GAIN) * keep else None
+        return choice if cost[choice] <= (1 - MIN_GAIN) * keep else None
 
-    switch = judge()
-    if switch is not None and switch.choice == TEXT \
-            and restart + text_bytes / rate + RECONSIDER_S <= plan.recompute_busy:
+    choice = judge()
+    if choice is None:
+        return None
+    if choice == TEXT and restart + text_bytes / rate + RECONSIDER_S <= plan.recompute_busy:
         return None   # text still lands before the recompute reaches this chunk at the next look
-    return switch
+    return Switch(choice, abort, escalate_after=0.0 if abort else slow_drain + rtt)
 
 
 def _distortion(plan: PlanInput, choice: Choice) -> float:

@@ -255,10 +255,9 @@ class OrderedDelivery:
                         state.text = self._loop.create_future()
                     token_ids = await state.text
                     if self._on_text is not None:
-                        began = time.perf_counter()
                         state.recompute_began = time.monotonic()
                         await _call(self._on_text, index, token_ids, off_loop=True)
-                        state.recompute_seconds = time.perf_counter() - began
+                        state.recompute_seconds = time.monotonic() - state.recompute_began
                         self.recomputes.append((len(token_ids), state.recompute_seconds))
                     break
                 if await self._deliver_layers(index, state):
