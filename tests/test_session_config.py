@@ -14,6 +14,7 @@ from streamer.receiver import ReceiverConfig
     ("slo", 0, ValueError), ("slo", float("nan"), ValueError), ("policy", "bogus", ValueError),
     ("device", "tpu", ValueError), ("device", "not a device", ValueError),
     ("recompute_seconds_per_token", -1e-4, ValueError), ("prior_bps", 0.0, ValueError),
+    ("decode_prior", 2e-5, TypeError),
     ("connect_timeout", 0, ValueError), ("stall_timeout", -1, ValueError),
     ("max_reconnects", -1, ValueError), ("max_reconnects", 1.5, ValueError),
     ("backoff", 0, ValueError), ("max_buffered_bytes", 0, ValueError), ("max_frame", 10, ValueError),

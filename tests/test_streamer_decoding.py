@@ -14,7 +14,8 @@ from hypothesis import given, strategies as st
 
 from streamer.adapt.base import TEXT, Observation, PlanInput, link_seconds, pipeline_budget, predicted_seconds
 from streamer.adapt.cancel import InFlight, Switch, reconsider
-from streamer.adapt.decoding import PER_TOKEN_SHARE, RECENT_SECTIONS, measure
+from streamer.adapt.decoding import (PER_TOKEN_SHARE, RECENT_SECTIONS, DecodeCost, measure, measure_whole,
+                                     prior_sections)
 from streamer.adapt.mpc import mpc, mpc_plan
 from streamer.net.delivery import OrderedDelivery
 
@@ -132,3 +133,30 @@ async def test_the_delivery_times_each_section_and_knows_what_the_decoder_owes()
     assert delivery.decoding() == []
     assert [(chunk, size) for chunk, size, _ in delivery.decodes] == [(0, 1), (0, 2)]
     assert all(seconds >= 0 for _, _, seconds in delivery.decodes)
+
+
+# ------------------------------------------------------------------ a prior from the caller
+def test_whole_chunk_decodes_give_the_cost_per_token_and_layer() -> None:
+    cost = measure_whole(512, 6, 600_000, [0.05, 0.07])
+    assert cost.seconds(512 * 6, 600_000) == pytest.approx(0.06)     # the mean decode
+    assert cost.bytes_per_token == pytest.approx(600_000 / (512 * 6))
+    with pytest.raises(ValueError, match="measure_whole"):
+        measure_whole(512, 6, 600_000, [])
+
+
+@given(st.floats(1e-8, 1e-3), st.floats(1.0, 1e4), st.integers(1, 4096), st.integers(1, 64))
+def test_a_prior_stands_in_for_one_chunk_of_sections_that_cost_what_it_says(
+        seconds_per_token, bytes_per_token, tokens, layers) -> None:
+    prior = DecodeCost(seconds_per_token, bytes_per_token)
+    sections = prior_sections(prior, tokens, layers)
+    assert len(sections) == layers and all(t == tokens for t, _, _ in sections)
+    again = measure(sections)
+    assert again.seconds_per_token == pytest.approx(seconds_per_token, rel=1e-6)
+    assert again.bytes_per_token == pytest.approx(max(round(bytes_per_token * tokens), 1) / tokens)
+
+
+def test_the_sessions_own_sections_outweigh_a_prior_after_a_chunk() -> None:
+    prior = prior_sections(DecodeCost(1e-3, 100.0), 512, 6)
+    measured = [(512, 51_200, 512e-5)] * 6          # ten times faster than the prior said
+    assert measure(prior + measured).seconds_per_token == pytest.approx(0.5 * (1e-3 + 1e-5))
+    assert measure(prior + measured * 4).seconds_per_token == pytest.approx(1e-5)   # gone

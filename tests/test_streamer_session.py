@@ -21,6 +21,7 @@ import streamer
 from streamer_helpers import synthetic_kv
 from netsim.proxy import LinkSpec
 from netsim.shaping import Cut, Stall
+from streamer.adapt import decoding
 from streamer.adapt.policies import TEXT
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 32
@@ -528,3 +529,21 @@ def test_a_senders_memory_is_forgotten_after_its_ttl() -> None:
         assert session_module._recall(address, 0.0) is None
     finally:
         session_module._server_priors.pop(address, None)
+
+
+@pytest.mark.parametrize("decode_prior, first_levels", [(None, {0}), ("slow", {3, 4})])
+async def test_the_first_chunk_is_planned_at_the_decoder_cost_the_caller_measured(
+        context, sender, decode_prior, first_levels) -> None:
+    """Over a fast link the first chunk goes at level 0 when decoding looks free; with a
+    ``decode_prior`` at which every chunk at level 0 would take 1.2 s to decode (12 chunks:
+    14 s against a 10 s SLO), the first chunk is already a cheap level, before the session
+    has timed any section of its own."""
+    manifest = context["manifest"]
+    token_layers = CHUNK_TOKENS * LAYERS
+    if decode_prior == "slow":
+        decode_prior = decoding.measure_whole(CHUNK_TOKENS, LAYERS, manifest.chunks[0].sizes[0], [1.2])
+        assert decode_prior.seconds(token_layers, manifest.chunks[0].sizes[0]) == pytest.approx(1.2)
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=10.0, policy="mpc",
+                                      prior_bps=1e9, decode_prior=decode_prior) as session:
+        report = await session.fetch()
+    assert report.chunks[0].level in first_levels, [c.level for c in report.chunks]

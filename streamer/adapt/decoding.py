@@ -25,6 +25,14 @@ the *scale* is measured (the mean over the recent sections, which follows the lo
 the *split* is fixed: ``PER_TOKEN_SHARE`` of a section's time at the measured sections'
 bytes per token is per token, the rest scales with its bytes.
 
+Before a session has decoded anything the plan has no figure, and the first chunks went
+out timed by the link alone (``kvwire demo``: levels 1-2 then 0, then level 4 once the
+decoder had been timed; the steady stretch was not one level). A caller that has timed
+the decoder (``measure_whole``: e.g. a chunk decoded beside its own load before the
+fetch) gives that as ``SessionConfig.decode_prior``; it stands in for one chunk's
+sections (``prior_sections``): the session's own timings weigh as much after one chunk,
+more after two, and replace it within ``RECENT_SECTIONS``.
+
 Pure; the delivery times each section as it is decoded, the session asks here.
 """
 from __future__ import annotations
@@ -69,3 +77,21 @@ def measure(sections: Sequence[tuple[int, int, float]]) -> DecodeCost | None:
         return None
     tokens = sum(t for t, _, _ in recent)
     return DecodeCost(sum(s for _, _, s in recent) / tokens, sum(b for _, b, _ in recent) / tokens)
+
+
+def measure_whole(tokens: int, layers: int, coded_bytes: int, seconds: Sequence[float]) -> DecodeCost:
+    """The cost shown by whole-chunk decodes of ``tokens`` tokens and ``layers`` layers
+    (``coded_bytes`` of sections), each taking one of ``seconds`` (the mean counts): a
+    section is one layer of the chunk, so the figures are per token and layer."""
+    if not (tokens > 0 and layers > 0 and coded_bytes > 0 and seconds):
+        raise ValueError(f"measure_whole needs tokens, layers, coded_bytes > 0 and some seconds, got "
+                         f"{tokens}, {layers}, {coded_bytes}, {list(seconds)}")
+    token_layers = tokens * layers
+    return DecodeCost(sum(seconds) / len(seconds) / token_layers, coded_bytes / token_layers)
+
+
+def prior_sections(prior: DecodeCost, tokens: int, layers: int) -> list[tuple[int, int, float]]:
+    """``prior`` as ``layers`` sections of ``tokens`` tokens each (one chunk's worth), in
+    the (tokens, bytes, seconds) form ``measure`` reads (bytes rounded to whole ones)."""
+    nbytes = max(round(prior.bytes_per_token * tokens), 1)
+    return [(tokens, nbytes, prior.seconds_per_token * tokens)] * layers

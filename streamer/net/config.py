@@ -14,6 +14,7 @@ import torch
 
 from streamer.adapt.cancel import cancels_by_default
 from streamer.adapt.decide import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
+from streamer.adapt.decoding import DecodeCost
 from streamer.adapt.policies import DEFAULT_POLICY, get_policy
 from streamer.wire import auth
 from streamer.wire.frames import DEFAULT_MAX_FRAME, MIN_MAX_FRAME
@@ -63,6 +64,11 @@ class SessionConfig:
     #: throughput (bytes/s) assumed before the first measurement (None: the last fetch's
     #: estimate for the same sender, if any)
     prior_bps: Optional[float] = None
+    #: the decoder's cost assumed before the session has timed a section of its own (e.g.
+    #: a chunk decoded beside the caller's load: ``adapt.decoding.measure_whole``); it
+    #: counts as one chunk's sections among the recent ones. None: the first chunks are
+    #: planned as if decoding were free until a section has been timed
+    decode_prior: Optional[DecodeCost] = None
     #: TCP connect + handshake + OPEN answer, per attempt
     connect_timeout: float = 5.0
     #: no data for this long while a chunk is in flight: reconnect and resume
@@ -98,6 +104,9 @@ class SessionConfig:
                          allow_zero=True)
         if self.prior_bps is not None:
             require_positive(owner, "prior_bps", self.prior_bps)
+        if self.decode_prior is not None and not isinstance(self.decode_prior, DecodeCost):
+            raise TypeError(f"{owner}.decode_prior must be a streamer.adapt.decoding.DecodeCost or None, "
+                            f"got {self.decode_prior!r}")
         if self.cancel is not None and not isinstance(self.cancel, bool):
             raise TypeError(f"{owner}.cancel must be a bool or None, got {self.cancel!r}")
         for name in ("connect_timeout", "stall_timeout", "backoff", "max_backoff"):

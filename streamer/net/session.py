@@ -343,6 +343,9 @@ class StreamSession:
         """Fetch every chunk; returns when the last layer or text chunk was delivered."""
         if self.manifest is None or self._client is None:
             raise RuntimeError("use `async with StreamSession(...)` before fetch()")
+        if not self.decodes and self.config.decode_prior is not None:
+            self.decodes.extend(decoding.prior_sections(self.config.decode_prior, self.manifest.chunks[0].tokens,
+                                                        self.manifest.layers))
         self._fetch = _Fetch(self)
         return await self._fetch.run()
 

@@ -286,8 +286,8 @@ async def _fetch(args, port: int, start_trace: Callable[[], float], on_layer, on
     async with streamer.StreamSession("127.0.0.1", port, args.context, slo=args.slo,
                                       policy=args.policy, on_layer=on_layer, on_text=on_text,
                                       on_chunk=_progress if verbose else None,
-                                      recompute_seconds_per_token=args.recompute_ms_per_token / 1e3
-                                      ) as session:
+                                      recompute_seconds_per_token=args.recompute_ms_per_token / 1e3,
+                                      decode_prior=getattr(args, "decode_prior", None)) as session:
         if on_open is not None:
             on_open(session)
         open_seconds = time.monotonic() - opened
@@ -333,21 +333,38 @@ def warm_start(say: Callable[..., None]) -> WarmStart:
 def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int], kv, profile,
                       say: Callable[..., None]) -> None:
     """Set ``args.recompute_ms_per_token`` (unless given) to this model's text cost measured
-    beside the codec decoding a chunk of ``kv`` (``recompute_seconds_per_token``)."""
+    beside the codec decoding a chunk of ``kv`` (``recompute_seconds_per_token``), and
+    ``args.decode_prior`` to those decodes' cost (alone when the rate is given): the
+    session's first chunks are planned at it, before it has timed a section of its own."""
     import codec
 
+    from streamer.adapt import decoding
     from streamer.model import hf
+
+    blob = codec.encode(kv[:, :, :len(ids)], level=codec.DEFAULT_LEVEL, profile=profile)
+    decodes: list[float] = []
+
+    def decode_once() -> None:
+        began = time.perf_counter()
+        codec.decode(blob, profile)
+        decodes.append(time.perf_counter() - began)
 
     if args.recompute_ms_per_token is not None:
         say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token (given): "
             "the policy weighs text chunks at that")
-        return
-    blob = codec.encode(kv[:, :, :len(ids)], level=codec.DEFAULT_LEVEL, profile=profile)
-    alone, beside = recompute_seconds_per_token(model, tokenizer, ids, hf, lambda: codec.decode(blob, profile))
-    args.recompute_ms_per_token = 1e3 * beside
-    say(f"   recomputing a chunk from text costs {1e3 * beside:.2f} ms/token with this model while the "
-        f"codec decodes beside it, as during the fetch ({1e3 * alone:.2f} alone): the policy weighs "
-        "text chunks at that, and the session at its on_text calls' rate when slower")
+        for _ in range(3):
+            decode_once()
+    else:
+        alone, beside = recompute_seconds_per_token(model, tokenizer, ids, hf, decode_once)
+        args.recompute_ms_per_token = 1e3 * beside
+        say(f"   recomputing a chunk from text costs {1e3 * beside:.2f} ms/token with this model while the "
+            f"codec decodes beside it, as during the fetch ({1e3 * alone:.2f} alone): the policy weighs "
+            "text chunks at that, and the session at its on_text calls' rate when slower")
+    header = codec.parse_header(blob)
+    args.decode_prior = decoding.measure_whole(len(ids), header.layers,
+                                               sum(length for length, _ in header.sections), decodes)
+    say(f"   the codec decoded that chunk (level {codec.DEFAULT_LEVEL}) in {1e3 * sum(decodes) / len(decodes):.0f} ms "
+        f"on average over {len(decodes)} decodes: the fetch plans its first chunks' decode at that")
 
 
 def demo_profile(args: argparse.Namespace, model, tokenizer, calibration_tokens: int, say: Callable[..., None]):
