@@ -352,3 +352,17 @@ def test_mpc_keeps_a_margin_rather_than_fill_the_budget_exactly() -> None:
     assert mpc_plan(roomy).columns == (1, 1, 1, 1)
     assert sorted(mpc_plan(fills).columns) == [1, 1, 1, 2]   # one level step buys the margin
     assert with_margin(_ladder(1, time_left=-1.0, history=history)).time_left == -1.0
+
+
+@pytest.mark.parametrize("chunks, better", [(6, 3), (5, 1), (8, 6)])
+def test_a_mix_of_two_levels_is_planned_with_its_better_level_last(chunks, better) -> None:
+    """A budget that fits ``better`` chunks at level 0 and the rest at level 1: every order
+    of that mix costs the same, and the plan takes the worse level first (what it saves
+    is slack for the plans after it)."""
+    mb = 1_000_000
+    exact = better * 0.01 + (chunks - better) * 0.005            # at 100 MB/s
+    inp = PlanInput(sizes=[[mb, mb // 2]] * chunks, text_bytes=[100] * chunks, text_seconds=[1.0] * chunks,
+                    distortion=[0.001, 0.004], time_left=(exact + 0.002) / (1 - PLAN_MARGIN),
+                    history=[Observation(10 * mb, 0.1)] * 4)
+    plan = mpc_module.mpc_plan(inp)
+    assert plan.columns == (1,) * (chunks - better) + (0,) * better, plan

@@ -9,7 +9,7 @@ text recomputed while later chunks stream) and only the throughput is predicted
 first chunk's choice is used: the plan is redone before every chunk with the newest
 measurements (receding horizon).
 
-Five rules come from what a plan at one rate cannot see:
+Seven rules come from what a plan at one rate cannot see:
 
 * **Weighed over the rates this peer has shown.** A plan at one central rate fills the
   budget exactly, so a link a little slower than predicted turns the last chunks into
@@ -26,6 +26,12 @@ Five rules come from what a plan at one rate cannot see:
   (its cost grows by a negligible amount per position earlier), so the decision can be
   redone with more information before it is taken; only a plan that needs its text in
   front, where its recompute hides behind the later transfers, puts it there.
+* **Better levels last.** A budget between two levels is met by a mix of them, and
+  every order of a mix costs the same; left to rounding, the plan's first chunk took
+  the better level of the mix as often as not, and the next plan, with the budget that
+  left, the worse one (``kvwire demo``: levels 0, 1, 1, 2, 2 over a steady link). The
+  first chunk takes the worse level of the mix, so what it saves is slack for the plans
+  after it, made with more measurements, which spend it on the last chunks.
 * **A margin.** Plans are made for ``1 - PLAN_MARGIN`` of the time left. A chunk's rate
   varies within it, and a plan that fills the budget exactly turns a small shortfall
   late in the fetch into a cancelled chunk recomputed from text (a whole text penalty,
@@ -91,13 +97,22 @@ FADE_WEIGHT = 0.1
 #: Extra cost of text per position earlier in the plan: far below any level's distortion
 #: step, so it only breaks ties between plans that differ in where their text goes.
 TEXT_LATER = 1e-6
+#: Extra cost of a level per position earlier and per level better: between plans that mix
+#: the same levels in another order (equal in the objective), the one with its better
+#: levels last (see "Better levels last" above). At most 64 x 8 x 1e-9 per chunk, far
+#: below any level's distortion step.
+LEVEL_LATER = 1e-9
 
 
 def plan_costs(inp: PlanInput) -> np.ndarray:
-    """[chunks, options] costs: the objective, plus the tie-break that puts text last."""
+    """[chunks, options] costs: the objective, plus the tie-breaks that put text and the
+    better levels last."""
     chunks = len(inp.sizes)
     costs = np.tile(option_costs(inp), (chunks, 1))
-    costs[:, -1] += TEXT_LATER * (chunks - np.arange(chunks))
+    earlier = chunks - np.arange(chunks)
+    costs[:, -1] += TEXT_LATER * earlier
+    levels = costs.shape[1] - 1
+    costs[:, :-1] += LEVEL_LATER * earlier[:, None] * (levels - np.arange(levels))[None, :]
     return costs
 
 
