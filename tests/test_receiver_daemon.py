@@ -631,3 +631,25 @@ async def test_repeated_fetches_keep_no_per_fetch_state(contexts, sender, receiv
     gc.collect()
     alive = [o for o in gc.get_objects() if type(o) in (FetchJob, StreamSession)]
     assert alive == []
+
+
+async def test_each_fetch_plans_its_first_chunks_at_the_decoder_cost_the_last_one_measured(
+        contexts, sender, receive, http, monkeypatch) -> None:
+    from streamer.adapt import decoding
+    from streamer.net import session as session_module
+
+    priors = []
+    opened = session_module.StreamSession.__init__
+
+    def recording(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        priors.append(self.config.decode_prior)
+
+    monkeypatch.setattr(session_module.StreamSession, "__init__", recording)
+    receiver = await receive([("127.0.0.1", sender.port)])
+    for context_id in ("a", "b"):
+        status, body = await _post(http, receiver, context_id=context_id, slo=5.0, policy="fixed:3")
+        assert status == 200 and body["status"] == "fetched", body
+    measured = receiver.fetcher.decode_prior
+    assert isinstance(measured, decoding.DecodeCost) and measured.seconds_per_token > 0
+    assert priors[0] is None and isinstance(priors[1], decoding.DecodeCost)

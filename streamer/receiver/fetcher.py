@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from streamer.adapt import decoding
 from streamer.receiver.cache import ContextCache, Entry, Quality
 from streamer.receiver.metrics import Metrics
 
@@ -193,6 +194,10 @@ class Fetcher:
         #: it starts (a new OPEN on the same connection) instead of a new handshake
         self._idle: dict[tuple[str, int], list[Any]] = {}
         self._turn = itertools.count()
+        #: the decoder's cost as the last fetch measured it, the next session's
+        #: ``decode_prior`` (else the configured one): each fetch's first chunks are planned
+        #: at it, as each sender's link memory plans them at the link's rate
+        self.decode_prior: decoding.DecodeCost | None = None
 
     def _notify(self) -> None:
         self._changed.set()
@@ -326,8 +331,8 @@ class Fetcher:
             self.metrics.connections_reused.inc()
         async with StreamSession(host, port, req.context_id, config=self.session, slo=req.slo,
                                  policy=req.policy, servers=servers[1:],
-                                 on_chunk=lambda r: self._on_chunk(job, levels, r),
-                                 connection=pooled) as session:
+                                 on_chunk=lambda r: self._on_chunk(job, levels, r), connection=pooled,
+                                 decode_prior=self.decode_prior or self.session.decode_prior) as session:
             m = session.manifest
             assert m is not None
             check_fixed_level(req.policy, m.levels, req.context_id)
@@ -370,6 +375,7 @@ class Fetcher:
             except FetchFailed as exc:
                 self.metrics.bytes.inc(exc.report.bytes)
                 raise
+            self.decode_prior = decoding.measure(session.decodes) or self.decode_prior
             client = session.detach_connection()
             if client is not None:
                 idle = self._idle.setdefault(client.address, [])
