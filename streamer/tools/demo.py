@@ -334,8 +334,14 @@ def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int]
                       say: Callable[..., None]) -> None:
     """Set ``args.recompute_ms_per_token`` (unless given) to this model's text cost measured
     beside the codec decoding a chunk of ``kv`` (``recompute_seconds_per_token``), and
-    ``args.decode_prior`` to those decodes' cost (alone when the rate is given): the
-    session's first chunks are planned at it, before it has timed a section of its own."""
+    ``args.decode_prior`` to that chunk's decode timed alone: the session's first chunks
+    are planned at it, before it has timed a section of its own.
+
+    Alone, not beside the recompute: the fetch recomputes only the chunks it sends as
+    text, and a prior timed beside a recompute (115 ms for the MiniLM level-2 chunk on a
+    fresh venv's first run at fc5e950; 36-62 ms alone in ad hoc timings on a warm one)
+    made every level look too slow there: the first chunk went to text, its recompute
+    took 1.2 s and the fetch missed its 1 s SLO."""
     import codec
 
     from streamer.adapt import decoding
@@ -343,28 +349,24 @@ def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int]
 
     blob = codec.encode(kv[:, :, :len(ids)], level=codec.DEFAULT_LEVEL, profile=profile)
     decodes: list[float] = []
-
-    def decode_once() -> None:
+    for _ in range(3):
         began = time.perf_counter()
         codec.decode(blob, profile)
         decodes.append(time.perf_counter() - began)
-
-    if args.recompute_ms_per_token is not None:
-        say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token (given): "
-            "the policy weighs text chunks at that")
-        for _ in range(3):
-            decode_once()
-    else:
-        alone, beside = recompute_seconds_per_token(model, tokenizer, ids, hf, decode_once)
-        args.recompute_ms_per_token = 1e3 * beside
-        say(f"   recomputing a chunk from text costs {1e3 * beside:.2f} ms/token with this model while the "
-            f"codec decodes beside it, as during the fetch ({1e3 * alone:.2f} alone): the policy weighs "
-            "text chunks at that, and the session at its on_text calls' rate when slower")
     header = codec.parse_header(blob)
     args.decode_prior = decoding.measure_whole(len(ids), header.layers,
                                                sum(length for length, _ in header.sections), decodes)
-    say(f"   the codec decoded that chunk (level {codec.DEFAULT_LEVEL}) in {1e3 * sum(decodes) / len(decodes):.0f} ms "
-        f"on average over {len(decodes)} decodes: the fetch plans its first chunks' decode at that")
+    say(f"   the codec decodes that chunk (level {codec.DEFAULT_LEVEL}) in {1e3 * sum(decodes) / len(decodes):.0f} ms "
+        "alone: the fetch plans its first chunks' decode at that")
+    if args.recompute_ms_per_token is not None:
+        say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token (given): "
+            "the policy weighs text chunks at that")
+        return
+    alone, beside = recompute_seconds_per_token(model, tokenizer, ids, hf, lambda: codec.decode(blob, profile))
+    args.recompute_ms_per_token = 1e3 * beside
+    say(f"   recomputing a chunk from text costs {1e3 * beside:.2f} ms/token with this model while the "
+        f"codec decodes beside it, as during the fetch ({1e3 * alone:.2f} alone): the policy weighs "
+        "text chunks at that, and the session at its on_text calls' rate when slower")
 
 
 def demo_profile(args: argparse.Namespace, model, tokenizer, calibration_tokens: int, say: Callable[..., None]):
