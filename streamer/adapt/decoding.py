@@ -28,10 +28,11 @@ bytes per token is per token, the rest scales with its bytes.
 Before a session has decoded anything the plan has no figure, and the first chunks went
 out timed by the link alone (``kvwire demo``: levels 1-2 then 0, then level 4 once the
 decoder had been timed; the steady stretch was not one level). A caller that has timed
-the decoder (``measure_whole``: e.g. a chunk decoded beside its own load before the
-fetch) gives that as ``SessionConfig.decode_prior``; it stands in for one chunk's
-sections (``prior_sections``): the session's own timings weigh as much after one chunk,
-more after two, and replace it within ``RECENT_SECTIONS``.
+the decoder (a chunk decoded before the fetch, through ``measure_whole``; ``kvwire
+receive`` passes what its last fetch measured) gives that as
+``SessionConfig.decode_prior``; it stands in for one chunk's sections
+(``prior_sections``): the session's own timings weigh as much after one chunk, more
+after two, and replace it within ``RECENT_SECTIONS``.
 
 Pure; the delivery times each section as it is decoded, the session asks here.
 """

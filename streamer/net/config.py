@@ -65,7 +65,7 @@ class SessionConfig:
     #: estimate for the same sender, if any)
     prior_bps: Optional[float] = None
     #: the decoder's cost assumed before the session has timed a section of its own (e.g.
-    #: a chunk decoded beside the caller's load: ``adapt.decoding.measure_whole``); it
+    #: a chunk decoded before the fetch: ``adapt.decoding.measure_whole``); it
     #: counts as one chunk's sections among the recent ones. None: the first chunks are
     #: planned as if decoding were free until a section has been timed
     decode_prior: Optional[DecodeCost] = None
