@@ -330,12 +330,10 @@ def warm_start(say: Callable[..., None]) -> WarmStart:
     return start
 
 
-def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int], kv, profile,
-                      say: Callable[..., None]) -> None:
-    """Set ``args.recompute_ms_per_token`` (unless given) to this model's text cost measured
-    beside the codec decoding a chunk of ``kv`` (``recompute_seconds_per_token``), and
-    ``args.decode_prior`` to that chunk's decode timed alone: the session's first chunks
-    are planned at it, before it has timed a section of its own.
+def measure_decode(args: argparse.Namespace, ids: list[int], kv, profile, say: Callable[..., None]) -> bytes:
+    """Set ``args.decode_prior`` to the codec's decode of the first chunk of ``kv`` (at the
+    default level), timed alone: the session's first chunks are planned at it, before it
+    has timed a section of its own. Returns that chunk's blob.
 
     Alone, not beside the recompute: the fetch recomputes only the chunks it sends as
     text, and a prior timed beside a recompute (115 ms for the MiniLM level-2 chunk on a
@@ -345,7 +343,6 @@ def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int]
     import codec
 
     from streamer.adapt import decoding
-    from streamer.model import hf
 
     blob = codec.encode(kv[:, :, :len(ids)], level=codec.DEFAULT_LEVEL, profile=profile)
     decodes: list[float] = []
@@ -358,6 +355,19 @@ def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int]
                                                sum(length for length, _ in header.sections), decodes)
     say(f"   the codec decodes that chunk (level {codec.DEFAULT_LEVEL}) in {1e3 * sum(decodes) / len(decodes):.0f} ms "
         "alone: the fetch plans its first chunks' decode at that")
+    return blob
+
+
+def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int], kv, profile,
+                      say: Callable[..., None]) -> None:
+    """Set ``args.decode_prior`` (``measure_decode``) and ``args.recompute_ms_per_token``
+    (unless given) to this model's text cost measured beside the codec decoding a chunk
+    of ``kv`` (``recompute_seconds_per_token``)."""
+    import codec
+
+    from streamer.model import hf
+
+    blob = measure_decode(args, ids, kv, profile, say)
     if args.recompute_ms_per_token is not None:
         say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token (given): "
             "the policy weighs text chunks at that")
