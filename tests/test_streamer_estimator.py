@@ -69,6 +69,22 @@ def test_log_errors_match_a_direct_computation() -> None:
     np.testing.assert_allclose(log_errors(history, 2), expected)
 
 
+@given(histories, windows)
+def test_log_errors_match_the_definition_on_any_history(history, window) -> None:
+    """Each sample's error against the harmonic mean of the (up to) ``window`` before it."""
+    rates = _rates(history)
+    expected = [math.log(rates[i] / (min(i, window) / math.fsum(1 / rates[max(0, i - window):i])))
+                for i in range(1, rates.size)]
+    np.testing.assert_allclose(log_errors(history, window), expected, rtol=1e-12, atol=1e-12)
+
+
+@given(st.lists(st.floats(-50, 50), min_size=1, max_size=40), st.floats(0, 1))
+def test_quantile_is_numpys_to_the_last_bit(values, q) -> None:
+    """The estimator's own quantile (numpy's is ~0.2 ms a call on the event loop) stands
+    for ``np.quantile``: the same float, so plans do not move with the implementation."""
+    assert estimator._quantile(values, q) == float(np.quantile(np.array(values), q))
+
+
 def test_one_deep_fade_does_not_collapse_the_estimate() -> None:
     """robustMPC's 1 + max error would divide this estimate by ~20 for five chunks."""
     steady = [Observation(100_000_000, 1.0)] * 10

@@ -80,22 +80,27 @@ def throughputs(history: Sequence[Observation]) -> np.ndarray:
     Kept, one 26 Mbit/s bound beside a 1 Gbit/s sample after the link came back held
     the harmonic mean at 51 Mbit/s, and the rest of the fetch went to text
     (``kvwire bench policies``, default set at 0.5 s: trace onoff-1g).
+
+    A plain loop, not array code: a history holds a few dozen observations, and the
+    session runs this on its event loop at every look (numpy's per-call overhead made
+    it ~10x slower, and the decode thread waits for the GIL meanwhile).
     """
-    if not history:
-        return np.empty(0)
-    nbytes = np.fromiter((o.bytes for o in history), dtype=np.float64, count=len(history))
-    busy = np.fromiter((o.busy_seconds for o in history), dtype=np.float64,
-                       count=len(history))
-    bound = np.fromiter((o.upper_bound for o in history), dtype=bool, count=len(history))
-    keep = (busy > _MIN_BUSY_SECONDS) & (nbytes > 0) & np.isfinite(busy)
-    rates = np.zeros(len(history))
-    rates[keep] = nbytes[keep] / busy[keep]
-    if bound.any():
-        measured = np.where(keep & ~bound, rates, 0.0)
-        # the fastest measured rate strictly after each observation
-        after = np.append(np.maximum.accumulate(measured[::-1])[::-1][1:], 0.0)
-        keep &= ~(bound & (after > rates))
-    return rates[keep]
+    rates: list[float] = []
+    bounds: list[bool] = []
+    for o in history:
+        if o.bytes > 0 and _MIN_BUSY_SECONDS < o.busy_seconds < math.inf:
+            rates.append(o.bytes / o.busy_seconds)
+            bounds.append(o.upper_bound)
+    if any(bounds):
+        kept, fastest_after = [], 0.0   # the fastest measured (not bound) rate after each
+        for rate, bound in zip(reversed(rates), reversed(bounds)):
+            if not bound:
+                fastest_after = max(fastest_after, rate)
+            elif fastest_after > rate:
+                continue
+            kept.append(rate)
+        rates = kept[::-1]
+    return np.array(rates, dtype=np.float64)
 
 
 def _check_window(window: int) -> None:
@@ -140,37 +145,55 @@ def log_errors(history: Sequence[Observation], window: int = DEFAULT_WINDOW) -> 
 
 
 def _predictions(history: Sequence[Observation], window: int) -> tuple[np.ndarray, np.ndarray]:
-    """(prediction, actual) rate of every sample after the first."""
+    """(prediction, actual) rate of every sample after the first: the harmonic mean of
+    the ``window`` samples before it (fewer at the start)."""
     _check_window(window)
     rates = throughputs(history)
     if rates.size < 2:
         return np.empty(0), np.empty(0)
-    # Row i of `before` holds the reciprocals of the `window` samples preceding
-    # sample i, zero-padded at the start (a direct sum: prefix-sum differences
-    # would cancel catastrophically when rates span orders of magnitude).
-    padded = np.concatenate((np.zeros(window), 1.0 / rates[:-1]))
-    before = np.lib.stride_tricks.sliding_window_view(padded, window)[1:]
-    counts = np.minimum(np.arange(1, rates.size), window)
-    return counts / before.sum(axis=1), rates[1:]
+    # a direct sum per sample, oldest first (prefix-sum differences would cancel
+    # catastrophically when rates span orders of magnitude)
+    reciprocals = (1.0 / rates[:-1]).tolist()
+    predictions = []
+    for i in range(1, rates.size):
+        total = 0.0
+        for r in reciprocals[max(0, i - window):i]:
+            total += r
+        predictions.append(min(i, window) / total)
+    return np.array(predictions), rates[1:]
 
 
-def _calibration(errors: Sequence[float] | np.ndarray) -> np.ndarray:
+def _calibration(errors: Sequence[float] | np.ndarray) -> list[float]:
     """The last ``ERROR_WINDOW`` finite errors, padded with zeros to ``MIN_ERRORS`` when
     there are some (empty when there are none)."""
-    e = np.asarray(errors, dtype=np.float64)[-ERROR_WINDOW:]
-    e = e[np.isfinite(e)]
-    if 0 < e.size < MIN_ERRORS:
-        e = np.concatenate((np.zeros(MIN_ERRORS - e.size), e))
+    e = [float(x) for x in list(errors)[-ERROR_WINDOW:] if math.isfinite(x)]
+    if 0 < len(e) < MIN_ERRORS:
+        e = [0.0] * (MIN_ERRORS - len(e)) + e
     return e
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """``np.quantile(values, q)`` (its default, linear method), to the last bit: numpy's
+    costs ~0.2 ms a call on these few values, and the planners call it at every look."""
+    ordered = sorted(values)
+    n = len(ordered)
+    virtual = (n - 1) * q
+    if virtual >= n - 1:
+        return ordered[-1]
+    below = math.floor(virtual)
+    gamma = virtual - below
+    a, b = ordered[below], ordered[below + 1]
+    # numpy's lerp: from the nearer end, so the result is monotonic in q
+    return b - (b - a) * (1 - gamma) if gamma >= 0.5 else a + (b - a) * gamma
 
 
 def error_factor(errors: Sequence[float] | np.ndarray, quantile: float = ERROR_QUANTILE) -> float | None:
     """``exp`` of the ``quantile`` of log prediction errors (fewer than ``MIN_ERRORS``
     padded with zeros), capped at 1 (never optimistic); None without errors to calibrate on."""
     e = _calibration(errors)
-    if e.size == 0:
+    if not e:
         return None
-    return float(np.exp(min(0.0, float(np.quantile(e, quantile)))))
+    return float(np.exp(min(0.0, _quantile(e, quantile))))
 
 
 def recent_errors(history: Sequence[Observation], prior_errors: Sequence[float] = (),
@@ -214,9 +237,9 @@ def rate_scenarios(history: Sequence[Observation], window: int = DEFAULT_WINDOW,
         return np.empty(0)
     fast = harmonic_mean(history, FAST_WINDOW, prior)
     errors = _calibration(recent_errors(history, prior_errors, window))
-    if errors.size == 0:
+    if not errors:
         return np.array([min(mean, fast)])
-    factors = np.exp(np.minimum(0.0, np.quantile(errors, quantiles)))
+    factors = np.exp(np.minimum(0.0, [_quantile(errors, q) for q in quantiles]))
     return np.minimum(mean * factors, fast)
 
 
