@@ -235,3 +235,46 @@ def test_one_surprise_is_not_yet_a_calibration() -> None:
     assert error_factor([0.0] * 10 + [deep]) == 1.0          # many errors: the median as before
     rates = rate_scenarios([], prior=1e6, prior_errors=[deep])
     assert rates.min() < 0.5e6 and rates.max() == pytest.approx(1e6)
+
+
+def _burst_then_steady(burst: float, rate: float):
+    """Bytes in by time t of a transfer a shaper's full bucket starts with ``burst`` bytes."""
+    return lambda t: burst + rate * max(t, 0.0)
+
+
+def test_a_chunk_in_flight_is_measured_by_its_recent_half_not_its_burst() -> None:
+    """A full shaper bucket lets 500 KB in at once, then the link carries 25 MB/s: the
+    chunk's average so far reads twice the rate, its second half the rate itself."""
+    by = _burst_then_steady(500_000, 25e6)
+    sample = estimator.in_flight_sample(0.0, 0.02, by(0.02), by)
+    assert sample.bytes / sample.busy_seconds == pytest.approx(25e6, rel=1e-6)
+    assert by(0.02) / 0.02 == pytest.approx(50e6)
+    # a level shift mid-chunk: 0.1 s at 100 MB/s, then 10 MB/s
+    shifted = lambda t: 100e6 * min(t, 0.1) + 10e6 * max(t - 0.1, 0.0)  # noqa: E731
+    sample = estimator.in_flight_sample(0.0, 0.25, shifted(0.25), shifted)
+    assert sample.bytes / sample.busy_seconds == pytest.approx(10e6, rel=1e-6)
+
+
+def test_a_chunk_in_flight_too_slow_for_a_recent_half_is_measured_whole() -> None:
+    by = _burst_then_steady(0, 1e6)   # 1 MB/s: the second half of 0.1 s is 50 KB
+    sample = estimator.in_flight_sample(0.0, 0.1, by(0.1), by)
+    assert (sample.bytes, sample.busy_seconds) == (100_000, 0.1)
+    assert estimator.in_flight_sample(0.0, 0.05, by(0.05), by) is None   # under MIN_SAMPLE_BYTES
+    assert estimator.in_flight_sample(1.0, 1.0, 10**6, by) is None       # no time has passed
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 10**6)), min_size=1, max_size=12),
+       st.floats(-0.5, 1.5))
+def test_arrived_by_interpolates_an_arrival_curve(points, t) -> None:
+    curve = sorted(points)
+    curve = [(at, count) for i, (at, count) in enumerate(curve) if i == 0 or at > curve[i - 1][0]]
+    counts = [count for _, count in curve]
+    curve = [(at, c) for (at, _), c in zip(curve, sorted(counts))]   # bytes never fall
+    got = estimator.arrived_by(curve, t)
+    for at, count in curve:
+        assert estimator.arrived_by(curve, at) == pytest.approx(count)
+    assert curve[0][1] <= got <= curve[-1][1]
+    before = [count for at, count in curve if at <= t]
+    after = [count for at, count in curve if at > t]
+    assert (before[-1] if before else curve[0][1]) <= got + 1e-6
+    assert got <= (after[0] if after else curve[-1][1]) + 1e-6

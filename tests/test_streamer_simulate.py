@@ -174,6 +174,32 @@ def test_decisions_see_only_measured_history_and_a_partial_sample() -> None:
     assert all(r.chunks[i].requested < r.chunks[i - 1].end for i in range(1, 5))
 
 
+async def test_the_session_measures_a_chunk_in_flight_by_its_recent_half() -> None:
+    """The session's partial sample is ``estimator.in_flight_sample`` on its parts' arrival
+    times: a chunk whose first 512 KB came at once (a shaper's full bucket) and whose next
+    parts came at 25 MB/s is measured at 25 MB/s, not at its average so far."""
+    import streamer
+    from streamer.net.session import _Fetch
+
+    session = streamer.StreamSession("127.0.0.1", 9, "ctx")
+    session.manifest = make_manifest([[2_000_000, 1_000_000]] * 2, [256] * 2)
+    fetch = _Fetch(session)
+    head = fetch.chunks[0]
+    head.choice, head.expected, head.requested_at = 0, 2_000_000, 100.0
+    head.begin_at = 100.0
+    fetch.inflight.append(0)
+    parts = [(100.001, 4 * 128 * 1024)] + [(100.001 + 128 * 1024 * k / 25e6, (4 + k) * 128 * 1024)
+                                           for k in range(1, 5)]
+    for at, count in parts:
+        head.arrivals.append((at, count))
+    head.received = parts[-1][1]
+    now = parts[-1][0]
+    sample = fetch._partial_sample(now)
+    assert sample.bytes / sample.busy_seconds == pytest.approx(25e6, rel=0.02)
+    assert head.received / (now - 100.0) > 1.5 * 25e6   # what the average so far reads
+    session._executor.shutdown()
+
+
 def test_cancel_abandons_a_chunk_the_link_can_no_longer_carry() -> None:
     """The link falls from 400 to 4 Mbit/s while a 4 MB chunk is arriving: without the
     cancel rule the chunk drains for seconds; with it (mpc's default, as in the session)

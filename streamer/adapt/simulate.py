@@ -26,7 +26,8 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   per finished chunk of >= 64 KiB (smaller ones pooled until they reach it:
   ``estimator.pool_sample``), ``Observation(bytes, busy)`` with busy time from
   ``max(request + rtt, previous chunk's end)`` (here the first byte) to the last byte;
-  at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived.
+  at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived
+  (its second half so far, ``estimator.in_flight_sample``, exact here from the trace).
   ``time_left`` is ``adapt.decide.time_left``: ``slo - now - max(outstanding / estimate,
   rtt)``, and the recompute still owed (``PlanInput.recompute_busy``) is that of the text
   chunks not yet delivered, less what the one being recomputed has had, as the session
@@ -342,13 +343,12 @@ class Simulator:
 
         def estimate_at(now: float) -> tuple[list[Observation], float | None]:
             hist = list(history)
-            if completed < len(end):
+            if completed < len(end) and now >= begin[completed]:
                 j = completed
-                got = received(j, now)
-                if now >= begin[j] and got >= MIN_SAMPLE_BYTES:
-                    s = max(begin[j], last_end if last_end is not None else begin[j])
-                    if now > s:
-                        hist.append(Observation(int(got), now - s))
+                s = max(begin[j], last_end if last_end is not None else begin[j])
+                sample = estimator.in_flight_sample(s, now, received(j, now), lambda t: received(j, t))
+                if sample is not None:
+                    hist.append(sample)
             return hist, estimator.robust_estimate(hist, prior=prior_bps, prior_errors=prior_errors)
 
         def outstanding(now: float) -> float:

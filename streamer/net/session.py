@@ -147,6 +147,9 @@ class _Chunk:
     escalate_at: float | None = None   # drop the connection if the CANCEL is unanswered by then
     #: the cancel rule's looks at the current answer: (time, bytes received), from its busy start
     marks: list[tuple[float, int]] = field(default_factory=list)
+    #: (arrival time, bytes received) after each part of the current answer: where its
+    #: in-flight sample's recent half begins (``estimator.in_flight_sample``)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
     report: ChunkReport | None = None
 
 
@@ -551,12 +554,14 @@ class _Fetch:
         return min(head.received + partial, head.expected)
 
     def _partial_sample(self, now: float) -> Observation | None:
-        """The chunk in flight so far, as a throughput sample (None while too small)."""
+        """The chunk in flight so far, as a throughput sample (None while too small): its
+        recent half (``estimator.in_flight_sample``), by its parts' arrival times."""
         head = self._head_in_progress()
         if head is None:
             return None
-        received, start = self._progress(head), self._busy_start(head)
-        return Observation(received, now - start) if received >= MIN_SAMPLE_BYTES and now > start else None
+        start, received = self._busy_start(head), self._progress(head)
+        curve = [(start, 0.0), *((at, count) for at, count in head.arrivals if at > start), (now, received)]
+        return estimator.in_flight_sample(start, now, received, lambda t: estimator.arrived_by(curve, t))
 
     def _estimate(self, now: float) -> tuple[list[Observation], float | None]:
         """History plus the chunk in flight as a partial sample, and the robust estimate."""
@@ -735,6 +740,7 @@ class _Fetch:
         chunk.requested_at = time.monotonic()
         chunk.begin_at = None
         chunk.marks = []
+        chunk.arrivals = []
         chunk.received = 0
         chunk.buffer = bytearray()
         chunk.consumed = 0
@@ -792,6 +798,7 @@ class _Fetch:
 
     def _on_part(self, chunk: _Chunk, data: bytes, at: float) -> None:
         chunk.received += len(data)
+        chunk.arrivals.append((at, chunk.received))
         if chunk.discard:
             return   # the rest of an answer whose header was corrupt: it is refetched whole
         chunk.buffer += data
