@@ -82,7 +82,7 @@ def test_log_errors_match_the_definition_on_any_history(history, window) -> None
 def test_quantile_is_numpys_to_the_last_bit(values, q) -> None:
     """The estimator's own quantile (numpy's is ~0.2 ms a call on the event loop) stands
     for ``np.quantile``: the same float, so plans do not move with the implementation."""
-    assert estimator._quantile(values, q) == float(np.quantile(np.array(values), q))
+    assert estimator._quantiles(values, [q]) == [float(np.quantile(np.array(values), q))]
 
 
 def test_one_deep_fade_does_not_collapse_the_estimate() -> None:
