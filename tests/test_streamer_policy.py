@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -155,7 +156,12 @@ def test_mpc_single_chunk_more_time_is_never_worse(inp, t1, t2) -> None:
     costs = option_costs(inp)
 
     def cost(time_left: float) -> float:
+        """The choice's cost, infinite where it misses (with no time, the fastest option is
+        the answer, and a miss must not count as cheaper than what more time affords)."""
         choice = mpc(PlanInput(**{**inp.__dict__, "time_left": time_left}))
+        rate = inp.history[0].bytes / inp.history[0].busy_seconds
+        if predicted_seconds(inp, choice, rate) > time_left:
+            return math.inf
         return costs[inp.levels if choice == TEXT else choice]
 
     assert cost(long) <= cost(short)
