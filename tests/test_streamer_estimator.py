@@ -246,13 +246,27 @@ def test_a_chunk_in_flight_is_measured_by_its_recent_half_not_its_burst() -> Non
     """A full shaper bucket lets 500 KB in at once, then the link carries 25 MB/s: the
     chunk's average so far reads twice the rate, its second half the rate itself."""
     by = _burst_then_steady(500_000, 25e6)
-    sample = estimator.in_flight_sample(0.0, 0.02, by(0.02), by)
+    sample = estimator.in_flight_sample(0.0, 0.04, by(0.04), by)
     assert sample.bytes / sample.busy_seconds == pytest.approx(25e6, rel=1e-6)
-    assert by(0.02) / 0.02 == pytest.approx(50e6)
+    assert by(0.04) / 0.04 == pytest.approx(37.5e6)
     # a level shift mid-chunk: 0.1 s at 100 MB/s, then 10 MB/s
     shifted = lambda t: 100e6 * min(t, 0.1) + 10e6 * max(t - 0.1, 0.0)  # noqa: E731
     sample = estimator.in_flight_sample(0.0, 0.25, shifted(0.25), shifted)
     assert sample.bytes / sample.busy_seconds == pytest.approx(10e6, rel=1e-6)
+
+
+def test_a_chunk_in_flight_is_no_sample_before_it_has_run_long_enough_to_average_a_shaper() -> None:
+    """A shaper releases its bucket in lumps (the shaping proxy: 10 ms of its rate at once):
+    a transfer of a few ms reads line rate or nothing, so it is no sample before it has
+    run MIN_PARTIAL_SECONDS, and its recent half counts only once that half has too."""
+    short = estimator.MIN_PARTIAL_SECONDS
+    by = _burst_then_steady(250_000, 25e6)
+    assert estimator.in_flight_sample(0.0, 0.9 * short, by(0.9 * short), by) is None
+    whole = estimator.in_flight_sample(0.0, 1.5 * short, by(1.5 * short), by)
+    assert (whole.bytes, whole.busy_seconds) == (int(by(1.5 * short)), 1.5 * short)
+    recent = estimator.in_flight_sample(0.0, 2 * short, by(2 * short), by)
+    assert recent.busy_seconds == pytest.approx(short)
+    assert recent.bytes / recent.busy_seconds == pytest.approx(25e6, rel=1e-6)
 
 
 def test_a_chunk_in_flight_too_slow_for_a_recent_half_is_measured_whole() -> None:

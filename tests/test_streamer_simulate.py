@@ -189,14 +189,14 @@ async def test_the_session_measures_a_chunk_in_flight_by_its_recent_half() -> No
     head.begin_at = 100.0
     fetch.inflight.append(0)
     parts = [(100.001, 4 * 128 * 1024)] + [(100.001 + 128 * 1024 * k / 25e6, (4 + k) * 128 * 1024)
-                                           for k in range(1, 5)]
+                                           for k in range(1, 9)]
     for at, count in parts:
         head.arrivals.append((at, count))
     head.received = parts[-1][1]
     now = parts[-1][0]
     sample = fetch._partial_sample(now)
     assert sample.bytes / sample.busy_seconds == pytest.approx(25e6, rel=0.02)
-    assert head.received / (now - 100.0) > 1.5 * 25e6   # what the average so far reads
+    assert head.received / (now - 100.0) > 1.4 * 25e6   # what the average so far reads
     session._executor.shutdown()
 
 

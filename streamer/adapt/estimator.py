@@ -64,6 +64,9 @@ SCENARIO_QUANTILES = (0.05, 0.15, 0.3, 0.5, 0.7)
 #: recent shortfall when the peer's errors show it steadier than that.
 GUARD_FACTOR = 0.5
 
+#: The least time a sample of the chunk in flight spans (:func:`in_flight_sample`): two of
+#: the shaping proxy's lumps (it releases 10 ms of its rate at once).
+MIN_PARTIAL_SECONDS = 0.02
 
 #: Shorter busy times are clock noise, not measurements (a 1e-300 s sample is an infinite rate).
 _MIN_BUSY_SECONDS = 1e-9
@@ -303,8 +306,9 @@ def in_flight_sample(start: float, now: float, received: float,
                      received_by: Callable[[float], float]) -> Observation | None:
     """The chunk still arriving as a throughput sample: the second half of its transfer so
     far (by time, ``received_by(t)`` the bytes in by ``t``) when that half carried
-    ``MIN_SAMPLE_BYTES``, else all of it since ``start`` (its busy start); None while
-    fewer than ``MIN_SAMPLE_BYTES`` are in.
+    ``MIN_SAMPLE_BYTES`` over ``MIN_PARTIAL_SECONDS``, else all of it since ``start`` (its
+    busy start); None while fewer than ``MIN_SAMPLE_BYTES`` are in or the transfer has run
+    less than ``MIN_PARTIAL_SECONDS``.
 
     Why not all of it: a level shift in the middle of a chunk shows in its recent half long
     before it moves the average (``kvwire bench policies``, unseen set at 0.5 s: 9 -> 6
@@ -312,15 +316,18 @@ def in_flight_sample(start: float, now: float, received: float,
     link idled, lets a chunk's first bytes through at once (the shaping proxy: 20 ms of its
     rate; tbf: its ``burst``): the average so far counts them as link rate for as long as
     the chunk lasts, the recent half only until the chunk has run twice as long as they
-    took to come. A decision made sooner still sees the burst (the demo decides its second
-    chunk ~10 ms into the first, and sends it at level 0). Finished chunks stay whole
-    samples: the estimator's errors are calibrated on those.
+    took to come. Why not sooner: a shaper also releases its credit in lumps (the shaping
+    proxy moves half its bucket, 10 ms of its rate, at once; tbf its ``burst``), so a few
+    ms of a transfer read line rate or almost nothing. ``kvwire demo`` decided its second
+    chunk ~10 ms into the first, saw 500-850 Mbit/s on its 200 Mbit/s link and sent it at
+    level 0; ``MIN_PARTIAL_SECONDS`` (two lumps) is the least a sample spans. Finished
+    chunks stay whole samples: the estimator's errors are calibrated on those.
     """
-    if received < MIN_SAMPLE_BYTES or not now > start:
+    if received < MIN_SAMPLE_BYTES or not now - start >= MIN_PARTIAL_SECONDS:
         return None
     middle = start + (now - start) / 2
     recent = received - received_by(middle)
-    if recent >= MIN_SAMPLE_BYTES:
+    if recent >= MIN_SAMPLE_BYTES and now - middle >= MIN_PARTIAL_SECONDS:
         return Observation(int(recent), now - middle)
     return Observation(int(received), now - start)
 
