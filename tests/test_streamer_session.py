@@ -547,3 +547,34 @@ async def test_the_first_chunk_is_planned_at_the_decoder_cost_the_caller_measure
                                       prior_bps=1e9, decode_prior=decode_prior) as session:
         report = await session.fetch()
     assert report.chunks[0].level in first_levels, [c.level for c in report.chunks]
+
+
+async def test_the_profile_downloaded_at_open_is_the_first_sample(context, sender, monkeypatch) -> None:
+    """Opening a context whose profile is not cached downloads it over the same link just
+    before the fetch: the first decision's history starts with that transfer (bytes and
+    the time after one round trip) instead of planning on the handshake's rate alone; a
+    second fetch on the session starts afresh, and a cached profile is no sample."""
+    import streamer.net.session as session_module
+
+    monkeypatch.setattr(session_module, "_profiles", session_module.collections.OrderedDict())
+    histories: list[list] = []
+    real = session_module.decide
+
+    def recording(policy, manifest, index, **kw):
+        if index == 0:
+            histories.append(list(kw["history"]))
+        return real(policy, manifest, index, **kw)
+
+    monkeypatch.setattr(session_module, "decide", recording)
+    size = len(context["profile"].to_bytes())
+    assert size >= session_module.MIN_SAMPLE_BYTES
+    async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), trace=100.0) as proxy:
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=1.0, policy="mpc") as session:
+            await session.fetch()
+            await session.fetch()
+        async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=1.0, policy="mpc") as session:
+            await session.fetch()
+    first, again, cached = histories
+    assert first[0].bytes == size
+    assert first[0].bytes / first[0].busy_seconds == pytest.approx(100e6 / 8, rel=0.3)
+    assert all(o.bytes != size for o in again + cached)

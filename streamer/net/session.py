@@ -8,7 +8,8 @@ the link never idles and each decision sees the freshest measurement, including
 the partial rate of the chunk in flight. Throughput is measured at the receiver
 over busy time only: a chunk's clock starts when the previous chunk ended or when
 its request could first have been answered (sent + one round trip), whichever is
-later, so neither idle time nor a burst of buffered bytes distorts it. Layer sections are handed to
+later, so neither idle time nor a burst of buffered bytes distorts it; the profile downloaded
+when the context opened (megabytes over the same link) is the first sample. Layer sections are handed to
 ``OrderedDelivery`` as they land, so decoding overlaps receiving and layer 0 of
 chunk 0 reaches the consumer while later chunks are still on the wire. The decoder is
 timed too (``adapt.decoding``): every decision sees its seconds per token, as its recent
@@ -182,6 +183,9 @@ class StreamSession:
         self.profile: codec.Profile | None = None
         #: bytes/s of the manifest (and profile) answers, measured when the context opens
         self.handshake_bps: float | None = None
+        #: the profile's download as a throughput sample, for the next fetch's history (see
+        #: ``_open_context``); taken by that fetch
+        self.open_sample: Observation | None = None
         #: seconds the last connect + handshake + open took, less the profile download (a
         #: reconnect finds the profile cached): what dropping a connection costs (the cancel
         #: rule weighs it against draining what the old one queued)
@@ -328,6 +332,9 @@ class StreamSession:
             data = await client.get_profile(manifest.profile_id, timeout)
             profile_seconds = time.monotonic() - profile_asked
             received += len(data)
+            if len(data) >= MIN_SAMPLE_BYTES:
+                # busy from one round trip after the request, as a chunk's (``_busy_start``)
+                self.open_sample = Observation(len(data), max(profile_seconds - client.rtt, 0.0))
             profile = codec.Profile.from_bytes(data)
             if profile.id != manifest.profile_id:
                 raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
@@ -369,7 +376,11 @@ class _Fetch:
         self.chunks = [_Chunk(i) for i in range(len(self.manifest.chunks))]
         self.inflight: collections.deque[int] = collections.deque()
         self.next_chunk = 0
-        self.history: list[Observation] = []
+        #: the profile just downloaded over this link, when the context opened, is the
+        #: first sample: megabytes a moment ago, where a first chunk's first bytes may be a
+        #: shaper's burst (``_open_context``)
+        self.history: list[Observation] = [session.open_sample] if session.open_sample else []
+        session.open_sample = None
         self.last_end: float | None = None
         self.wake = asyncio.Event()
         self.report = FetchReport(session.context_id, session.slo, session.policy_name)
