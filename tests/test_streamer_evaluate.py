@@ -219,6 +219,16 @@ def test_fetch_kv_fields_exclude_text_chunks() -> None:
     assert f.kv_distortion == pytest.approx((2e-4 + 2e-2) / 2)  # measured, text chunks left out
     assert f.cost == pytest.approx(1e-4 + 1.0 + 1e-2 + 1.0)     # the objective: targets, 1 per text chunk
     assert f.ttft == pytest.approx(0.81)
+    assert f.level_switches == 1                                  # 0 -> 2; text in between skipped
+
+
+def test_level_switches_count_changes_between_kv_chunks() -> None:
+    assert ev.level_switches([]) == ev.level_switches([TEXT, TEXT]) == ev.level_switches([2, 2, 2]) == 0
+    assert ev.level_switches([1, 0, 2, 2, 1, 1, 2]) == 4
+    assert ev.level_switches([1, TEXT, 1, 3, TEXT, 3]) == 1
+    fetches = [ev.Fetch("mpc", "a", 1.0, 0.0, True, 0.1, 0, 4, 0.5, 0.51, 1e-3, 400, "default", level_switches=3),
+               ev.Fetch("mpc", "b", 1.0, 0.0, True, 0.1, 0, 4, 0.5, 0.51, 1e-3, 400, "default")]
+    assert ev.summarize(fetches)[0]["level_switches_per_fetch"] == 1.5
 
 
 def _row(policy: str, viol: float, objective: float, ratio: float | None, text: float, slo: float = 1.0,

@@ -266,6 +266,14 @@ class Fetch:
     cancels: int = 0
     cancels_after_layers: int = 0
     cancels_to_level: int = 0
+    #: consecutive KV chunks at different levels (text between them does not count)
+    level_switches: int = 0
+
+
+def level_switches(choices: Sequence) -> int:
+    """How often the level changes from one KV chunk to the next (text chunks skipped)."""
+    levels = [c for c in choices if c != TEXT]
+    return sum(a != b for a, b in zip(levels, levels[1:]))
 
 
 def load_traces(directory: str | Path | None, trace_set: str = "default") -> dict[str, Trace]:
@@ -295,7 +303,8 @@ def _fetch(method: Method, trace_set: str, name: str, slo: float, start: float, 
                  float(completion), float(completion + first_token), sim.kv_distortion_of(choices),
                  kv_tokens, trace_set, cancels=len(cancelled),
                  cancels_after_layers=sum(delivered > 0 for _, _, delivered, _ in cancelled),
-                 cancels_to_level=sum(to != TEXT for *_, to in cancelled))
+                 cancels_to_level=sum(to != TEXT for *_, to in cancelled),
+                 level_switches=level_switches(choices))
 
 
 def sweep_trace(methods: Sequence[Method], name: str, trace: Trace, slos: Sequence[float],
@@ -384,6 +393,7 @@ def summarize(fetches: Sequence[Fetch]) -> list[dict]:
                      "finish_share_of_slo": float(np.mean([f.completion / f.slo for f in fs])),
                      "ttft_p50": float(np.percentile(ttft, 50)),
                      "ttft_p95": float(np.percentile(ttft, 95)),
+                     "level_switches_per_fetch": float(np.mean([f.level_switches for f in fs])),
                      **_cancel_stats(fs)})
     return rows
 
@@ -861,14 +871,15 @@ def render(report: Report) -> str:
         rows = [r for r in report.results if r["trace_set"] == ts]
         lines += ["", f"trace set {ts!r} ({len(sets[ts])} traces):",
                   f"{'policy':<10}{'SLO s':>6}{'viol.':>8}{'objective':>11}{'x oracle':>10}{'text':>8}"
-                  f"{'KV dist.':>10}{'finish/SLO':>12}{'TTFT p95':>10}"]
+                  f"{'KV dist.':>10}{'finish/SLO':>12}{'TTFT p95':>10}{'switches':>10}"]
         for r in sorted(rows, key=lambda r: r["slo"]):
             ratio = r["objective_ratio"]
             kvd = r["mean_kv_distortion"]
             lines.append(f"{r['policy']:<10}{r['slo']:>6g}{r['violation_rate']:>8.1%}"
                          f"{r['mean_objective']:>11.4f}{'-' if ratio is None else format(ratio, '.2f'):>10}"
                          f"{r['text_share']:>8.1%}{'-' if kvd is None else format(kvd, '.2e'):>10}"
-                         f"{r['finish_share_of_slo']:>12.2f}{r['ttft_p95']:>10.3f}")
+                         f"{r['finish_share_of_slo']:>12.2f}{r['ttft_p95']:>10.3f}"
+                         f"{r['level_switches_per_fetch']:>10.2f}")
         for r in sorted(rows, key=lambda r: r["slo"]):
             if r["cancels_per_fetch"]:
                 lines.append(f"  {r['policy']} at {r['slo']:g} s abandoned {r['cancels_per_fetch']:.2f} chunks per "
