@@ -372,3 +372,56 @@ def test_a_mix_of_two_levels_is_planned_with_its_better_level_last(chunks, bette
                     history=[Observation(10 * mb, 0.1)] * 4)
     plan = mpc_module.mpc_plan(inp)
     assert plan.columns == (1,) * (chunks - better) + (0,) * better, plan
+
+
+def _mix(chunks: int, better: int, **kw) -> PlanInput:
+    """A budget that fits ``better`` chunks at level 0 and the rest at level 1 at 100 MB/s."""
+    mb = 1_000_000
+    exact = better * 0.01 + (chunks - better) * 0.005
+    return PlanInput(sizes=[[mb, mb // 2]] * chunks, text_bytes=[100] * chunks, text_seconds=[1.0] * chunks,
+                     distortion=[0.001, 0.004], time_left=(exact + 0.002) / (1 - PLAN_MARGIN),
+                     history=[Observation(10 * mb, 0.1)] * 4, **kw)
+
+
+def test_a_step_up_within_the_scatter_of_a_steady_link_is_held() -> None:
+    """A link measured at 100-143 MB/s: the plan would step up to level 0 (it fits every
+    chunk at the faster rates, a mix at the slower ones), which is less than a step
+    better in expectation, so after a level-1 chunk the next stays at level 1."""
+    mb = 1_000_000
+    scatter = [Observation(10 * mb, s) for s in (0.1, 0.07, 0.1, 0.08, 0.1, 0.075)]
+    inp = PlanInput(sizes=[[mb, mb // 2]] * 6, text_bytes=[100] * 6, text_seconds=[1.0] * 6,
+                    distortion=[0.001, 0.004], time_left=0.058, history=scatter)
+    assert mpc(inp) == 0
+    assert mpc(dataclasses.replace(inp, previous_level=1)) == 1
+    assert mpc(dataclasses.replace(inp, previous_level=0)) == 0
+
+
+def test_a_step_down_is_never_held() -> None:
+    """The mix's worse level goes first whatever the chunk before was."""
+    assert mpc(_mix(6, 3)) == 1
+    assert mpc(_mix(6, 3, previous_level=0)) == 1
+
+
+def test_a_level_is_left_when_the_plan_can_do_better_throughout() -> None:
+    """Held, level 1 would cost a whole step over the plan at level 0 (which fits every
+    chunk): the hold tolerates less than a step, so the plan steps up; and a budget that
+    fits no level-0 chunk leaves level 0 behind."""
+    assert mpc(_mix(6, 6, previous_level=1)) == 0
+    assert mpc(_mix(6, 0, previous_level=0)) == 1
+
+
+def test_a_level_is_never_held_over_text() -> None:
+    link = [Observation(1_000_000, 1.0)] * 3              # 1 MB/s: only text (0.054 s) fits in 0.5 s
+    assert mpc(_ladder(1, 0.5, link, previous_level=3)) == TEXT
+
+
+def test_held_tolerates_a_share_of_the_distortion_step() -> None:
+    inp = _mix(4, 2, previous_level=1)
+    tolerance = mpc_module.HOLD_SHARE * (0.004 - 0.001)
+    assert 0 < mpc_module.HOLD_SHARE < 1   # a plan better on every chunk by a whole step is taken
+    assert mpc_module.held(inp, np.array([1.0, 1.0 + 0.99 * tolerance, np.inf]), 0) == 1
+    assert mpc_module.held(inp, np.array([1.0, 1.0 + 1.01 * tolerance, np.inf]), 0) == 0
+    assert mpc_module.held(inp, np.array([1.0, np.inf, np.inf]), 0) == 0     # unsafe: not held
+    assert mpc_module.held(_mix(4, 2, previous_level=0), np.array([1.0, 1.0, np.inf]), 1) == 1  # a step down
+    with pytest.raises(ValueError, match="level 2 out of range"):
+        _mix(4, 2, previous_level=2)

@@ -549,6 +549,25 @@ async def test_the_first_chunk_is_planned_at_the_decoder_cost_the_caller_measure
     assert report.chunks[0].level in first_levels, [c.level for c in report.chunks]
 
 
+async def test_each_decision_sees_the_level_the_chunk_before_was_requested_at(context, sender, monkeypatch) -> None:
+    """The planner's hold (``adapt.mpc``, "A level held") needs the previous chunk's level:
+    the session passes what it requested (None for the first chunk)."""
+    import streamer.net.session as session_module
+
+    seen: list = []
+
+    def alternating(policy, manifest, index, **kw):
+        seen.append(kw["previous"])
+        return index % 2, None
+
+    monkeypatch.setattr(session_module, "decide", alternating)
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="mpc") as session:
+        report = await session.fetch()
+    chunks = len(context["manifest"].chunks)
+    assert [c.level for c in report.chunks] == [i % 2 for i in range(chunks)]
+    assert seen == [None] + [(i - 1) % 2 for i in range(1, chunks)]
+
+
 async def test_the_profile_downloaded_at_open_is_the_first_sample(context, sender, monkeypatch) -> None:
     """Opening a context whose profile is not cached downloads it over the same link just
     before the fetch: the first decision's history starts with that transfer (bytes and

@@ -350,15 +350,16 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
 
     def recording(policy, manifest, index, *, time_left, history, prior_bps, prior_errors,
                   recompute_seconds_per_token, abandon, recompute_busy, until_deadline,
-                  decode_cost, decode_busy):
+                  decode_cost, decode_busy, previous):
         assert abandon is None   # the fetch below runs without the cancel rule
         out = real_decide(policy, manifest, index, time_left=time_left, history=history,
                           prior_bps=prior_bps, prior_errors=prior_errors, recompute_busy=recompute_busy,
                           recompute_seconds_per_token=recompute_seconds_per_token,
-                          until_deadline=until_deadline, decode_cost=decode_cost, decode_busy=decode_busy)
+                          until_deadline=until_deadline, decode_cost=decode_cost, decode_busy=decode_busy,
+                          previous=previous)
         recorded.append((index, time_left, tuple(history), prior_bps, tuple(prior_errors),
                          recompute_seconds_per_token, recompute_busy, until_deadline, decode_cost,
-                         decode_busy, out))
+                         decode_busy, previous, out))
         return out
 
     monkeypatch.setattr(session_mod, "decide", recording)
@@ -384,11 +385,11 @@ async def test_simulator_and_session_decide_alike_on_a_recorded_history(monkeypa
     assert any(h for _, _, h, *_ in recorded), "no throughput history was recorded"
     sim = Simulator(manifest, rtt=0.004, recompute_seconds_per_token=2e-4)
     for (index, time_left, history, prior, prior_errors, recompute, busy, until, cost, decode_busy,
-         (choice, reason)) in recorded:
+         previous, (choice, reason)) in recorded:
         assert recompute == sim.recompute
         assert sim.decide("mpc", index, time_left=time_left, history=history, prior_bps=prior,
                           prior_errors=prior_errors, recompute_busy=busy, until_deadline=until,
-                          decode_cost=cost, decode_busy=decode_busy) == (choice, reason)
-    assert any(cost is not None for *_, cost, _, _ in recorded), "the session never timed its decoder"
+                          decode_cost=cost, decode_busy=decode_busy, previous=previous) == (choice, reason)
+    assert any(cost is not None for *_, cost, _, _, _ in recorded), "the session never timed its decoder"
     assert [c.level for c in report.chunks] == [out[0] for *_, out in recorded[:len(report.chunks)]]
     await asyncio.sleep(0)

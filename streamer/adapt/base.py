@@ -89,6 +89,9 @@ class PlanInput:
     #: seconds of decoding still owed for chunks already requested beyond what their bytes
     #: still take to arrive (already off ``time_left``): row 0 decodes only after it
     decode_busy: float = 0.0
+    #: the level the chunk before row 0 was requested at in this fetch (None: it was text,
+    #: or row 0 is the fetch's first): a planner may hold it (``adapt.mpc``, "A level held")
+    previous_level: int | None = None
 
     def __post_init__(self) -> None:
         # Shape checks only (cheap, O(chunks)): a mismatch here would otherwise
@@ -113,6 +116,8 @@ class PlanInput:
         if self.decode_seconds and (len(self.decode_seconds) != chunks
                                     or any(len(row) != levels for row in self.decode_seconds)):
             raise ValueError(f"decode_seconds needs {chunks} rows of {levels} levels, or none")
+        if self.previous_level is not None:
+            check_level(self.previous_level, levels)
 
     @property
     def levels(self) -> int:

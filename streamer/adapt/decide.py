@@ -37,9 +37,10 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
                recompute_seconds_per_token: float, text_penalty: float = 1.0,
                prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
                recompute_busy: float = 0.0, decode_cost: DecodeCost | None = None,
-               decode_busy: float = 0.0) -> PlanInput:
+               decode_busy: float = 0.0, previous: Choice | None = None) -> PlanInput:
     """The policy's view of chunks ``first_chunk..`` of a manifest; each option's decode is
-    timed at ``decode_cost`` (``adapt.decoding``; None: not timed)."""
+    timed at ``decode_cost`` (``adapt.decoding``; None: not timed); ``previous`` is what
+    the chunk before was requested as (None for the first)."""
     chunks = manifest.chunks[first_chunk:]
     sizes = [[size if size > 0 else UNAVAILABLE_BYTES for size in c.sizes] for c in chunks]
     decode_seconds = () if decode_cost is None else [
@@ -52,7 +53,8 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
         distortion=list(manifest.level_distortion),
         time_left=time_left, history=list(history), prior_bps=prior_bps, text_penalty=text_penalty,
         prior_errors=tuple(prior_errors), abandon=abandon, recompute_busy=recompute_busy,
-        decode_seconds=decode_seconds, decode_busy=decode_busy)
+        decode_seconds=decode_seconds, decode_busy=decode_busy,
+        previous_level=None if previous is None or previous == TEXT else int(previous))
 
 
 def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: float,
@@ -60,13 +62,15 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
            recompute_seconds_per_token: float, prior_errors: Sequence[float] = (),
            abandon: Abandon | None = None, recompute_busy: float = 0.0,
            until_deadline: float | None = None, decode_cost: DecodeCost | None = None,
-           decode_busy: float = 0.0) -> tuple[Choice, str | None]:
+           decode_busy: float = 0.0, previous: Choice | None = None) -> tuple[Choice, str | None]:
     """(choice, reason) for chunk ``first_chunk``; reason is set when the rule, not the policy, chose.
 
     With no time left nothing fetched can make the deadline, so the rest goes to text
     (the caller recomputes) without asking the policy. ``until_deadline`` (the deadline
     less now, when the caller knows it) lets the reason say whether the deadline has
     passed or only the bytes already requested are predicted to take what is left of it.
+    ``previous`` is what chunk ``first_chunk - 1`` was requested as (a planner may hold
+    its level: ``adapt.mpc``).
     """
     if time_left <= 0:
         if until_deadline is None or until_deadline <= 0:
@@ -77,7 +81,7 @@ def decide(policy: Policy, manifest: Manifest, first_chunk: int, *, time_left: f
                                prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                                recompute_busy=recompute_busy,
                                recompute_seconds_per_token=recompute_seconds_per_token,
-                               decode_cost=decode_cost, decode_busy=decode_busy))
+                               decode_cost=decode_cost, decode_busy=decode_busy, previous=previous))
     if choice != TEXT and manifest.chunks[first_chunk].sizes[choice] == 0:
         raise ValueError(f"policy chose level {choice}, which chunk {first_chunk} was not stored at")
     return choice, None

@@ -247,7 +247,8 @@ class Simulator:
                history: Sequence[Observation], prior_bps: float | None,
                prior_errors: Sequence[float] = (), abandon: Abandon | None = None,
                recompute_busy: float = 0.0, until_deadline: float | None = None,
-               decode_cost: DecodeCost | None = None, decode_busy: float = 0.0) -> tuple[Choice, str | None]:
+               decode_cost: DecodeCost | None = None, decode_busy: float = 0.0,
+               previous: Choice | None = None) -> tuple[Choice, str | None]:
         """The simulated receiver's decision for ``chunk``: ``adapt.decide`` with this
         context's manifest and recompute cost (the session calls the same function).
         ``decode_cost`` and ``decode_busy`` replay a session's decoder; the simulated
@@ -256,7 +257,8 @@ class Simulator:
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
                       prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
                       recompute_busy=recompute_busy, recompute_seconds_per_token=self.recompute,
-                      until_deadline=until_deadline, decode_cost=decode_cost, decode_busy=decode_busy)
+                      until_deadline=until_deadline, decode_cost=decode_cost, decode_busy=decode_busy,
+                      previous=previous)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
         return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]
@@ -409,7 +411,8 @@ class Simulator:
                 choice, reason = decide(fn, self.manifest, index, time_left=left, history=hist,
                                         prior_bps=prior_bps, prior_errors=prior_errors,
                                         recompute_seconds_per_token=self.recompute, abandon=abandon,
-                                        recompute_busy=busy, until_deadline=slo - now)
+                                        recompute_busy=busy, until_deadline=slo - now,
+                                        previous=choices[index - 1] if index else None)
             decisions.append(Decision(index, now, left, tuple(hist), prior_bps, est, choice, reason, busy))
             size = self._bytes_of(index, choice)
             s = max(now + owd, link_free)

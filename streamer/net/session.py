@@ -597,7 +597,8 @@ class _Fetch:
                                 prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
                                 recompute_busy=self._pending_recompute(),
                                 recompute_seconds_per_token=self._recompute_rate(),
-                                until_deadline=until_deadline, decode_cost=cost, decode_busy=decode_busy)
+                                until_deadline=until_deadline, decode_cost=cost, decode_busy=decode_busy,
+                                previous=self.chunks[index - 1].choice if index else None)
         return choice, reason, left, estimate
 
     def _decode_cost(self) -> DecodeCost | None:
