@@ -114,7 +114,8 @@ FADE_FACTOR = 0.3
 FADE_WEIGHT = 0.1
 
 #: The previous chunk's level is held against a step up while its expected cost is within
-#: this share of the distortion step to the better level (see "A level held" above).
+#: this share of the distortion step to the better level (see "A level held against a
+#: step up" above).
 HOLD_SHARE = 0.75
 
 #: Extra cost of text per position earlier in the plan: far below any level's distortion
