@@ -597,3 +597,21 @@ async def test_the_profile_downloaded_at_open_is_the_first_sample(context, sende
     assert first[0].bytes == size
     assert first[0].bytes / first[0].busy_seconds == pytest.approx(100e6 / 8, rel=0.3)
     assert all(o.bytes != size for o in again + cached)
+
+
+async def test_a_profile_sample_taken_during_a_fetch_does_not_reach_the_next_one(context, sender) -> None:
+    """A reconnect's re-open may download the profile again (evicted from the cache
+    meanwhile): that sample measured the fetch in progress, so it is dropped when the
+    fetch ends instead of heading the next fetch's history."""
+    from streamer.adapt.base import Observation
+
+    sessions: list = []
+
+    def reopened(report) -> None:   # what _open_context leaves after a re-download
+        sessions[0].open_sample = Observation(10**6, 0.1)
+
+    async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="fixed:1",
+                                      on_chunk=reopened) as session:
+        sessions.append(session)
+        await session.fetch()
+        assert session.open_sample is None

@@ -439,6 +439,9 @@ class _Fetch:
         finally:
             if not consumer.done():
                 consumer.cancel()
+            # a re-open during this fetch (a reconnect that downloaded the profile again)
+            # measured this fetch's link, not the next one's
+            self.s.open_sample = None
             self.s._on_data = None
             if self.s._client is not None:
                 self.s._client.set_on_data(None)
