@@ -365,12 +365,7 @@ def test_a_mix_of_two_levels_is_planned_with_its_better_level_last(chunks, bette
     """A budget that fits ``better`` chunks at level 0 and the rest at level 1: every order
     of that mix costs the same, and the plan takes the worse level first (what it saves
     is slack for the plans after it)."""
-    mb = 1_000_000
-    exact = better * 0.01 + (chunks - better) * 0.005            # at 100 MB/s
-    inp = PlanInput(sizes=[[mb, mb // 2]] * chunks, text_bytes=[100] * chunks, text_seconds=[1.0] * chunks,
-                    distortion=[0.001, 0.004], time_left=(exact + 0.002) / (1 - PLAN_MARGIN),
-                    history=[Observation(10 * mb, 0.1)] * 4)
-    plan = mpc_module.mpc_plan(inp)
+    plan = mpc_module.mpc_plan(_mix(chunks, better))
     assert plan.columns == (1,) * (chunks - better) + (0,) * better, plan
 
 

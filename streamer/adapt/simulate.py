@@ -26,8 +26,8 @@ throughput estimator) and mirrors the session's measurement and timing rules:
   per finished chunk of >= 64 KiB (smaller ones pooled until they reach it:
   ``estimator.pool_sample``), ``Observation(bytes, busy)`` with busy time from
   ``max(request + rtt, previous chunk's end)`` (here the first byte) to the last byte;
-  at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived
-  (its second half so far, ``estimator.in_flight_sample``, exact here from the trace).
+  at a decision the chunk in flight adds a partial sample once 64 KiB of it arrived over
+  20 ms (its second half so far, ``estimator.in_flight_sample``, exact here from the trace).
   ``time_left`` is ``adapt.decide.time_left``: ``slo - now - max(outstanding / estimate,
   rtt)``, and the recompute still owed (``PlanInput.recompute_busy``) is that of the text
   chunks not yet delivered, less what the one being recomputed has had, as the session
