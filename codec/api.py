@@ -18,7 +18,6 @@ from typing import Iterator
 import numpy as np
 import torch
 import zstandard
-from threadpoolctl import threadpool_limits
 
 from . import backends, container, control, layer_codec
 from .container import BlobHeader
@@ -86,20 +85,16 @@ def control_chunk(profile: Profile, slot: int, kv: torch.Tensor, body: torch.Ten
     outlier tokens capped (``control.OUTLIER_FACTOR``); error and variance are both
     measured on ``control.SAMPLE_TOKENS`` evenly spaced tokens.
 
-    numpy's BLAS runs on one thread here: its products are small, and a second
-    OpenBLAS thread spins for a while after each one, taking a core from the torch and
-    numba threads that transform and code the chunk next (on 2 cores that made a
-    MiniLM encode ~1.5x slower). A product's result does not depend on the thread
-    count (threads split its rows and columns, never a dot product), so the blob bytes
-    are the same; another thread's encode running meanwhile only loses the same spin.
+    The sample's products run in torch (its thread pool, as the coded rows' do), the
+    rest in numpy, which on tensors this small costs less than torch's pool; numpy
+    runs no BLAS here, whose second OpenBLAS thread would spin after each product and
+    take a core from the torch and numba threads (a MiniLM encode ran ~1.5x slower so).
     """
     rows = control.sample_rows(body.shape[2])
-    # numpy, not torch: on tensors this small torch's thread pool costs more than the work
     sample = body[:, :, rows].numpy()
     own = kv[:, :, sinks:][:, :, rows].to(torch.float32).flatten(3).numpy()
-    with threadpool_limits(limits=1, user_api="blas"):
-        return [tuple(control.control_part(profile, slot, layer, kind, sample[layer, kind], own[layer, kind])
-                      for kind in range(2)) for layer in range(body.shape[0])]
+    return [tuple(control.control_part(profile, slot, layer, kind, sample[layer, kind], own[layer, kind])
+                  for kind in range(2)) for layer in range(body.shape[0])]
 
 
 def _misfit_limits(profile: Profile, slot: int, layers: int) -> list[list[float]]:

@@ -35,7 +35,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from . import transform
 from .levels import KEEP_THRESHOLD
 from .profile import Profile
 
@@ -99,9 +101,10 @@ class _Part:
                  weights: np.ndarray, rows: int) -> None:
         centered = (sample - profile.mean[layer, kind]) * np.sqrt(weights, dtype=np.float32)[:, None]
         self.drop = profile.basis is not None
-        # [n, rows], as transform.forward computes the coded coefficients: float64, rounded once
-        self.coef = (centered.astype(np.float64) @ profile.basis[layer, kind, :rows].T.astype(np.float64)
-                     ).astype(np.float32) if self.drop else centered
+        # [n, rows] as transform.forward computes the reference: float64, rounded once (not the
+        # float32 product the coded rows take: its last bits would move the step chosen here)
+        self.coef = transform.project(torch.from_numpy(centered), torch.from_numpy(
+            profile.basis[layer, kind, :rows])).T.numpy() if self.drop else centered
         self.tokens = max(sample.shape[0], 1)
         self.energy = np.square(self.coef, dtype=np.float64).sum(axis=0) / self.tokens  # per row
         self.token_energy = np.square(centered, dtype=np.float64).sum(axis=1)

@@ -210,17 +210,19 @@ def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: 
     plan's lane shape is not chosen yet (``shape_lanes`` does, from the bits).
     """
     plan = plan_layer(profile, slot, layer, k.shape[0], steps, kept)
-    coef = torch.cat([
-        transform.forward(x, torch.from_numpy(profile.mean[layer, kv]), _basis(profile, layer, kv, plan.kept[kv]))
-        for kv, x in enumerate((k, v))
-    ]).numpy()
-    q = np.empty(coef.shape, dtype=np.int32)
+    q = np.empty((plan.rows, k.shape[0]), dtype=np.int32)
     row_bits = np.empty(plan.rows, dtype=np.float64)
     tables = coder_tables(profile)
-    if parallel.launch(rans.quantize_rows, coef, plan.step, plan.group, plan.table, plan.shift,
-                       tables.freq, tables.cost, q, row_bits) != rans.OK:
-        raise ValuesOutOfRange(f"layer {layer}: KV values too large to quantize at this level "
-                               f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
+    first = 0
+    for kv, x in enumerate((k, v)):
+        coef = transform.forward_bounded(x, torch.from_numpy(profile.mean[layer, kv]),
+                                         _basis(profile, layer, kv, plan.kept[kv]))
+        rows = slice(first, first + coef.values.shape[0])
+        first = rows.stop
+        if parallel.launch(rans.quantize_rows, *coef, plan.step[rows], plan.group[rows], plan.table[rows],
+                           plan.shift[rows], tables.freq, tables.cost, q[rows], row_bits[rows]) != rans.OK:
+            raise ValuesOutOfRange(f"layer {layer}: KV values too large to quantize at this level "
+                                   f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
     return plan, q, row_bits
 
 

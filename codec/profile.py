@@ -297,9 +297,16 @@ def validate_kv(kv: object) -> torch.Tensor:
     if kv.shape[0] > 0xFFFF or kv.shape[3] > 0xFFFF or kv.shape[4] > 0xFFFF or kv.shape[2] > MAX_TOKENS:
         raise ValueError(f"kv shape {tuple(kv.shape)} exceeds the format's limits (at most 65535 "
                          f"layers, heads and head_dim, and {MAX_TOKENS} tokens per blob: chunk longer contexts)")
-    if not bool(torch.isfinite(kv).all()):
+    if not _all_finite(kv):
         raise ValueError("kv contains NaN or infinite values")
     return kv
+
+
+def _all_finite(kv: torch.Tensor) -> bool:
+    """Whether every value is finite: a NaN or an infinity makes the float32 sum non-finite
+    (a fifth of ``isfinite``'s time on fp16); only a sum that overflows on huge finite
+    values (bf16/fp32) needs the value-by-value check."""
+    return bool(torch.isfinite(kv.sum(dtype=torch.float32))) or bool(torch.isfinite(kv).all())
 
 
 def _design_sample(tokens: int, budget: int) -> np.ndarray:

@@ -127,32 +127,75 @@ def _value_bits(v, b, tab, freq, cost):
     return cost[tab, ESCAPE] + PROB_BITS * ESCAPE_CHUNKS
 
 
+#: stands for "past MAX_ABS_Q" among quantized values (no valid one reaches it)
+_OVERFLOW_Q = np.int64(MAX_ABS_Q) << 2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantized(value, kind, anchor, s):
+    """The quantizer's integer for coefficient ``value`` (float32): non-decreasing in
+    ``value`` for a step ``s`` > 0, which is what makes an interval's two ends decide it."""
+    if kind == 1:
+        value = value - anchor
+    scaled = value / s
+    if not (abs(scaled) < MAX_ABS_Q):
+        return _OVERFLOW_Q
+    return np.int64(np.rint(scaled))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _exact_coefficient(basis, tokens, r, t):
+    """Basis row ``r`` dot token ``t`` in float64, in index order, rounded once to float32."""
+    total = 0.0
+    for c in range(basis.shape[1]):
+        total += np.float64(basis[r, c]) * np.float64(tokens[t, c])
+    return np.float32(total)
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def quantize_rows(coef, step, group, table, shift, freq, cost, q_out, row_bits):
+def quantize_rows(coef, basis, tokens, row_bound, token_norm, step, group, table, shift, freq, cost,
+                  q_out, row_bits):
     """Quantize rows of coefficients to integers; the ideal coded bits of each row.
 
     ``coef`` is float32 [R, T]; delta values are taken against the anchor as the
     decoder will rebuild it (float32 ``q * step``), so errors never accumulate.
     ``cost`` is ``entropy.symbol_cost_bits`` of the tables. Returns OK, or OVERFLOW
     when a value exceeds the representable range.
+
+    ``coef`` may come from a float32 GEMM of ``basis`` [R, C] by ``tokens`` [T, C],
+    whose rounding depends on the BLAS kernel; the integers must not. Each value is
+    within ``row_bound[r] * token_norm[t]`` of the reference coefficient (the float64
+    product rounded once to float32, :func:`_exact_coefficient`), so where both ends
+    of that interval quantize alike the reference does too (the quantizer is monotone);
+    elsewhere, a small share, the reference is computed and quantized. A zero
+    ``row_bound`` marks exact rows (the identity transform, or a float64 product).
     """
-    rows, tokens = coef.shape
+    rows, tokens_n = coef.shape
     status = np.zeros(max(rows, 1), dtype=np.int32)  # a layer may keep no rows at all
     for r in prange(rows):
         s = step[r]
         g = group[r]
+        bound = row_bound[r]
+        steps_per_norm = 2.0 * bound / s  # twice the bound, in steps, per unit of token norm
         anchor = np.float32(0.0)
         total = 0.0
-        for t in range(tokens):
+        for t in range(tokens_n):
             kind = _symbol_kind(t, g)
             value = coef[r, t]
-            if kind == 1:
-                value = value - anchor
-            scaled = value / s
-            if not (abs(scaled) < MAX_ABS_Q):
+            scaled = (value - anchor if kind == 1 else value) / s
+            v = np.int64(np.rint(scaled)) if abs(scaled) < MAX_ABS_Q else _OVERFLOW_Q
+            # cheap and conservative: far (in steps) from a rounding boundary, v stands
+            if bound > 0 and 0.5 - abs(scaled - np.rint(scaled)) <= \
+                    steps_per_norm * token_norm[t] + 2.0 ** -20 * (abs(scaled) + 1.0):
+                # exact: the interval, widened past float32's rounding of its ends
+                wide = np.float64(value)
+                slack = bound * token_norm[t] * (1.0 + 2.0 ** -20) + abs(wide) * 2.0 ** -20 + 2.0 ** -140
+                if _quantized(np.float32(wide - slack), kind, anchor, s) != \
+                        _quantized(np.float32(wide + slack), kind, anchor, s):
+                    v = _quantized(_exact_coefficient(basis, tokens, r, t), kind, anchor, s)
+            if v == _OVERFLOW_Q:
                 status[r] = OVERFLOW
-                scaled = np.float32(0.0)
-            v = np.int64(np.rint(scaled))
+                v = np.int64(0)
             q_out[r, t] = v
             if g > 0 and kind == 0:
                 anchor = np.float32(v) * s

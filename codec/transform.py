@@ -10,9 +10,16 @@ All functions here are pure: tensors in, tensors out.
 """
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from .rotary import Rotary, rotate
+
+#: float32's unit roundoff
+_UNIT = 2.0 ** -24
 
 
 def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,16 +50,74 @@ def pca_basis(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def forward(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     """Coefficients [kept, N] (component-major, as the coder wants rows) of x [N, C].
 
-    ``basis`` [kept, C] float32, or None for the identity transform. The product runs
-    in float64 and is rounded once to float32: a float32 GEMM rounds differently on each
-    BLAS kernel (AVX2, AVX-512, another library), so the same KV and profile would give
-    other coefficients, and other bytes, on another machine; float64's differences are
-    far below float32's rounding step, so the rounded coefficients agree.
+    ``basis`` [kept, C] float32, or None for the identity transform. The reference the
+    encoder's integers follow: the product runs in float64 and is rounded once to
+    float32. A float32 GEMM rounds differently on each BLAS kernel (AVX2, AVX-512,
+    another library), so the same KV and profile would give other coefficients, and
+    other bytes, on another machine; float64's differences are far below float32's
+    rounding step, so the rounded coefficients agree. The coded coefficients come from
+    :func:`forward_bounded`, which is twice as fast and quantizes the same.
     """
     centered = x.to(torch.float32) - mean
     if basis is None:
         return centered.T.contiguous()
+    return project(centered, basis)
+
+
+def project(centered: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``basis`` [kept, C] times centered tokens [N, C]: [kept, N], in float64 rounded
+    once to float32 (:func:`forward`)."""
     return (basis.double() @ centered.double().T).float()
+
+
+class Coefficients(NamedTuple):
+    """Coefficients [kept, N] (float32) from a fast product, and what it takes to make
+    their quantization what :func:`forward`'s would be (``rans.quantize_rows``)."""
+
+    values: np.ndarray      # f32 [kept, N]
+    basis: np.ndarray       # f32 [kept, C]: the rows the values come from ([kept, 0]: exact values)
+    tokens: np.ndarray      # f32 [N, C]: the centered tokens ([N, 0]: exact values)
+    row_bound: np.ndarray   # f64 [kept]: each value's error bound per unit of its token's norm (0: exact)
+    token_norm: np.ndarray  # f64 [N]: each centered token's 2-norm, rounded up
+
+
+def forward_bounded(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> Coefficients:
+    """:func:`forward`'s coefficients by a float32 GEMM (twice float64's speed), with
+    their error bound against :func:`forward`.
+
+    Any float32 dot product of C terms, in any order, with or without fused
+    multiply-adds, is within gamma * sum|b_i x_i| of the exact one (gamma = C u / (1 - C u),
+    u = 2^-24), and sum|b_i x_i| <= |b| |x|; the reference (float64, rounded once) is
+    within another u of it, and flushed subnormals add at most C * 2^-126 (covered by the
+    kernel's absolute slack). So ``row_bound[r] * token_norm[t]`` bounds each value's
+    distance from the reference on any BLAS. Only while torch's float32 products are
+    IEEE ones (no bf16 or TF32 shortcut set by the caller); otherwise the values are
+    :func:`forward`'s and marked exact.
+    """
+    kept = 0 if basis is None else basis.shape[0]
+    if basis is None or not _ieee_float32_products():
+        values = forward(x, mean, basis).numpy()
+        return Coefficients(values, np.zeros((values.shape[0], 0), np.float32),
+                            np.zeros((values.shape[1], 0), np.float32), np.zeros(values.shape[0]),
+                            np.zeros(values.shape[1]))
+    centered = (x.to(torch.float32) - mean).contiguous()
+    values = (basis @ centered.T).numpy()
+    channels = basis.shape[1]
+    gamma = (channels + 2) * _UNIT / (1.0 - (channels + 2) * _UNIT)
+    row_norm = torch.linalg.vector_norm(basis, dim=1, dtype=torch.float64).numpy()
+    # a float32 norm, raised past its own rounding and past squares that underflow to 0
+    token_norm = (torch.linalg.vector_norm(centered, dim=1).numpy().astype(np.float64)
+                  * (1.0 + 4.0 * (channels + 3) * _UNIT) + math.sqrt(channels) * 2.0 ** -75)
+    return Coefficients(values, basis.numpy().reshape(kept, channels), centered.numpy(),
+                        gamma * row_norm * (1.0 + 1e-9), token_norm)
+
+
+def _ieee_float32_products() -> bool:
+    """True unless the caller let torch's float32 matmuls run in bf16 or TF32."""
+    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return (torch.get_float32_matmul_precision() == "highest"
+            and getattr(torch.backends, "fp32_precision", "none") in ("none", "ieee")
+            and getattr(mkldnn, "fp32_precision", "none") in ("none", "ieee"))
 
 
 def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
