@@ -9,7 +9,7 @@ Decoders for other devices plug in through ``backends`` (``import kernels`` for 
 ``parallel`` makes them safe to call from several threads on any numba threading layer.
 ``Rotary`` (a profile's RoPE parameters) makes keys be coded position-free (``rotary``).
 """
-from .api import (decode, decode_layers, decode_section, encode, header_length, inspect,
+from .api import (decode, decode_layers, decode_section, encode, encode_levels, header_length, inspect,
                   parse_header, resolve_profile, section_decoder)
 from .backends import register as register_backend
 from .container import BlobHeader
@@ -22,6 +22,6 @@ from .warmup import warm_up
 __all__ = [
     "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS",
     "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "ProfileMismatchWarning", "calibrate", "decode",
-    "decode_layers", "decode_section", "encode", "header_length", "inspect", "parse_header",
+    "decode_layers", "decode_section", "encode", "encode_levels", "header_length", "inspect", "parse_header",
     "register_backend", "resolve_profile", "Rotary", "section_decoder", "warm_up",
 ]

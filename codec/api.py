@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -56,19 +56,20 @@ def _tokens_from_bytes(data: memoryview, dtype: torch.dtype, channels: int) -> t
 
 def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tensor, body: torch.Tensor,
                    sinks: int, parts: tuple[control.PartControl, control.PartControl] | None,
-                   raw: bool = False) -> tuple[bytes, int]:
+                   raw: bool = False, coefficients: layer_codec.Coefficients | None = None) -> tuple[bytes, int]:
     """(section bytes, mode) of one layer: rANS lanes at the controlled steps (``parts``;
     None: the profile's), or the tokens verbatim when the lanes would not be smaller
     (data unlike the calibration), the values do not quantize at all, or ``raw`` (the
     profile does not fit the layer), so a section is never larger than the layer in its
-    own dtype."""
+    own dtype. ``coefficients``: the layer's transform shared with other levels."""
     raw_size = container.token_bytes(kv_layer.shape[1] - sinks, body.shape[-1], kv_layer.dtype)
     lanes = None
     if not raw:
         steps = control.profile_steps(profile, slot, layer) if parts is None else tuple(p.step for p in parts)
         kept = None if parts is None else tuple(p.kept for p in parts)
         try:
-            lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1], steps=steps, kept=kept)
+            lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1], steps=steps, kept=kept,
+                                             coefficients=coefficients)
         except layer_codec.NotCodable:
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
@@ -77,13 +78,14 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
     return sink_bytes + lanes, container.MODE_CODED
 
 
-def control_chunk(profile: Profile, slot: int, kv: torch.Tensor, body: torch.Tensor, sinks: int
-                  ) -> list[tuple[control.PartControl, control.PartControl]]:
-    """Each layer's (K, V) step control (codec.control) for a chunk: ``kv`` the caller's
-    KV, ``body`` its coded tokens as the transform sees them (``coded_body``). The
-    variance is the chunk's own, of its coded tokens in ``kv``'s frame (keys with RoPE),
-    outlier tokens capped (``control.OUTLIER_FACTOR``); error and variance are both
-    measured on ``control.SAMPLE_TOKENS`` evenly spaced tokens.
+def control_samples(profile: Profile, slots: list[int], kv: torch.Tensor, body: torch.Tensor, sinks: int
+                    ) -> list[tuple[control.PartSample, control.PartSample]]:
+    """Each layer's (K, V) sample for the step control (codec.control) of a chunk at
+    levels ``slots``: ``kv`` the caller's KV, ``body`` its coded tokens as the transform
+    sees them (``coded_body``). The variance is the chunk's own, of its coded tokens in
+    ``kv``'s frame (keys with RoPE), outlier tokens capped (``control.OUTLIER_FACTOR``);
+    error and variance are both measured on ``control.SAMPLE_TOKENS`` evenly spaced
+    tokens, transformed once for the most rows any of the levels' controls needs.
 
     The sample's products run in torch (its thread pool, as the coded rows' do), the
     rest in numpy, which on tensors this small costs less than torch's pool; numpy
@@ -93,8 +95,16 @@ def control_chunk(profile: Profile, slot: int, kv: torch.Tensor, body: torch.Ten
     rows = control.sample_rows(body.shape[2])
     sample = body[:, :, rows].numpy()
     own = kv[:, :, sinks:][:, :, rows].to(torch.float32).flatten(3).numpy()
-    return [tuple(control.control_part(profile, slot, layer, kind, sample[layer, kind], own[layer, kind])
+    return [tuple(control.PartSample(profile, layer, kind, sample[layer, kind], own[layer, kind],
+                                     max(control.sample_rows_needed(profile, slot, layer, kind) for slot in slots))
                   for kind in range(2)) for layer in range(body.shape[0])]
+
+
+def control_chunk(profile: Profile, slot: int, samples: list[tuple[control.PartSample, control.PartSample]]
+                  ) -> list[tuple[control.PartControl, control.PartControl]]:
+    """Each layer's (K, V) step control at level ``slot`` from ``control_samples``."""
+    return [tuple(control.control_part(profile, slot, layer, kind, part) for kind, part in enumerate(parts))
+            for layer, parts in enumerate(samples)]
 
 
 def _misfit_limits(profile: Profile, slot: int, layers: int) -> list[list[float]]:
@@ -159,50 +169,97 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
     it at the target is no smaller than raw: a profile from another model, or data far
     from its calibration) is detected while encoding: those layers are stored raw (exact) and a
     ``ProfileMismatchWarning`` names them and the measured error.
+    :func:`encode_levels` encodes one chunk at several levels for less work.
     """
+    return _encode_levels(kv, (level,), profile, sink_tokens, start)[0]
+
+
+def encode_levels(kv: torch.Tensor, levels: Sequence[int], profile: Profile | None = None, *,
+                  sink_tokens: int | None = None, start: int = 0) -> list[bytes]:
+    """:func:`encode` at each of ``levels``: the same blobs, byte for byte and in that
+    order, for less work, as a store holds every level of each chunk. With a profile the
+    checks, the position-free keys, the step control's outlier weights, variance and
+    sample product, and the coded rows' transform (for the most rows a level keeps) are
+    computed once for all levels; without one each level fits its own embedded profile.
+    """
+    return _encode_levels(kv, levels, profile, sink_tokens, start)
+
+
+def _encode_levels(kv: torch.Tensor, levels: Sequence[int], profile: Profile | None,
+                   sink_tokens: int | None, start: int) -> list[bytes]:
     validate_kv(kv)
     kv = kv.detach().cpu()
     layers, _, tokens, heads, head_dim = kv.shape
     if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or not 0 <= start <= MAX_POSITION - tokens:
         raise ValueError(f"start must be an int >= 0 with start + tokens <= {MAX_POSITION}, got {start!r}")
     start = int(start)
+    levels = list(levels)
+    if not levels:
+        raise ValueError("levels must name at least one level")
     if profile is not None:
         profile.check_shape(layers, heads, head_dim)
-        profile.check_level(level)
-    elif not isinstance(level, int) or not 0 <= level < len(DEFAULT_TARGETS):
-        raise ValueError(f"level must be an int in [0, {len(DEFAULT_TARGETS) - 1}], got {level!r}")
+        for level in levels:
+            profile.check_level(level)
+    else:
+        for level in levels:
+            if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or \
+                    not 0 <= level < len(DEFAULT_TARGETS):
+                raise ValueError(f"level must be an int in [0, {len(DEFAULT_TARGETS) - 1}], got {level!r}")
     default_sinks = profile.sink_tokens if profile is not None else DEFAULT_SINK_TOKENS
     sinks = default_sinks if sink_tokens is None else sink_tokens
     if not isinstance(sinks, int) or sinks < 0 or sinks > 0xFFFF:
         raise ValueError(f"sink_tokens must be an int in [0, 65535], got {sinks!r}")
     sinks = min(sinks, tokens)
-    embedded = None
-    slot = level
-    if profile is None:
-        profile = embedded_profile(kv, level, sinks)
-        embedded = zstandard.ZstdCompressor(level=9).compress(profile.to_bytes())
-        slot = 0
+    if profile is not None:
+        return _encode_coded(kv, profile, [(level, level) for level in levels], sinks, start, None)
+    blobs = []
+    for level in levels:
+        own = embedded_profile(kv, level, sinks)
+        embedded = zstandard.ZstdCompressor(level=9).compress(own.to_bytes())
+        blobs += _encode_coded(kv, own, [(level, 0)], sinks, start, embedded)
+    return blobs
+
+
+def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, int]], sinks: int, start: int,
+                  embedded: bytes | None) -> list[bytes]:
+    """The blobs of ``kv`` at each (level, its slot in ``profile``) of ``levels``."""
+    layers, _, tokens, heads, head_dim = kv.shape
+    slots = [slot for _, slot in levels]
     body = coded_body(kv, sinks, profile.rotary, start)
-    controls = control_chunk(profile, slot, kv, body, sinks) if body.shape[2] >= MISFIT_MIN_TOKENS else None
-    judged = embedded is None and controls is not None
-    limits = _misfit_limits(profile, slot, layers) if judged else []
+    samples = control_samples(profile, slots, kv, body, sinks) if body.shape[2] >= MISFIT_MIN_TOKENS else None
+    controls = [None if samples is None else control_chunk(profile, slot, samples) for slot in slots]
+    judged = embedded is None and samples is not None
+    limits = [_misfit_limits(profile, slot, layers) if judged else [] for slot in slots]
     # before coding: layers whose dropped components alone miss the target, stored raw
-    raw = {layer for layer, _ in _misfits(controls, limits)} if judged else set()
-    sections, modes = zip(*(_layer_section(profile, slot, l, kv[l], body[l], sinks,
-                                           None if controls is None else controls[l], raw=l in raw)
-                            for l in range(layers)))
-    # after: those again, plus the layers that came out raw (not smaller coded) whose
-    # profile steps alone would miss it too (recomputed, not merged, to keep the order
-    # _misfit_message breaks ties of the worst part by)
-    misfits = _misfits(controls, limits, frozenset(
-        l for l, mode in enumerate(modes) if mode == container.MODE_RAW)) if judged else {}
-    if misfits:
-        warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=2)
-    header = container.pack_header(
-        dtype=kv.dtype, level=level, layers=layers, heads=heads, head_dim=head_dim,
-        sink_tokens=sinks, tokens=tokens, start=start, profile_id=profile.id, embedded_profile=embedded,
-        sections=list(sections), modes=list(modes))
-    return header + b"".join(sections)
+    raw = [{layer for layer, _ in _misfits(c, lim)} if judged else set() for c, lim in zip(controls, limits)]
+    sections: list[list[bytes]] = [[] for _ in slots]
+    modes: list[list[int]] = [[] for _ in slots]
+    for l in range(layers):
+        parts = [None if c is None else c[l] for c in controls]
+        kept = [(int(profile.kept[slot, l, 0]), int(profile.kept[slot, l, 1])) if p is None else (p[0].kept, p[1].kept)
+                for slot, p, r in zip(slots, parts, raw) if l not in r]
+        coefficients = layer_codec.layer_coefficients(
+            profile, l, body[l][0], body[l][1], (max(k for k, _ in kept), max(v for _, v in kept))) if kept else None
+        for i, slot in enumerate(slots):
+            section, mode = _layer_section(profile, slot, l, kv[l], body[l], sinks, parts[i], raw=l in raw[i],
+                                           coefficients=coefficients)
+            sections[i].append(section)
+            modes[i].append(mode)
+    blobs = []
+    for (level, _), c, lim, layer_sections, layer_modes in zip(levels, controls, limits, sections, modes):
+        # after: those again, plus the layers that came out raw (not smaller coded) whose
+        # profile steps alone would miss it too (recomputed, not merged, to keep the order
+        # _misfit_message breaks ties of the worst part by)
+        misfits = _misfits(c, lim, frozenset(
+            l for l, mode in enumerate(layer_modes) if mode == container.MODE_RAW)) if judged else {}
+        if misfits:  # stacklevel: the caller of encode or encode_levels
+            warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=4)
+        header = container.pack_header(
+            dtype=kv.dtype, level=level, layers=layers, heads=heads, head_dim=head_dim,
+            sink_tokens=sinks, tokens=tokens, start=start, profile_id=profile.id, embedded_profile=embedded,
+            sections=layer_sections, modes=layer_modes)
+        blobs.append(header + b"".join(layer_sections))
+    return blobs
 
 
 def parse_header(blob: bytes | memoryview) -> BlobHeader:

@@ -94,11 +94,24 @@ class PartControl:
     achieved: float
 
 
-class _Part:
-    """The chunk's sample of one (layer, K/V), transformed once; distortion per step."""
+class PartSample:
+    """The chunk's sample of one (layer, K/V) as every level's control measures it: the
+    outlier weights, the variance, and the sample transformed once for the most rows
+    any level's control transforms (``rows``)."""
 
-    def __init__(self, profile: Profile, layer: int, kind: int, sample: np.ndarray, variance: float,
-                 weights: np.ndarray, rows: int) -> None:
+    def __init__(self, profile: Profile, layer: int, kind: int, sample: np.ndarray, own: np.ndarray,
+                 rows: int) -> None:
+        weights = np.ones(own.shape[0])
+        for _ in range(OUTLIER_PASSES if own.shape[0] else 0):  # each pass centers on the last one's weights
+            center = (weights[:, None] * own).sum(axis=0) / float(weights.sum())
+            spread = np.square(own - center, dtype=np.float64).sum(axis=1)
+            cap = OUTLIER_FACTOR * float(np.median(spread))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                weights = np.where(spread > cap, cap / np.where(spread > 0, spread, 1.0), 1.0)
+        center = (weights[:, None] * own).sum(axis=0) / max(float(weights.sum()), 1e-300)
+        energy = np.square(own - center, dtype=np.float64).sum(axis=1)  # per token, around the robust mean
+        self.variance = float((weights * energy).sum()) / max(own.shape[0], 1)
+        self.typical = float(np.median(energy)) if energy.size else 0.0
         centered = (sample - profile.mean[layer, kind]) * np.sqrt(weights, dtype=np.float32)[:, None]
         self.drop = profile.basis is not None
         # [n, rows] as transform.forward computes the reference: float64, rounded once (not the
@@ -106,12 +119,22 @@ class _Part:
         self.coef = transform.project(torch.from_numpy(centered), torch.from_numpy(
             profile.basis[layer, kind, :rows])).T.numpy() if self.drop else centered
         self.tokens = max(sample.shape[0], 1)
-        self.energy = np.square(self.coef, dtype=np.float64).sum(axis=0) / self.tokens  # per row
         self.token_energy = np.square(centered, dtype=np.float64).sum(axis=1)
-        total = float(self.token_energy.sum()) / self.tokens
-        self.beyond = max(total - float(self.energy.sum()), 0.0)  # rows the profile never stores
+        self.total = float(self.token_energy.sum()) / self.tokens
+
+
+class _Part:
+    """A sample's first ``rows`` transformed rows (the rest count as dropped); distortion per step."""
+
+    def __init__(self, sample: PartSample, rows: int) -> None:
+        self.drop = sample.drop
+        self.coef = sample.coef[:, :rows] if self.drop else sample.coef
+        self.tokens = sample.tokens
+        self.energy = np.square(self.coef, dtype=np.float64).sum(axis=0) / self.tokens  # per row
+        self.token_energy = sample.token_energy
+        self.beyond = max(sample.total - float(self.energy.sum()), 0.0)  # rows the profile never stores
         self.tail = np.concatenate([np.cumsum(self.energy[::-1])[::-1], [0.0]]) + self.beyond
-        self.variance = variance
+        self.variance = sample.variance
 
     def kept_for(self, step: float) -> int:
         if not self.drop:
@@ -142,11 +165,15 @@ def _share(mse: float, variance: float) -> float:
     return 0.0 if mse <= 0 else math.inf
 
 
-def control_part(profile: Profile, slot: int, layer: int, kind: int, sample: np.ndarray,
-                 own: np.ndarray) -> PartControl:
-    """The step and kept rows holding level ``slot``'s target on ``sample`` (float32
-    [n, C], the coded tokens as the transform sees them); ``own`` [n, C] are the same
-    tokens in the KV's own frame, whose spread is the variance (module docstring).
+def sample_rows_needed(profile: Profile, slot: int, layer: int, kind: int) -> int:
+    """Rows level ``slot``'s control transforms for this (layer, K/V)."""
+    return ROW_FACTOR * int(profile.kept[slot, layer, kind]) + ROW_MARGIN
+
+
+def control_part(profile: Profile, slot: int, layer: int, kind: int, sample: PartSample) -> PartControl:
+    """The step and kept rows holding level ``slot``'s target on ``sample`` (its coded
+    tokens as the transform sees them, and its variance in the KV's own frame: module
+    docstring), transformed for at least ``sample_rows_needed`` rows.
 
     Secant iterations on log(distortion) against log(step) (kept rows follow the step),
     bracketed once the target is crossed, starting from the profile's step (data like
@@ -156,23 +183,12 @@ def control_part(profile: Profile, slot: int, layer: int, kind: int, sample: np.
     variance share: what most tokens lose whatever the step, which one outlier token
     does not move.
     """
-    weights = np.ones(own.shape[0])
-    for _ in range(OUTLIER_PASSES if own.shape[0] else 0):  # each pass centers on the last one's weights
-        center = (weights[:, None] * own).sum(axis=0) / float(weights.sum())
-        spread = np.square(own - center, dtype=np.float64).sum(axis=1)
-        cap = OUTLIER_FACTOR * float(np.median(spread))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            weights = np.where(spread > cap, cap / np.where(spread > 0, spread, 1.0), 1.0)
-    center = (weights[:, None] * own).sum(axis=0) / max(float(weights.sum()), 1e-300)
-    energy = np.square(own - center, dtype=np.float64).sum(axis=1)  # per token, around the robust mean
-    variance = float((weights * energy).sum()) / max(own.shape[0], 1)
     kept0 = int(profile.kept[slot, layer, kind])
-    part = _Part(profile, layer, kind, sample, variance, weights, ROW_FACTOR * kept0 + ROW_MARGIN)
-    typical = float(np.median(energy)) if energy.size else 0.0
+    part = _Part(sample, sample_rows_needed(profile, slot, layer, kind))
     target = profile.section_target(slot, layer, kind)  # the level's, times the section's weight
     step0 = clamp_step(profile.steps[slot, layer, kind])
     at_profile = part.distortion(step0, kept0)
-    dropped = part.dropped_share(kept0, typical)
+    dropped = part.dropped_share(kept0, sample.typical)
     if part.variance <= 0 or not math.isfinite(at_profile):
         return PartControl(step0, kept0, at_profile, dropped, at_profile)
     low, high = math.log(step0 / MAX_STEP_FACTOR), math.log(step0 * MAX_STEP_FACTOR)

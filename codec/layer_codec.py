@@ -201,22 +201,37 @@ def _basis(profile: Profile, layer: int, kv: int, kept: int) -> torch.Tensor | N
     return torch.from_numpy(profile.basis[layer, kv, :kept])
 
 
+Coefficients = tuple[transform.Coefficients, transform.Coefficients]
+
+
+def layer_coefficients(profile: Profile, layer: int, k: torch.Tensor, v: torch.Tensor,
+                       kept: tuple[int, int]) -> Coefficients:
+    """The transform of a layer's K and V (float32 [coded_tokens, C]) for their first
+    ``kept`` rows: one product serves every level that keeps as many or fewer."""
+    return tuple(transform.forward_bounded(x, torch.from_numpy(profile.mean[layer, kv]),
+                                           _basis(profile, layer, kv, kept[kv]))
+                 for kv, x in enumerate((k, v)))
+
+
 def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
-                   steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None
-                   ) -> tuple[LayerPlan, np.ndarray, np.ndarray]:
+                   steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None,
+                   coefficients: Coefficients | None = None) -> tuple[LayerPlan, np.ndarray, np.ndarray]:
     """(plan, quantized rows [R, T] int32, ideal coded bits per row) of one layer.
 
-    k and v are float32 [coded_tokens, C]; ``steps`` and ``kept`` as in plan_layer. The
-    plan's lane shape is not chosen yet (``shape_lanes`` does, from the bits).
+    k and v are float32 [coded_tokens, C]; ``steps`` and ``kept`` as in plan_layer;
+    ``coefficients``: their ``layer_coefficients`` for at least the plan's kept rows
+    (None: computed here). The plan's lane shape is not chosen yet (``shape_lanes``
+    does, from the bits).
     """
     plan = plan_layer(profile, slot, layer, k.shape[0], steps, kept)
+    if coefficients is None:
+        coefficients = layer_coefficients(profile, layer, k, v, plan.kept)
     q = np.empty((plan.rows, k.shape[0]), dtype=np.int32)
     row_bits = np.empty(plan.rows, dtype=np.float64)
     tables = coder_tables(profile)
     first = 0
-    for kv, x in enumerate((k, v)):
-        coef = transform.forward_bounded(x, torch.from_numpy(profile.mean[layer, kv]),
-                                         _basis(profile, layer, kv, plan.kept[kv]))
+    for kv in range(2):
+        coef = coefficients[kv].head(plan.kept[kv])
         rows = slice(first, first + coef.values.shape[0])
         first = rows.stop
         if parallel.launch(rans.quantize_rows, *coef, plan.step[rows], plan.group[rows], plan.table[rows],
@@ -234,10 +249,12 @@ def ideal_layer_bits(profile: Profile, plan: LayerPlan, q: np.ndarray) -> float:
 
 
 def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
-                 steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None) -> bytes:
+                 steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None,
+                 coefficients: Coefficients | None = None) -> bytes:
     """Lane payload of one layer: k and v are float32 [coded_tokens, C]; ``steps`` and
-    ``kept`` as in plan_layer (recorded in the lane table)."""
-    plan, q, row_bits = quantize_layer(profile, slot, layer, k, v, steps, kept)
+    ``kept`` as in plan_layer (recorded in the lane table); ``coefficients`` as in
+    quantize_layer."""
+    plan, q, row_bits = quantize_layer(profile, slot, layer, k, v, steps, kept, coefficients)
     return pack_lanes(profile, shape_lanes(plan, row_bits), q)
 
 

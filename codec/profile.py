@@ -274,7 +274,7 @@ class Profile:
                 f"profile {self.id} (layers={self.layers}, heads={self.heads}, head_dim={self.head_dim})")
 
     def check_level(self, level: int) -> None:
-        if not isinstance(level, (int, np.integer)) or not 0 <= level < len(self.targets):
+        if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or not 0 <= level < len(self.targets):
             raise ValueError(f"level must be an int in [0, {len(self.targets) - 1}], got {level!r}")
 
 

@@ -80,6 +80,12 @@ class Coefficients(NamedTuple):
     row_bound: np.ndarray   # f64 [kept]: each value's error bound per unit of its token's norm (0: exact)
     token_norm: np.ndarray  # f64 [N]: each centered token's 2-norm, rounded up
 
+    def head(self, rows: int) -> "Coefficients":
+        """The first ``rows`` rows: what a level keeping fewer than the product's rows codes."""
+        if not 0 <= rows <= self.values.shape[0]:
+            raise ValueError(f"{rows} rows asked of a product of {self.values.shape[0]}")
+        return self._replace(values=self.values[:rows], basis=self.basis[:rows], row_bound=self.row_bound[:rows])
+
 
 def forward_bounded(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> Coefficients:
     """:func:`forward`'s coefficients by a float32 GEMM (twice float64's speed), with

@@ -483,3 +483,55 @@ def test_concurrent_encode_decode_threads(codec_profile, codec_make_kv):
         thread.join(timeout=120)
     assert not any(thread.is_alive() for thread in threads), "a codec call hung"
     assert not errors, errors
+
+
+# ------------------------------------------------------------------ several levels at once
+@pytest.mark.parametrize("sink_tokens", [None, 0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_levels_gives_each_levels_own_blob(codec_profile, codec_test_kv, dtype, sink_tokens):
+    """The shared transform and control sample change no byte: each blob is what encode
+    writes for its level alone, in the order asked, repeats included."""
+    kv = codec_test_kv.to(dtype)
+    levels = [3, 0, 4, 1, 2, 0]
+    blobs = codec.encode_levels(kv, levels, codec_profile, sink_tokens=sink_tokens, start=17)
+    assert blobs == [codec.encode(kv, level, codec_profile, sink_tokens=sink_tokens, start=17) for level in levels]
+
+
+def test_encode_levels_with_rope_and_without_a_profile(codec_test_kv):
+    import test_codec_golden as golden
+
+    profile = golden.rotary_profile(codec.Profile.load(golden.PROFILE_FILE))
+    kv = golden.rotary_input()
+    assert codec.encode_levels(kv, range(5), profile, start=golden.ROTARY_START) == \
+        [codec.encode(kv, level, profile, start=golden.ROTARY_START) for level in range(5)]
+    assert codec.encode_levels(codec_test_kv, [0, 2]) == [codec.encode(codec_test_kv, 0), codec.encode(codec_test_kv, 2)]
+
+
+def test_encode_levels_warns_per_level_as_encode_does(codec_make_kv):
+    """A profile that does not fit: each level's blob has the raw layers, and the warnings,
+    that encode gives it alone."""
+    import warnings
+
+    foreign = codec.calibrate([codec_make_kv(5) * torch.linspace(0.01, 3.0, codec_make_kv(5).shape[-1])])
+    kv = codec_make_kv(6)
+    with warnings.catch_warnings(record=True) as together:
+        warnings.simplefilter("always")
+        blobs = codec.encode_levels(kv, [0, 3], foreign)
+    alone = []
+    with warnings.catch_warnings(record=True) as apart:
+        warnings.simplefilter("always")
+        alone = [codec.encode(kv, level, foreign) for level in (0, 3)]
+    assert blobs == alone
+    assert [str(w.message) for w in together] == [str(w.message) for w in apart]
+    assert all(w.filename == __file__ for w in together)  # pointed at the caller
+
+
+@pytest.mark.parametrize("levels,word", [([], "at least one"), ([0, 9], "level"), ([True], "level")])
+@pytest.mark.parametrize("with_profile", [True, False])
+def test_encode_levels_rejects_bad_levels(codec_profile, codec_test_kv, levels, word, with_profile):
+    """A bool is no level (it used to reach the profile's arrays as a mask: a TypeError)."""
+    with pytest.raises(ValueError, match=word):
+        codec.encode_levels(codec_test_kv, levels, codec_profile if with_profile else None)
+    if levels:
+        with pytest.raises(ValueError, match=word):
+            codec.encode(codec_test_kv, levels[-1], codec_profile if with_profile else None)

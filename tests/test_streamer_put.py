@@ -115,16 +115,16 @@ async def test_failure_midway_keeps_the_previous_version(store: Store, small_kv,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     old = await put_context(store, "doc", small_kv, list(range(TOKENS)), profile=small_profile,
                             chunk_tokens=CHUNK, levels=[2])
-    real_encode = codec.encode
+    real_encode = codec.encode_levels
     encoded = []
 
-    def failing_encode(kv, level, profile, *, sink_tokens=None, start=0):
+    def failing_encode(kv, levels, profile, *, sink_tokens=None, start=0):
         if len(encoded) >= 2:
             raise RuntimeError("encoder died")
-        encoded.append(level)
-        return real_encode(kv, level, profile, sink_tokens=sink_tokens, start=start)
+        encoded.append(start)
+        return real_encode(kv, levels, profile, sink_tokens=sink_tokens, start=start)
 
-    monkeypatch.setattr(codec, "encode", failing_encode)
+    monkeypatch.setattr(codec, "encode_levels", failing_encode)
     with pytest.raises(RuntimeError, match="encoder died"):
         await put_context(store, "doc", small_kv, list(range(TOKENS)), profile=small_profile,
                           chunk_tokens=CHUNK, levels=[2])
@@ -135,36 +135,44 @@ async def test_failure_midway_keeps_the_previous_version(store: Store, small_kv,
     assert await store.gc() == 0  # nothing was left behind
 
 
-async def test_a_failed_level_leaves_no_sibling_running_after_put_context_raises(
+async def test_a_failed_chunk_leaves_no_sibling_writing_after_put_context_raises(
         store: Store, small_kv, small_profile, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One level's encode fails while another level of the same chunk is still encoding:
-    put_context must not return before that sibling has stopped. A sibling left running
-    wrote its blob after the failed put had discarded its staging directory (found as
-    leftover files in the disk-full fault test)."""
+    """One chunk's encode fails while another chunk is still encoding: put_context must
+    stop that sibling before it returns, so nothing it encodes is written afterwards. A
+    sibling left running wrote its blob after the failed put had discarded its staging
+    directory (found as leftover files in the disk-full fault test)."""
     import asyncio
+    import os
     import threading
 
-    real_encode = codec.encode
-    release = threading.Event()
+    real_encode = codec.encode_levels
+    release, finished = threading.Event(), threading.Event()
 
-    def encode(kv, level, profile, *, sink_tokens=None, start=0):
-        if level == 1:
+    def encode_levels(kv, levels, profile, *, sink_tokens=None, start=0):
+        if start > 0:
             raise RuntimeError("encoder died")
-        release.wait(10)   # level 0 is still encoding when level 1 fails
-        return real_encode(kv, level, profile, sink_tokens=sink_tokens, start=start)
+        release.wait(10)   # chunk 0 is still encoding when chunk 1 fails
+        try:
+            return real_encode(kv, levels, profile, sink_tokens=sink_tokens, start=start)
+        finally:
+            finished.set()
 
-    monkeypatch.setattr(codec, "encode", encode)
+    monkeypatch.setattr(codec, "encode_levels", encode_levels)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # two chunks encode at once
     try:
         with pytest.raises(RuntimeError, match="encoder died"):
-            await put_context(store, "doc", small_kv[:, :, :CHUNK], list(range(CHUNK)), profile=small_profile,
-                              chunk_tokens=CHUNK, levels=[0, 1])
+            await put_context(store, "doc", small_kv[:, :, :2 * CHUNK], list(range(2 * CHUNK)),
+                              profile=small_profile, chunk_tokens=CHUNK, levels=[0, 1])
         running = [t for t in asyncio.all_tasks() if not t.done() and t is not asyncio.current_task()
-                   and "level_job" in t.get_coro().__qualname__]
+                   and "_gather_bounded" in t.get_coro().__qualname__]
         assert not running, running
     finally:
         release.set()
+    assert await asyncio.to_thread(finished.wait, 10)
+    await asyncio.sleep(0.05)
     with pytest.raises(ContextNotFound):
         await store.get_manifest("doc")
+    assert await store.gc() == 0  # the sibling's blobs were never written
 
 
 def test_text_fallback_round_trip_and_errors() -> None:

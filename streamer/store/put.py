@@ -166,21 +166,19 @@ async def _gather_bounded(jobs: Sequence[Callable[[], Awaitable[T]]], limit: int
 
 async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Tensor, ids: np.ndarray,
                      profile: codec.Profile, levels: tuple[int, ...]) -> ChunkInfo:
-    """Encode and stage one chunk at every level (threads: the codec releases the GIL)."""
+    """Encode one chunk at every level and stage it: one ``encode_levels`` call (the levels
+    share its transform, half the work of encoding each) in a thread (the codec releases
+    the GIL)."""
     import codec
 
     sinks = None if index == 0 else 0  # attention sinks exist only at the context's start
-
-    async def level_job(level: int) -> bytes:
-        # start: the chunk's positions in the context, where a rotary profile removes RoPE
-        blob = await asyncio.to_thread(codec.encode, kv, level, profile, sink_tokens=sinks, start=start)
-        await writer.put_chunk(index, level, blob)
-        return blob
-
-    # not a plain gather: on a failure the other levels must be stopped (and waited for)
-    # before the writer discards the staging, or one still encoding writes its blob after
-    blobs = dict(zip(levels, await _gather_bounded([functools.partial(level_job, level) for level in levels],
-                                                   limit=len(levels))))
+    # start: the chunk's positions in the context, where a rotary profile removes RoPE
+    blobs = dict(zip(levels, await asyncio.to_thread(codec.encode_levels, kv, levels, profile,
+                                                     sink_tokens=sinks, start=start)))
+    # not a plain gather: on a failure the other writes must be stopped (and waited for)
+    # before the writer discards the staging, or one still running writes its blob after
+    await _gather_bounded([functools.partial(writer.put_chunk, index, level, blob) for level, blob in blobs.items()],
+                          limit=len(levels))
     text = await asyncio.to_thread(encode_tokens, ids)
     await writer.put_text(index, text)
     return ChunkInfo(index=index, start=start, end=start + kv.shape[2],
@@ -223,7 +221,7 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
             [functools.partial(_put_chunk, writer, i, start, kv[:, :, start:start + chunk_tokens],
                                ids[start:start + chunk_tokens], profile, chosen)
              for i, start in enumerate(range(0, tokens, chunk_tokens))],
-            limit=max(1, (os.cpu_count() or 1) // len(chosen)))  # ~one encoding thread per core
+            limit=max(1, os.cpu_count() or 1))  # ~one encoding thread per core
         manifest = Manifest(
             context_id=context_id, version=writer.version, layers=layers, heads=heads, head_dim=head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), tokens=tokens, profile_id=profile.id,

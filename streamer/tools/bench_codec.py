@@ -55,6 +55,9 @@ class Report:
     transforms: list[dict] = field(default_factory=list)
     delta: list[dict] = field(default_factory=list)
     targets: list[dict] = field(default_factory=list)
+    #: fp16 MB of KV per second encoded at every level at once (``codec.encode_levels``,
+    #: what ``kvwire put`` runs): each chunk yields all its levels' blobs in that time
+    all_levels_encode_mb_s: float | None = None
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self)}, indent=2)
@@ -236,6 +239,11 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
             cg = interpolate_bits(cachegen, row.distortion)
             row.ratio_cachegen = None if cg is None else cg / row.bits_per_element
     report.rows = rows
+    half = [c.to(torch.float16) for c in chunks]
+    levels = range(len(profile.levels))
+    t_all, _ = _best_time(lambda: [api.encode_levels(c, levels, profile, sink_tokens=None if i == 0 else 0)
+                                   for i, c in enumerate(half)], repeat)
+    report.all_levels_encode_mb_s = sum(c.numel() for c in half) * 2 / 1e6 / t_all
     if compare_variants:
         report.transforms = _compare_transforms(workload, chunks, profile)
         report.delta = _compare_delta(workload, chunks, profile)
@@ -312,6 +320,9 @@ def render(report: Report) -> str:
                      f"{r.max_abs_error:>10.3g}{_fmt(None if r.coder_overhead is None else 100 * r.coder_overhead, '.2f'):>8}"
                      f"{_fmt(r.encode_mb_s, '.0f'):>10}{_fmt(r.decode_mb_s, '.0f'):>10}{_fmt(r.cosine, '.5f'):>9}")
     lines.append("x CG: CacheGen-style bits at the same distortion (log-log interpolated on its curve) / kvwire bits.")
+    if report.all_levels_encode_mb_s is not None:
+        lines.append(f"all {sum(r.method == 'kvwire' for r in report.rows)} levels at once (encode_levels, as "
+                     f"kvwire put): {report.all_levels_encode_mb_s:.0f} MB/s of fp16 KV")
     lanes = [r for r in report.rows if r.lanes]
     if lanes:
         lines += ["", "coder overhead = lanes x bits each costs / ideal bits (section heads aside; FORMAT.md lane table):"]
