@@ -303,10 +303,9 @@ def validate_kv(kv: object) -> torch.Tensor:
 
 
 def _all_finite(kv: torch.Tensor) -> bool:
-    """Whether every value is finite: a NaN or an infinity makes the float32 sum non-finite
-    (a fifth of ``isfinite``'s time on fp16); only a sum that overflows on huge finite
-    values (bf16/fp32) needs the value-by-value check."""
-    return bool(torch.isfinite(kv.sum(dtype=torch.float32))) or bool(torch.isfinite(kv).all())
+    """Whether every value is finite: the largest magnitude is (torch's max propagates
+    NaN), in a tenth of ``isfinite(kv).all()``'s time on fp16 KV and never overflowing."""
+    return bool(torch.isfinite(kv.abs().max()))
 
 
 def _design_sample(tokens: int, budget: int) -> np.ndarray:

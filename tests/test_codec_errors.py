@@ -73,6 +73,17 @@ def test_non_finite_is_value_error(codec_profile, small_kv, value, dtype, where)
         codec.calibrate([kv])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_huge_finite_values_are_not_taken_for_infinities(dtype):
+    """The finite check takes the largest magnitude: huge finite values (whose sum would
+    overflow) pass, and a NaN among them does not."""
+    kv = torch.full((1, 2, 8, 2, 4), 3e38, dtype=dtype)
+    assert codec.profile.validate_kv(kv) is kv
+    kv[0, 1, 3, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        codec.profile.validate_kv(kv)
+
+
 @pytest.mark.parametrize("obj", [None, [[1.0]], np.zeros((2, 2, 4, 3, 5), np.float32), b"kv", 3.0],
                          ids=["None", "list", "ndarray", "bytes", "float"])
 def test_non_tensor_is_value_error(codec_profile, obj):
