@@ -94,11 +94,12 @@ def forward_bounded(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | N
     Any float32 dot product of C terms, in any order, with or without fused
     multiply-adds, is within gamma * sum|b_i x_i| of the exact one (gamma = C u / (1 - C u),
     u = 2^-24), and sum|b_i x_i| <= |b| |x|; the reference (float64, rounded once) is
-    within another u of it, and flushed subnormals add at most C * 2^-126 (covered by the
-    kernel's absolute slack). So ``row_bound[r] * token_norm[t]`` bounds each value's
+    within another u of it. So ``row_bound[r] * token_norm[t]`` bounds each value's
     distance from the reference on any BLAS. Only while torch's float32 products are
     IEEE ones (no bf16 or TF32 shortcut set by the caller); otherwise the values are
-    :func:`forward`'s and marked exact.
+    :func:`forward`'s and marked exact. (A caller's ``torch.set_flush_denormal(True)``
+    reads subnormal inputs as zero, in the threads it was set in only: no product is
+    reproducible then, this one included.)
     """
     kept = 0 if basis is None else basis.shape[0]
     if basis is None or not _ieee_float32_products():
@@ -110,12 +111,11 @@ def forward_bounded(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | N
     values = (basis @ centered.T).numpy()
     channels = basis.shape[1]
     gamma = (channels + 2) * _UNIT / (1.0 - (channels + 2) * _UNIT)
-    row_norm = torch.linalg.vector_norm(basis, dim=1, dtype=torch.float64).numpy()
+    row_bound = gamma * torch.linalg.vector_norm(basis, dim=1, dtype=torch.float64).numpy() * (1.0 + 1e-9)
     # a float32 norm, raised past its own rounding and past squares that underflow to 0
     token_norm = (torch.linalg.vector_norm(centered, dim=1).numpy().astype(np.float64)
                   * (1.0 + 4.0 * (channels + 3) * _UNIT) + math.sqrt(channels) * 2.0 ** -75)
-    return Coefficients(values, basis.numpy().reshape(kept, channels), centered.numpy(),
-                        gamma * row_norm * (1.0 + 1e-9), token_norm)
+    return Coefficients(values, basis.numpy().reshape(kept, channels), centered.numpy(), row_bound, token_norm)
 
 
 def _ieee_float32_products() -> bool:
