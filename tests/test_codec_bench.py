@@ -13,12 +13,39 @@ def small():
     return calibrate([workload.calibration]), bench_codec.chunks_of(workload.measured, 512)
 
 
+@pytest.fixture(scope="module")
+def small_rotary():
+    """The small workload with RoPE on its keys at their positions in the context, and a
+    profile that codes keys position-free: chunks after the first start past 0."""
+    from codec import Rotary
+    from codec.rotary import rotate
+
+    workload = bench_codec.synthetic_workload("small", 1024)
+    rotary = Rotary(head_dim=16, dim=16, theta=10000.0)
+
+    def with_rope(kv):
+        kv = kv.clone()
+        tokens = kv.shape[2]
+        for layer in range(kv.shape[0]):
+            keys = kv[layer, 0].reshape(tokens, -1)
+            kv[layer, 0] = rotate(keys, rotary, rotary.angles(0, tokens)).reshape(kv[layer, 0].shape)
+        return kv
+
+    profile = calibrate([with_rope(workload.calibration)], rotary=rotary)
+    return profile, bench_codec.chunks_of(with_rope(workload.measured), 512)
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rotary"])
 @pytest.mark.parametrize("level", [0, 3])
-def test_coder_cost_adds_up_to_the_payload(small, level) -> None:
-    profile, chunks = small
+def test_coder_cost_adds_up_to_the_payload(small, small_rotary, level, rope) -> None:
+    """Also with RoPE: the chunks are coded at their start positions, and the coder cost
+    re-quantizes them at the positions their blobs record (at any other the integers, and
+    so the ideal bits, are not the payload's)."""
+    profile, chunks = small_rotary if rope else small
     row, blobs = bench_codec.measure_kvwire(profile, level, chunks, repeat=1)
     cost = bench_codec.coder_cost(profile, level, chunks, blobs)
     infos = [api.inspect(blob) for blob in blobs]
+    assert [api.parse_header(blob).start for blob in blobs] == [0, 512]
     assert cost.lanes == sum(info["lanes"] for info in infos) > 0
     assert cost.sections == sum(info["shape"][0] - len(info["sections"]["raw_layers"]) for info in infos)
     heads = 8 * layer_codec.LANE_HEAD.size * cost.sections

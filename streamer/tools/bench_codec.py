@@ -22,7 +22,7 @@ import torch
 
 from codec import api, baselines, container, layer_codec
 from codec.levels import DEFAULT_LEVEL
-from codec.profile import Profile, calibrate, split_tokens
+from codec.profile import Profile, calibrate, coded_body
 from codec.synthetic import synthetic_kv
 
 CACHEGEN_QUALITIES = (0.02, 0.04, 0.07, 0.12, 0.2, 0.35, 0.6, 1.0)
@@ -70,6 +70,10 @@ class Workload:
     calibration: torch.Tensor
     measured: torch.Tensor
     cosine: Callable[[Callable[[torch.Tensor], torch.Tensor]], float] | None = None
+    #: the profile the levels are measured with (None: ``calibrate([calibration])``), and
+    #: the seconds its fitting took
+    profile: Profile | None = None
+    calibration_seconds: float = 0.0
 
 
 def minilm_workload(measure_tokens: int, calibration_tokens: int) -> Workload:
@@ -94,6 +98,21 @@ def minilm_workload(measure_tokens: int, calibration_tokens: int) -> Workload:
                     hf.capture_kv(model, tokenizer, ids), cosine)
 
 
+def smollm2_workload(measure_tokens: int, calibration_tokens: int) -> Workload:
+    """Real KV of the causal LM SmolLM2-135M (RoPE keys), measured on the GPL-3 text with
+    the profile its demo fits (``quality.calibrate_profile`` on other texts: rotary on,
+    distortion not allocated); quality in the model's own terms is ``bench quality``'s job."""
+    from streamer.model import hf, quality
+
+    model, tokenizer = hf.load_model("smollm2")
+    cal_ids = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:calibration_tokens]
+    ids = hf.tokenize(tokenizer, hf.read_text([hf.MEASURE_TEXT]))[:measure_tokens]
+    start = time.perf_counter()
+    profile = quality.calibrate_profile(model, tokenizer, cal_ids)
+    return Workload("smollm2", hf.capture_kv(model, tokenizer, cal_ids), hf.capture_kv(model, tokenizer, ids),
+                    profile=profile, calibration_seconds=time.perf_counter() - start)
+
+
 def synthetic_workload(shape: str, tokens: int) -> Workload:
     dims = {"llama": (32, 8, 128), "small": (2, 3, 16)}[shape]
     return Workload(f"synthetic-{shape}", synthetic_kv(*dims, tokens, seed=1),
@@ -111,6 +130,13 @@ def distortion(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float]:
 
 def chunks_of(kv: torch.Tensor, chunk_tokens: int) -> list[torch.Tensor]:
     return [kv[:, :, s:s + chunk_tokens] for s in range(0, kv.shape[2], chunk_tokens)]
+
+
+def encode_args(chunks: Sequence[torch.Tensor]) -> list[dict]:
+    """Each consecutive chunk's ``encode`` keywords as a context's put gives them: sinks
+    in the first only, and its start position (where a rotary profile removes RoPE)."""
+    starts = np.cumsum([0] + [c.shape[2] for c in chunks[:-1]])
+    return [{"sink_tokens": None if i == 0 else 0, "start": int(start)} for i, start in enumerate(starts)]
 
 
 def _best_time(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
@@ -153,7 +179,7 @@ def coder_cost(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
     lanes = sections = 0
     for chunk, blob in zip(chunks, blobs):
         header = api.parse_header(blob)
-        body = split_tokens(chunk, header.sink_tokens)
+        body = coded_body(chunk, header.sink_tokens, profile.rotary, header.start)
         for layer in range(header.layers):
             if header.is_raw(layer):
                 continue
@@ -173,7 +199,7 @@ def measure_kvwire(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
     half = [c.to(torch.float16) for c in chunks]
 
     def encode_all() -> list[bytes]:
-        return [api.encode(c, level, profile, sink_tokens=None if i == 0 else 0) for i, c in enumerate(half)]
+        return [api.encode(c, level, profile, **args) for c, args in zip(half, encode_args(half))]
 
     t_enc, blobs = _best_time(encode_all, repeat)
     t_dec, decoded = _best_time(lambda: [api.decode(b, profile) for b in blobs], repeat)
@@ -209,8 +235,8 @@ def interpolate_bits(curve: Sequence[Row], target: float) -> float | None:
 def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bool = True) -> Report:
     torch.manual_seed(0)
     start = time.perf_counter()
-    profile = calibrate([workload.calibration])
-    calibration_s = time.perf_counter() - start
+    profile = workload.profile or calibrate([workload.calibration])
+    calibration_s = workload.calibration_seconds if workload.profile else time.perf_counter() - start
     chunks = chunks_of(workload.measured, chunk_tokens)
     x = workload.measured
     report = Report(config={"workload": workload.name, "shape": list(x.shape), "chunk_tokens": chunk_tokens,
@@ -241,8 +267,8 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
     report.rows = rows
     half = [c.to(torch.float16) for c in chunks]
     levels = range(len(profile.levels))
-    t_all, _ = _best_time(lambda: [api.encode_levels(c, levels, profile, sink_tokens=None if i == 0 else 0)
-                                   for i, c in enumerate(half)], repeat)
+    t_all, _ = _best_time(lambda: [api.encode_levels(c, levels, profile, **args)
+                                   for c, args in zip(half, encode_args(half))], repeat)
     report.all_levels_encode_mb_s = sum(c.numel() for c in half) * 2 / 1e6 / t_all
     if compare_variants:
         report.transforms = _compare_transforms(workload, chunks, profile)
@@ -255,7 +281,7 @@ def _compare_transforms(workload: Workload, chunks, profile: Profile) -> list[di
     """Rate, distortion and inverse-transform cost of PCA across heads, per head, none."""
     out = []
     for kind in ("layer", "head", "identity"):
-        p = profile if kind == "layer" else calibrate([workload.calibration], transform=kind)
+        p = profile if kind == "layer" else calibrate([workload.calibration], transform=kind, rotary=profile.rotary)
         for level in (1, 2, 3):
             row, _ = measure_kvwire(p, level, chunks, 1)
             kept = float(p.kept[level].mean())
@@ -267,7 +293,7 @@ def _compare_transforms(workload: Workload, chunks, profile: Profile) -> list[di
 
 def _compare_delta(workload: Workload, chunks, profile: Profile) -> list[dict]:
     """CacheGen's anchor/delta coding forced on versus the calibrated (auto) choice."""
-    forced = calibrate([workload.calibration], delta="always")
+    forced = calibrate([workload.calibration], delta="always", rotary=profile.rotary)
     out = []
     for name, p in (("auto", profile), ("delta-always", forced)):
         row, _ = measure_kvwire(p, DEFAULT_LEVEL, chunks, 1)
@@ -380,6 +406,8 @@ def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int =
          plot_path: str | None = "codec_rd.png", variants: bool = True) -> Report:
     if workload == "minilm":
         wl = minilm_workload(tokens, calibration_tokens)
+    elif workload == "smollm2":
+        wl = smollm2_workload(tokens, calibration_tokens)
     else:
         wl = synthetic_workload(workload, tokens)
     report = run(wl, chunk_tokens, repeat, compare_variants=variants)

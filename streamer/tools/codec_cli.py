@@ -18,12 +18,13 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "codec", help="codec rate/distortion/speed vs raw fp16, int8, zstd and CacheGen-style",
         description="Measure every quality level and baseline on the same chunks of real "
                     "(MiniLM) or synthetic KV; print a table, write a rate-distortion PNG.")
-    p.add_argument("--workload", choices=("minilm", "llama", "small"), default="minilm",
-                   help="minilm: real KV from all-MiniLM-L6-v2 (default); llama: synthetic "
+    p.add_argument("--workload", choices=("minilm", "smollm2", "llama", "small"), default="minilm",
+                   help="minilm: real KV from all-MiniLM-L6-v2 (default); smollm2: real KV of the causal "
+                        "LM SmolLM2-135M (RoPE keys, its demo's profile); llama: synthetic "
                         "Llama-3-8B-shaped KV (32 layers, 8 heads, 128 dims); small: tiny synthetic")
     p.add_argument("--tokens", type=int, default=6144, help="tokens measured (default 6144)")
     p.add_argument("--calibration-tokens", type=int, default=8192,
-                   help="tokens of other text the profile is fitted on (minilm; default 8192)")
+                   help="tokens of other text the profile is fitted on (minilm, smollm2; default 8192)")
     p.add_argument("--chunk-tokens", type=int, default=1536, help="tokens per encoded chunk (default 1536)")
     p.add_argument("--repeat", type=int, default=3, help="timing repetitions, best kept (default 3)")
     p.add_argument("--quick", action="store_true", help="skip the transform and delta comparisons")
