@@ -23,7 +23,7 @@ from . import backends, container, control, layer_codec
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
-from .profile import DEFAULT_SINK_TOKENS, Profile, coded_body, embedded_profile, validate_kv
+from .profile import DEFAULT_SINK_TOKENS, Profile, coded_body, embedded_profile, validate_kv, validate_level
 from .rotary import MAX_POSITION
 
 #: a layer's K or V whose energy in the components the profile's level drops passes this
@@ -66,16 +66,23 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
     lanes = None
     if not raw:
         steps = control.profile_steps(profile, slot, layer) if parts is None else tuple(p.step for p in parts)
-        kept = None if parts is None else tuple(p.kept for p in parts)
         try:
-            lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1], steps=steps, kept=kept,
-                                             coefficients=coefficients)
+            lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1], steps=steps,
+                                             kept=_coded_rows(profile, slot, layer, parts), coefficients=coefficients)
         except layer_codec.NotCodable:
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
     if lanes is None or len(lanes) >= raw_size:
         return sink_bytes + _token_bytes(kv_layer[:, sinks:]), container.MODE_RAW
     return sink_bytes + lanes, container.MODE_CODED
+
+
+def _coded_rows(profile: Profile, slot: int, layer: int,
+                parts: tuple[control.PartControl, control.PartControl] | None) -> tuple[int, int]:
+    """The K and V rows a layer's section codes at level ``slot``: the control's, else the profile's."""
+    if parts is None:
+        return int(profile.kept[slot, layer, 0]), int(profile.kept[slot, layer, 1])
+    return parts[0].kept, parts[1].kept
 
 
 def control_samples(profile: Profile, slots: list[int], kv: torch.Tensor, body: torch.Tensor, sinks: int
@@ -198,13 +205,8 @@ def _encode_levels(kv: torch.Tensor, levels: Sequence[int], profile: Profile | N
         raise ValueError("levels must name at least one level")
     if profile is not None:
         profile.check_shape(layers, heads, head_dim)
-        for level in levels:
-            profile.check_level(level)
-    else:
-        for level in levels:
-            if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or \
-                    not 0 <= level < len(DEFAULT_TARGETS):
-                raise ValueError(f"level must be an int in [0, {len(DEFAULT_TARGETS) - 1}], got {level!r}")
+    for level in levels:
+        validate_level(level, len(DEFAULT_TARGETS if profile is None else profile.targets))
     default_sinks = profile.sink_tokens if profile is not None else DEFAULT_SINK_TOKENS
     sinks = default_sinks if sink_tokens is None else sink_tokens
     if not isinstance(sinks, int) or sinks < 0 or sinks > 0xFFFF:
@@ -236,8 +238,7 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
     modes: list[list[int]] = [[] for _ in slots]
     for l in range(layers):
         parts = [None if c is None else c[l] for c in controls]
-        kept = [(int(profile.kept[slot, l, 0]), int(profile.kept[slot, l, 1])) if p is None else (p[0].kept, p[1].kept)
-                for slot, p, r in zip(slots, parts, raw) if l not in r]
+        kept = [_coded_rows(profile, slot, l, p) for slot, p, r in zip(slots, parts, raw) if l not in r]
         coefficients = layer_codec.layer_coefficients(
             profile, l, body[l][0], body[l][1], (max(k for k, _ in kept), max(v for _, v in kept))) if kept else None
         for i, slot in enumerate(slots):

@@ -274,8 +274,7 @@ class Profile:
                 f"profile {self.id} (layers={self.layers}, heads={self.heads}, head_dim={self.head_dim})")
 
     def check_level(self, level: int) -> None:
-        if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or not 0 <= level < len(self.targets):
-            raise ValueError(f"level must be an int in [0, {len(self.targets) - 1}], got {level!r}")
+        validate_level(level, len(self.targets))
 
 
 def weighted_target(target: float, weight: float | None) -> float:
@@ -284,6 +283,12 @@ def weighted_target(target: float, weight: float | None) -> float:
 
 
 # --------------------------------------------------------------------------- fitting
+def validate_level(level: object, levels: int) -> None:
+    """ValueError unless ``level`` is an int (not a bool) in [0, levels)."""
+    if not isinstance(level, (int, np.integer)) or isinstance(level, bool) or not 0 <= level < levels:
+        raise ValueError(f"level must be an int in [0, {levels - 1}], got {level!r}")
+
+
 def validate_kv(kv: object) -> torch.Tensor:
     """Return ``kv`` if it is a usable KV tensor; ValueError naming the fault otherwise."""
     if not isinstance(kv, torch.Tensor):

@@ -132,15 +132,22 @@ _OVERFLOW_Q = np.int64(MAX_ABS_Q) << 2
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _scaled(value, kind, anchor, s):
+    """Coefficient ``value`` (float32) in steps, against the anchor for a delta value."""
+    return (value - anchor if kind == 1 else value) / s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _integer(scaled):
+    """The quantizer's integer for a value ``scaled`` steps from 0, or _OVERFLOW_Q."""
+    return np.int64(np.rint(scaled)) if abs(scaled) < MAX_ABS_Q else _OVERFLOW_Q
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _quantized(value, kind, anchor, s):
     """The quantizer's integer for coefficient ``value`` (float32): non-decreasing in
     ``value`` for a step ``s`` > 0, which is what makes an interval's two ends decide it."""
-    if kind == 1:
-        value = value - anchor
-    scaled = value / s
-    if not (abs(scaled) < MAX_ABS_Q):
-        return _OVERFLOW_Q
-    return np.int64(np.rint(scaled))
+    return _integer(_scaled(value, kind, anchor, s))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -206,14 +213,15 @@ def _reference_q(value, kind, anchor, s, bound, reach, norm, basis, tokens, r, t
     """The integer the reference coefficient of ``value`` quantizes to (quantize_rows):
     ``value``'s own unless it lies within its bound (``bound * norm``; ``reach``: twice
     ``bound / s``) of a rounding boundary, or _OVERFLOW_Q."""
-    scaled = (value - anchor if kind == 1 else value) / s
-    v = np.int64(np.rint(scaled)) if abs(scaled) < MAX_ABS_Q else _OVERFLOW_Q
+    scaled = _scaled(value, kind, anchor, s)
+    v = _integer(scaled)
     # cheap and conservative: far (in steps) from a rounding boundary, v stands
     if bound > 0 and 0.5 - abs(scaled - np.rint(scaled)) <= reach * norm + 2.0 ** -20 * (abs(scaled) + 1.0):
         # exact: the interval, widened past float32's rounding of its ends
         wide = np.float64(value)
         slack = bound * norm * (1.0 + 2.0 ** -20) + abs(wide) * 2.0 ** -20 + 2.0 ** -140
-        if _quantized(np.float32(wide - slack), kind, anchor, s) != _quantized(np.float32(wide + slack), kind, anchor, s):
+        lo, hi = np.float32(wide - slack), np.float32(wide + slack)
+        if _quantized(lo, kind, anchor, s) != _quantized(hi, kind, anchor, s):
             v = _quantized(_exact_coefficient(basis, tokens, r, t), kind, anchor, s)
     return v
 

@@ -101,7 +101,6 @@ def forward_bounded(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | N
     reads subnormal inputs as zero, in the threads it was set in only: no product is
     reproducible then, this one included.)
     """
-    kept = 0 if basis is None else basis.shape[0]
     if basis is None or not _ieee_float32_products():
         values = forward(x, mean, basis).numpy()
         return Coefficients(values, np.zeros((values.shape[0], 0), np.float32),
@@ -115,7 +114,7 @@ def forward_bounded(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | N
     # a float32 norm, raised past its own rounding and past squares that underflow to 0
     token_norm = (torch.linalg.vector_norm(centered, dim=1).numpy().astype(np.float64)
                   * (1.0 + 4.0 * (channels + 3) * _UNIT) + math.sqrt(channels) * 2.0 ** -75)
-    return Coefficients(values, basis.numpy().reshape(kept, channels), centered.numpy(), row_bound, token_norm)
+    return Coefficients(values, basis.numpy(), centered.numpy(), row_bound, token_norm)
 
 
 def _ieee_float32_products() -> bool:

@@ -320,8 +320,9 @@ def in_flight_sample(start: float, now: float, received: float,
     proxy moves half its bucket, 10 ms of its rate, at once; tbf its ``burst``), so a few
     ms of a transfer read line rate or almost nothing. ``kvwire demo`` decided its second
     chunk ~10 ms into the first, saw 500-850 Mbit/s on its 200 Mbit/s link and sent it at
-    level 0 (ad hoc decision dumps of warm runs at 1ea9449); ``MIN_PARTIAL_SECONDS`` (two lumps) is the least a sample spans. Finished
-    chunks stay whole samples: the estimator's errors are calibrated on those.
+    level 0 (ad hoc decision dumps of warm runs at 1ea9449); ``MIN_PARTIAL_SECONDS`` (two
+    lumps) is the least a sample spans. Finished chunks stay whole samples: the
+    estimator's errors are calibrated on those.
     """
     if received < MIN_SAMPLE_BYTES or not now - start >= MIN_PARTIAL_SECONDS:
         return None

@@ -211,6 +211,15 @@ def measure_kvwire(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
     return row, blobs
 
 
+def measure_all_levels(profile: Profile, chunks: Sequence[torch.Tensor], repeat: int) -> float:
+    """fp16 MB/s of ``chunks`` encoded at every level of ``profile`` in one ``encode_levels`` call each."""
+    half = [c.to(torch.float16) for c in chunks]
+    levels = range(len(profile.levels))
+    seconds, _ = _best_time(lambda: [api.encode_levels(c, levels, profile, **args)
+                                     for c, args in zip(half, encode_args(half))], repeat)
+    return sum(c.numel() for c in half) * 2 / 1e6 / seconds
+
+
 def measure_baseline(fn: Callable[[torch.Tensor], baselines.Encoded], chunks: Sequence[torch.Tensor],
                      level: int | None = None) -> Row:
     half = [c.to(torch.float16) for c in chunks]
@@ -265,11 +274,7 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
             cg = interpolate_bits(cachegen, row.distortion)
             row.ratio_cachegen = None if cg is None else cg / row.bits_per_element
     report.rows = rows
-    half = [c.to(torch.float16) for c in chunks]
-    levels = range(len(profile.levels))
-    t_all, _ = _best_time(lambda: [api.encode_levels(c, levels, profile, **args)
-                                   for c, args in zip(half, encode_args(half))], repeat)
-    report.all_levels_encode_mb_s = sum(c.numel() for c in half) * 2 / 1e6 / t_all
+    report.all_levels_encode_mb_s = measure_all_levels(profile, chunks, repeat)
     if compare_variants:
         report.transforms = _compare_transforms(workload, chunks, profile)
         report.delta = _compare_delta(workload, chunks, profile)
