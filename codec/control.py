@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 from . import transform
 from .levels import KEEP_THRESHOLD
@@ -101,26 +102,65 @@ class PartSample:
 
     def __init__(self, profile: Profile, layer: int, kind: int, sample: np.ndarray, own: np.ndarray,
                  rows: int) -> None:
-        weights = np.ones(own.shape[0])
-        for _ in range(OUTLIER_PASSES if own.shape[0] else 0):  # each pass centers on the last one's weights
-            center = (weights[:, None] * own).sum(axis=0) / float(weights.sum())
-            spread = np.square(own - center, dtype=np.float64).sum(axis=1)
-            cap = OUTLIER_FACTOR * float(np.median(spread))
-            with np.errstate(divide="ignore", invalid="ignore"):
-                weights = np.where(spread > cap, cap / np.where(spread > 0, spread, 1.0), 1.0)
-        center = (weights[:, None] * own).sum(axis=0) / max(float(weights.sum()), 1e-300)
-        energy = np.square(own - center, dtype=np.float64).sum(axis=1)  # per token, around the robust mean
-        self.variance = float((weights * energy).sum()) / max(own.shape[0], 1)
-        self.typical = float(np.median(energy)) if energy.size else 0.0
-        centered = (sample - profile.mean[layer, kind]) * np.sqrt(weights, dtype=np.float32)[:, None]
+        # writable C-ordered float32 whatever the caller holds (a loaded profile's mean is
+        # read-only): one kernel specialization, the one codec.warm_up compiles
+        own, sample, mean = (np.require(array, np.float32, ("C", "W"))
+                             for array in (own, sample, profile.mean[layer, kind]))
+        self.variance, self.typical, centered, self.token_energy = weigh_sample(
+            own, sample, mean, OUTLIER_FACTOR, OUTLIER_PASSES)
         self.drop = profile.basis is not None
         # [n, rows] as transform.forward computes the reference: float64, rounded once (not the
         # float32 product the coded rows take: its last bits would move the step chosen here)
         self.coef = transform.project(torch.from_numpy(centered), torch.from_numpy(
-            profile.basis[layer, kind, :rows])).T.numpy() if self.drop else centered
+            profile.basis64[layer, kind, :rows])).T.numpy() if self.drop else centered
         self.tokens = max(sample.shape[0], 1)
-        self.token_energy = np.square(centered, dtype=np.float64).sum(axis=1)
         self.total = float(self.token_energy.sum()) / self.tokens
+
+
+@njit(cache=True, nogil=True)
+def weigh_sample(own: np.ndarray, sample: np.ndarray, mean: np.ndarray, factor: float, passes: int
+                 ) -> tuple[float, float, np.ndarray, np.ndarray]:
+    """(variance, median token energy, weighted centered sample, its per-token energy) of
+    one (layer, K/V)'s sample: ``own`` [n, C] its tokens in the KV's own frame, ``sample``
+    [n, C] as the transform sees them, ``mean`` the profile's. Each of ``passes`` passes
+    weighs down the tokens whose energy around the last pass's weighted mean exceeds
+    ``factor`` times the median's (module docstring); the variance and median energy are
+    taken around the final weighted mean, the sample is centered on the profile's mean
+    and scaled by each token's sqrt(weight) in float32. One pass over memory per
+    statistic: in numpy these took more than the sample's float64 product."""
+    n, channels = own.shape
+    weights = np.ones(n)
+    center = np.zeros(channels)
+    energy = np.zeros(n)
+    for stage in range(passes + 1 if n else 0):  # the last pass only measures
+        center[:] = 0.0
+        for t in range(n):
+            for c in range(channels):
+                center[c] += weights[t] * own[t, c]
+        center /= max(weights.sum(), 1e-300)
+        for t in range(n):
+            total = 0.0
+            for c in range(channels):
+                d = own[t, c] - center[c]
+                total += d * d
+            energy[t] = total
+        if stage < passes:
+            cap = factor * np.median(energy)
+            for t in range(n):
+                weights[t] = cap / energy[t] if energy[t] > cap else 1.0
+    variance = (weights * energy).sum() / max(n, 1)
+    typical = np.median(energy) if n else 0.0
+    centered = np.empty((n, channels), np.float32)
+    token_energy = np.empty(n)
+    for t in range(n):
+        scale = np.float32(np.sqrt(np.float32(weights[t])))
+        total = 0.0
+        for c in range(channels):
+            value = (sample[t, c] - mean[c]) * scale
+            centered[t, c] = value
+            total += np.float64(value) * np.float64(value)
+        token_energy[t] = total
+    return variance, typical, centered, token_energy
 
 
 class _Part:

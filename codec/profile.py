@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -119,6 +120,12 @@ class Profile:
                 digest.update(np.ascontiguousarray(array).tobytes())
             self._id = digest.hexdigest()
         return self._id
+
+    @cached_property
+    def basis64(self) -> np.ndarray | None:
+        """``basis`` in float64, converted once: the step control's reference products
+        (``codec.control``) take it for every section of every chunk."""
+        return None if self.basis is None else self.basis.astype(np.float64)
 
     def section_target(self, slot: int, layer: int, kind: int) -> float:
         """The MSE/var level ``slot`` holds layer ``layer``'s K (kind 0) or V (kind 1) to:

@@ -66,7 +66,8 @@ def forward(x: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> 
 
 def project(centered: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """``basis`` [kept, C] times centered tokens [N, C]: [kept, N], in float64 rounded
-    once to float32 (:func:`forward`)."""
+    once to float32 (:func:`forward`). Either may already be float64 (``Profile.basis64``
+    saves converting the profile's rows for every section)."""
     return (basis.double() @ centered.double().T).float()
 
 

@@ -1,11 +1,11 @@
 """Compile, or load from numba's on-disk cache, every codec kernel before anything is timed.
 
 numba compiles a kernel once per distinct combination of argument types, at its first
-call in a process. With ``cache=True`` (set on every kernel in ``rans.py``) the machine
+call in a process. With ``cache=True`` (set on every kernel in ``rans.py`` and ``control.py``) the machine
 code goes to an on-disk cache (``codec/__pycache__``, or ``$NUMBA_CACHE_DIR``) and later
 processes load it instead of compiling. Either way the first call in a process pays:
 about 3 s per specialization on 2 cores when compiling (a fresh clone, a new deploy,
-an edited ``rans.py``), tens of milliseconds when loading. Paid inside a fetch, that is
+an edited kernel module), tens of milliseconds when loading. Paid inside a fetch, that is
 a stall the throughput estimator reads as a slow link. :func:`warm_up` pays it up front
 by encoding and decoding a tiny synthetic tensor through the public API.
 
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from . import container, rans
+from . import container, control, rans
 from .api import decode_section, encode, parse_header
 from .levels import DEFAULT_TARGETS
 from .profile import calibrate
@@ -35,8 +35,11 @@ from .synthetic import synthetic_kv
 
 log = logging.getLogger("kvwire.codec")
 
-#: the numba kernels of the encode and decode paths (``rans.ideal_bits`` is benchmark-only)
-KERNELS = ("quantize_rows", "lane_spans", "encode_lanes", "decode_lanes")
+#: the numba kernels of the encode and decode paths, as ``module.name`` (numba's cache
+#: index names; ``rans.ideal_bits`` is benchmark-only)
+KERNELS = ("rans.quantize_rows", "rans.lane_spans", "rans.encode_lanes", "rans.decode_lanes",
+           "control.weigh_sample")
+_MODULES = {"rans": rans, "control": control}
 
 _LAYERS, _HEADS, _HEAD_DIM, _SINKS, _TOKENS = 2, 2, 4, 4, 68
 
@@ -93,12 +96,18 @@ def last_result() -> WarmupResult | None:
     return _result
 
 
+def kernel(name: str):
+    """The numba dispatcher :data:`KERNELS` names ``name``."""
+    module, attribute = name.split(".")
+    return getattr(_MODULES[module], attribute)
+
+
 def cache_stats() -> dict[str, dict[str, int]]:
     """Per kernel: specializations in memory, compiled (cache misses) and loaded (cache
     hits) in this process so far (all zero when numba's JIT is disabled)."""
     out = {}
     for name in KERNELS:
-        dispatcher = getattr(rans, name)
+        dispatcher = kernel(name)
         stats = getattr(dispatcher, "stats", None)
         out[name] = {
             "signatures": len(getattr(dispatcher, "signatures", ())),
