@@ -23,7 +23,7 @@ from . import backends, container, control, layer_codec
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
-from .profile import DEFAULT_SINK_TOKENS, Profile, coded_body, embedded_profile, validate_kv, validate_level
+from .profile import DEFAULT_SINK_TOKENS, CodedBody, Profile, embedded_profile, validate_kv, validate_level
 from .rotary import MAX_POSITION
 
 #: a layer's K or V whose energy in the components the profile's level drops passes this
@@ -85,11 +85,11 @@ def _coded_rows(profile: Profile, slot: int, layer: int,
     return parts[0].kept, parts[1].kept
 
 
-def control_samples(profile: Profile, slots: list[int], kv: torch.Tensor, body: torch.Tensor, sinks: int
+def control_samples(profile: Profile, slots: list[int], kv: torch.Tensor, body: CodedBody, sinks: int
                     ) -> list[tuple[control.PartSample, control.PartSample]]:
     """Each layer's (K, V) sample for the step control (codec.control) of a chunk at
     levels ``slots``: ``kv`` the caller's KV, ``body`` its coded tokens as the transform
-    sees them (``coded_body``). The variance is the chunk's own, of its coded tokens in
+    sees them. The variance is the chunk's own, of its coded tokens in
     ``kv``'s frame (keys with RoPE), outlier tokens capped (``control.OUTLIER_FACTOR``);
     error and variance are both measured on ``control.SAMPLE_TOKENS`` evenly spaced
     tokens, transformed once for the most rows any of the levels' controls needs.
@@ -99,12 +99,12 @@ def control_samples(profile: Profile, slots: list[int], kv: torch.Tensor, body: 
     runs no BLAS here, whose second OpenBLAS thread would spin after each product and
     take a core from the torch and numba threads (a MiniLM encode ran ~1.5x slower so).
     """
-    rows = control.sample_rows(body.shape[2])
-    sample = body[:, :, rows].numpy()
+    rows = control.sample_rows(body.tokens)
+    sample = body.rows(rows).numpy()
     own = kv[:, :, sinks:][:, :, rows].to(torch.float32).flatten(3).numpy()
     return [tuple(control.PartSample(profile, layer, kind, sample[layer, kind], own[layer, kind],
                                      max(control.sample_rows_needed(profile, slot, layer, kind) for slot in slots))
-                  for kind in range(2)) for layer in range(body.shape[0])]
+                  for kind in range(2)) for layer in range(body.layers)]
 
 
 def control_chunk(profile: Profile, slot: int, samples: list[tuple[control.PartSample, control.PartSample]]
@@ -227,8 +227,8 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
     """The blobs of ``kv`` at each (level, its slot in ``profile``) of ``levels``."""
     layers, _, tokens, heads, head_dim = kv.shape
     slots = [slot for _, slot in levels]
-    body = coded_body(kv, sinks, profile.rotary, start)
-    samples = control_samples(profile, slots, kv, body, sinks) if body.shape[2] >= MISFIT_MIN_TOKENS else None
+    body = CodedBody(kv, sinks, profile.rotary, start)
+    samples = control_samples(profile, slots, kv, body, sinks) if body.tokens >= MISFIT_MIN_TOKENS else None
     controls = [None if samples is None else control_chunk(profile, slot, samples) for slot in slots]
     judged = embedded is None and samples is not None
     limits = [_misfit_limits(profile, slot, layers) if judged else [] for slot in slots]
@@ -239,10 +239,11 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
     for l in range(layers):
         parts = [None if c is None else c[l] for c in controls]
         kept = [_coded_rows(profile, slot, l, p) for slot, p, r in zip(slots, parts, raw) if l not in r]
-        coefficients = layer_codec.layer_coefficients(
-            profile, l, body[l][0], body[l][1], (max(k for k, _ in kept), max(v for _, v in kept))) if kept else None
+        layer_body = body.layer(l)
+        rows = (max(k for k, _ in kept), max(v for _, v in kept)) if kept else None
+        coefficients = layer_codec.layer_coefficients(profile, l, *layer_body, rows) if kept else None
         for i, slot in enumerate(slots):
-            section, mode = _layer_section(profile, slot, l, kv[l], body[l], sinks, parts[i], raw=l in raw[i],
+            section, mode = _layer_section(profile, slot, l, kv[l], layer_body, sinks, parts[i], raw=l in raw[i],
                                            coefficients=coefficients)
             sections[i].append(section)
             modes[i].append(mode)

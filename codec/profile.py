@@ -568,24 +568,47 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
     )
 
 
-def coded_body(kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None, start: int = 0) -> torch.Tensor:
-    """float32 [layers, 2, N, C] of the tokens after the sinks, as the transform sees them:
-    with ``rotary``, keys rotated back from positions ``start + sink_tokens ..``."""
-    L, _, T, H, D = kv.shape
-    body = kv[:, :, sink_tokens:].to(torch.float32).reshape(L, 2, T - sink_tokens, H * D)
-    if rotary is not None and T > sink_tokens:
-        angles = rotary.angles(start + sink_tokens, T - sink_tokens)
-        if kv.dtype == torch.float32:  # .to() returned a view of the caller's KV: never rotate it
-            body = body.clone()
-        for layer in range(L):
-            body[layer, 0] = rotate(body[layer, 0], rotary, angles, inverse=True)
-    return body
+class CodedBody:
+    """A chunk's tokens after the sinks, float32 [C] each, as the transform sees them:
+    with ``rotary``, keys rotated back from positions ``start + sink_tokens ..``.
+
+    Made a layer at a time (or a few sampled tokens across layers), never the whole
+    chunk at once: a chunk's whole body (47 MB for 1024 tokens of SmolLM2) is over
+    glibc's 32 MB ceiling for reusing freed memory, so an encode that held it took it
+    fresh from the kernel every time, a page fault per 4 KB (an ad hoc timing: 18 ms of
+    a SmolLM2 chunk's fp16 -> fp32 conversion, ~5 ms of it the conversion). A layer's
+    part is freed before the next is made and is reused from the heap.
+    """
+
+    def __init__(self, kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None, start: int = 0) -> None:
+        self._kv = kv[:, :, sink_tokens:]
+        self.layers = kv.shape[0]
+        self.tokens = self._kv.shape[2]
+        self._rotary = rotary
+        self._angles = rotary.angles(start + sink_tokens, self.tokens) if rotary is not None and self.tokens else None
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """float32 [2, N, C]: layer ``layer``'s keys and values."""
+        return self._coded(self._kv[layer], self._angles)
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 [layers, 2, len(rows), C]: the tokens ``rows`` of every layer, the same
+        values :meth:`layer` gives for them."""
+        angles = None if self._angles is None else (self._angles[0][rows], self._angles[1][rows])
+        return self._coded(self._kv[:, :, rows], angles)
+
+    def _coded(self, kv: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        coded = kv.to(torch.float32).flatten(-2)
+        if angles is None:
+            return coded
+        keys = rotate(coded[..., 0, :, :], self._rotary, angles, inverse=True)
+        return torch.stack((keys, coded[..., 1, :, :]), dim=-3)  # new: .to() may have returned the caller's KV
 
 
 def split_tokens(kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None = None) -> list[list[torch.Tensor]]:
-    """tokens[layer][kv] = float32 [N, C] of the non-sink tokens of ``kv`` (see coded_body)."""
-    body = coded_body(kv, sink_tokens, rotary)
-    return [[body[l, i] for i in range(2)] for l in range(body.shape[0])]
+    """tokens[layer][kv] = float32 [N, C] of the non-sink tokens of ``kv`` (see CodedBody)."""
+    body = CodedBody(kv, sink_tokens, rotary)
+    return [list(body.layer(layer).unbind(0)) for layer in range(body.layers)]
 
 
 def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEFAULT_TARGETS,

@@ -143,16 +143,19 @@ def _angles(rotary: Rotary, start: int, tokens: int, device: torch.device) -> tu
 
 def rotate(keys: torch.Tensor, rotary: Rotary, angles: tuple[torch.Tensor, torch.Tensor], *,
            inverse: bool = False) -> torch.Tensor:
-    """RoPE (or, ``inverse``, its removal) of float32 keys [tokens, heads * head_dim].
+    """RoPE (or, ``inverse``, its removal) of float32 keys [..., tokens, heads * head_dim].
 
-    ``angles`` is ``rotary.angles(first position, tokens)``. Returns a new tensor.
+    ``angles`` is ``rotary.angles(first position, tokens)``; leading dimensions (layers)
+    share them, so a whole chunk's keys rotate in one call: the same float32 operations
+    per element as layer by layer, a few large ones in place of many small. Returns a
+    new tensor.
     """
     cos, sin = angles
-    tokens, channels = keys.shape
+    *lead, tokens, channels = keys.shape
     if channels % rotary.head_dim or cos.shape != (tokens, rotary.dim):
         raise ValueError(f"keys [{tokens}, {channels}] do not fit rotary head_dim {rotary.head_dim}, "
                          f"angles {tuple(cos.shape)}")
-    heads = keys.reshape(tokens, channels // rotary.head_dim, rotary.head_dim)
+    heads = keys.reshape(*lead, tokens, channels // rotary.head_dim, rotary.head_dim)
     out = heads.clone()
     half = rotary.dim // 2
     x1, x2 = heads[..., :half], heads[..., half:rotary.dim]
@@ -164,4 +167,4 @@ def rotate(keys: torch.Tensor, rotary: Rotary, angles: tuple[torch.Tensor, torch
     else:        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
         out[..., :half] = x1 * c1 - x2 * s1
         out[..., half:rotary.dim] = x2 * c2 + x1 * s2
-    return out.reshape(tokens, channels)
+    return out.reshape(keys.shape)

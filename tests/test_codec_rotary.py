@@ -76,6 +76,38 @@ def test_angles_are_shared_per_position_range_and_rotate_leaves_them_intact() ->
     assert torch.equal(cos, before[0]) and torch.equal(sin, before[1])
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotating_all_layers_at_once_gives_each_layers_bits(inverse: bool) -> None:
+    """The encoder rotates a whole stack (or a sample of tokens across layers) in one call;
+    the bytes it codes must be those of layer by layer, bit for bit."""
+    keys = torch.randn(3, 40, 2 * 16, generator=torch.Generator().manual_seed(2)) * 30
+    angles = ROPE.angles(777, 40)
+    stacked = rotate(keys, ROPE, angles, inverse=inverse)
+    for layer in range(3):
+        assert torch.equal(stacked[layer], rotate(keys[layer], ROPE, angles, inverse=inverse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_coded_body_samples_are_the_layers_own_values(dtype: torch.dtype) -> None:
+    """The step control samples tokens across layers (``CodedBody.rows``) and the coder
+    takes a layer at a time (``CodedBody.layer``): the same float32 values, and the
+    caller's KV never written (a float32 KV is converted as a view)."""
+    from codec.profile import CodedBody
+    kv = _rope_keys(_pre_rope(5), 900).to(dtype)
+    before = kv.clone()
+    body = CodedBody(kv, 3, ROPE, start=900)
+    rows = torch.tensor([0, 7, 50, 156])
+    sampled = body.rows(rows)
+    assert body.tokens == T - 3 and sampled.shape == (L, 2, 4, H * D)
+    for layer in range(L):
+        part = body.layer(layer)
+        assert part.shape == (2, T - 3, H * D) and part.dtype == torch.float32
+        assert torch.equal(sampled[layer], part[:, rows])
+    torch.testing.assert_close(body.layer(1)[0], _pre_rope(5)[1, 0, 3:].reshape(T - 3, -1).to(dtype).float(),
+                               rtol=0, atol=0.02 if dtype == torch.float16 else 1e-4)
+    assert torch.equal(kv, before)
+
+
 # ------------------------------------------------------------------ encode / decode
 @pytest.mark.parametrize("start", [0, 1, 333, 40_000])
 def test_round_trip_at_several_starts_is_within_the_level(rotary_profile, codec_distortion, start) -> None:

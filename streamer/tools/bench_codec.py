@@ -22,7 +22,7 @@ import torch
 
 from codec import api, baselines, container, layer_codec
 from codec.levels import DEFAULT_LEVEL
-from codec.profile import Profile, calibrate, coded_body
+from codec.profile import CodedBody, Profile, calibrate
 from codec.synthetic import synthetic_kv
 
 CACHEGEN_QUALITIES = (0.02, 0.04, 0.07, 0.12, 0.2, 0.35, 0.6, 1.0)
@@ -179,13 +179,13 @@ def coder_cost(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
     lanes = sections = 0
     for chunk, blob in zip(chunks, blobs):
         header = api.parse_header(blob)
-        body = coded_body(chunk, header.sink_tokens, profile.rotary, header.start)
+        body = CodedBody(chunk, header.sink_tokens, profile.rotary, header.start)
         for layer in range(header.layers):
             if header.is_raw(layer):
                 continue
             payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
             coded = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version).plan
-            plan, q, _ = layer_codec.quantize_layer(profile, level, layer, body[layer][0], body[layer][1],
+            plan, q, _ = layer_codec.quantize_layer(profile, level, layer, *body.layer(layer),
                                                     coded.steps, coded.kept)
             ideal += layer_codec.ideal_layer_bits(profile, plan, q)
             real += 8 * len(payload)
