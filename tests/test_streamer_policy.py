@@ -391,10 +391,13 @@ def test_a_step_up_within_the_scatter_of_a_steady_link_is_held() -> None:
     assert mpc(dataclasses.replace(inp, previous_level=0)) == 0
 
 
-def test_a_step_down_is_never_held() -> None:
-    """The mix's worse level goes first whatever the chunk before was."""
+def test_a_step_down_within_the_mix_is_held() -> None:
+    """The mix's worse level goes first, unless the chunk before was at its better level:
+    that level is kept (the plan still mixes it in, so it costs nothing) rather than
+    stepping down and back up on a steady link (``kvwire demo``: 1, 1, 1, 2, 1, 1, 1)."""
     assert mpc(_mix(6, 3)) == 1
-    assert mpc(_mix(6, 3, previous_level=0)) == 1
+    assert mpc(_mix(6, 3, previous_level=1)) == 1
+    assert mpc(_mix(6, 3, previous_level=0)) == 0
 
 
 def test_a_level_is_left_when_the_plan_can_do_better_throughout() -> None:
@@ -417,6 +420,9 @@ def test_held_tolerates_a_share_of_the_distortion_step() -> None:
     assert mpc_module.held(inp, np.array([1.0, 1.0 + 0.99 * tolerance, np.inf]), 0) == 1
     assert mpc_module.held(inp, np.array([1.0, 1.0 + 1.01 * tolerance, np.inf]), 0) == 0
     assert mpc_module.held(inp, np.array([1.0, np.inf, np.inf]), 0) == 0     # unsafe: not held
-    assert mpc_module.held(_mix(4, 2, previous_level=0), np.array([1.0, 1.0, np.inf]), 1) == 1  # a step down
+    down = _mix(4, 2, previous_level=0)                                       # a step down, both ways
+    assert mpc_module.held(down, np.array([1.0 + 0.99 * tolerance, 1.0, np.inf]), 1) == 0
+    assert mpc_module.held(down, np.array([1.0 + 1.01 * tolerance, 1.0, np.inf]), 1) == 1
+    assert mpc_module.held(down, np.array([np.inf, 1.0, np.inf]), 1) == 1     # unsafe: not held
     with pytest.raises(ValueError, match="level 2 out of range"):
         _mix(4, 2, previous_level=2)

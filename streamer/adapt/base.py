@@ -90,7 +90,7 @@ class PlanInput:
     #: still take to arrive (already off ``time_left``): row 0 decodes only after it
     decode_busy: float = 0.0
     #: the level the chunk before row 0 was requested at in this fetch (None: it was text,
-    #: or row 0 is the fetch's first): mpc may hold it against a step up (``adapt.mpc``)
+    #: or row 0 is the fetch's first): mpc may hold it against a small step (``adapt.mpc``)
     previous_level: int | None = None
 
     def __post_init__(self) -> None:
