@@ -240,8 +240,8 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
         parts = [None if c is None else c[l] for c in controls]
         kept = [_coded_rows(profile, slot, l, p) for slot, p, r in zip(slots, parts, raw) if l not in r]
         layer_body = body.layer(l)
-        rows = (max(k for k, _ in kept), max(v for _, v in kept)) if kept else None
-        coefficients = layer_codec.layer_coefficients(profile, l, *layer_body, rows) if kept else None
+        most = (max(k for k, _ in kept), max(v for _, v in kept)) if kept else None
+        coefficients = layer_codec.layer_coefficients(profile, l, *layer_body, most) if kept else None
         for i, slot in enumerate(slots):
             section, mode = _layer_section(profile, slot, l, kv[l], layer_body, sinks, parts[i], raw=l in raw[i],
                                            coefficients=coefficients)

@@ -575,9 +575,10 @@ class CodedBody:
     Made a layer at a time (or a few sampled tokens across layers), never the whole
     chunk at once: a chunk's whole body (47 MB for 1024 tokens of SmolLM2) is over
     glibc's 32 MB ceiling for reusing freed memory, so an encode that held it took it
-    fresh from the kernel every time, a page fault per 4 KB (an ad hoc timing: 18 ms of
-    a SmolLM2 chunk's fp16 -> fp32 conversion, ~5 ms of it the conversion). A layer's
-    part is freed before the next is made and is reused from the heap.
+    fresh from the kernel every time, a page fault per 4 KB (ad hoc timings per SmolLM2
+    chunk: the whole chunk's fp16 -> fp32 conversion 18 ms, most of it in the kernel's
+    page faults; made a layer at a time, 1.8 ms). A layer's part is freed before the
+    next is made and is reused from the heap.
     """
 
     def __init__(self, kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None, start: int = 0) -> None:
@@ -591,7 +592,7 @@ class CodedBody:
         """float32 [2, N, C]: layer ``layer``'s keys and values."""
         return self._coded(self._kv[layer], self._angles)
 
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def rows(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """float32 [layers, 2, len(rows), C]: the tokens ``rows`` of every layer, the same
         values :meth:`layer` gives for them."""
         angles = None if self._angles is None else (self._angles[0][rows], self._angles[1][rows])
