@@ -31,7 +31,8 @@ Eight rules come from what a plan at one rate cannot see:
   the better level of the mix as often as not, and the next plan, with the budget that
   left, the worse one (``kvwire demo``: levels 0, 1, 1, 2, 2 over a steady link). The
   first chunk takes the worse level of the mix, so what it saves is slack for the plans
-  after it, made with more measurements, which spend it on the last chunks.
+  after it, made with more measurements, which spend it on the last chunks (unless the
+  chunk before was at the mix's better level: then that level is held, below).
 * **A level held.** A steady link's samples still scatter around its rate (a shaper's
   bucket lets a chunk after an idle gap through faster, a busy receiver stamps arrivals
   late), and a plan mixing two levels may put either first at the same cost, so the
