@@ -85,12 +85,11 @@ def _coded_rows(profile: Profile, slot: int, layer: int,
     return parts[0].kept, parts[1].kept
 
 
-def control_samples(profile: Profile, slots: list[int], kv: torch.Tensor, body: CodedBody, sinks: int
+def control_samples(profile: Profile, slots: list[int], body: CodedBody
                     ) -> list[tuple[control.PartSample, control.PartSample]]:
     """Each layer's (K, V) sample for the step control (codec.control) of a chunk at
-    levels ``slots``: ``kv`` the caller's KV, ``body`` its coded tokens as the transform
-    sees them. The variance is the chunk's own, of its coded tokens in
-    ``kv``'s frame (keys with RoPE), outlier tokens capped (``control.OUTLIER_FACTOR``);
+    levels ``slots``: ``body`` its coded tokens. The variance is the chunk's own, of its
+    coded tokens in the KV's own frame (keys with RoPE), outlier tokens capped (``control.OUTLIER_FACTOR``);
     error and variance are both measured on ``control.SAMPLE_TOKENS`` evenly spaced
     tokens, transformed once for the most rows any of the levels' controls needs.
 
@@ -101,7 +100,7 @@ def control_samples(profile: Profile, slots: list[int], kv: torch.Tensor, body: 
     """
     rows = control.sample_rows(body.tokens)
     sample = body.rows(rows).numpy()
-    own = kv[:, :, sinks:][:, :, rows].to(torch.float32).flatten(3).numpy()
+    own = body.rows(rows, own_frame=True).numpy()
     return [tuple(control.PartSample(profile, layer, kind, sample[layer, kind], own[layer, kind],
                                      max(control.sample_rows_needed(profile, slot, layer, kind) for slot in slots))
                   for kind in range(2)) for layer in range(body.layers)]
@@ -228,7 +227,7 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
     layers, _, tokens, heads, head_dim = kv.shape
     slots = [slot for _, slot in levels]
     body = CodedBody(kv, sinks, profile.rotary, start)
-    samples = control_samples(profile, slots, kv, body, sinks) if body.tokens >= MISFIT_MIN_TOKENS else None
+    samples = control_samples(profile, slots, body) if body.tokens >= MISFIT_MIN_TOKENS else None
     controls = [None if samples is None else control_chunk(profile, slot, samples) for slot in slots]
     judged = embedded is None and samples is not None
     limits = [_misfit_limits(profile, slot, layers) if judged else [] for slot in slots]
@@ -240,8 +239,8 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
         parts = [None if c is None else c[l] for c in controls]
         kept = [_coded_rows(profile, slot, l, p) for slot, p, r in zip(slots, parts, raw) if l not in r]
         layer_body = body.layer(l)
-        most = (max(k for k, _ in kept), max(v for _, v in kept)) if kept else None
-        coefficients = layer_codec.layer_coefficients(profile, l, *layer_body, most) if kept else None
+        coefficients = layer_codec.layer_coefficients(
+            profile, l, *layer_body, (max(k for k, _ in kept), max(v for _, v in kept))) if kept else None
         for i, slot in enumerate(slots):
             section, mode = _layer_section(profile, slot, l, kv[l], layer_body, sinks, parts[i], raw=l in raw[i],
                                            coefficients=coefficients)

@@ -592,18 +592,19 @@ class CodedBody:
         """float32 [2, N, C]: layer ``layer``'s keys and values."""
         return self._coded(self._kv[layer], self._angles)
 
-    def rows(self, rows: slice | torch.Tensor) -> torch.Tensor:
+    def rows(self, rows: slice | torch.Tensor, *, own_frame: bool = False) -> torch.Tensor:
         """float32 [layers, 2, len(rows), C]: the tokens ``rows`` of every layer, the same
-        values :meth:`layer` gives for them."""
-        angles = None if self._angles is None else (self._angles[0][rows], self._angles[1][rows])
+        values :meth:`layer` gives for them, or with ``own_frame`` as the KV holds them
+        (keys with RoPE)."""
+        angles = None if self._angles is None or own_frame else (self._angles[0][rows], self._angles[1][rows])
         return self._coded(self._kv[:, :, rows], angles)
 
     def _coded(self, kv: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        coded = kv.to(torch.float32).flatten(-2)
         if angles is None:
-            return coded
-        keys = rotate(coded[..., 0, :, :], self._rotary, angles, inverse=True)
-        return torch.stack((keys, coded[..., 1, :, :]), dim=-3)  # new: .to() may have returned the caller's KV
+            return kv.to(torch.float32).flatten(-2)
+        coded = kv.to(torch.float32, copy=True).flatten(-2)  # its keys rotate in place: never the caller's KV
+        coded[..., 0, :, :] = rotate(coded[..., 0, :, :], self._rotary, angles, inverse=True)
+        return coded
 
 
 def split_tokens(kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None = None) -> list[list[torch.Tensor]]:

@@ -67,7 +67,7 @@ def test_the_controlled_distortion_is_what_the_decoder_gives(llama_kv, own_profi
     sinks = own_profile.sink_tokens
     for level in (0, 2, 4):
         controls = api.control_chunk(own_profile, level, api.control_samples(
-            own_profile, [level], kv, CodedBody(kv, sinks, None), sinks))
+            own_profile, [level], CodedBody(kv, sinks, None)))
         estimated = torch.tensor([[part.achieved for part in parts] for parts in controls], dtype=torch.float64)
         out = codec.decode(codec.encode(kv, level, own_profile), own_profile)
         real = _per_part(kv.float(), out.float(), sinks)

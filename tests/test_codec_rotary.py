@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import codec
+from codec.profile import CodedBody
 from codec.rotary import rotate
 from streamer.model import hf, rotary_of
 
@@ -92,7 +93,6 @@ def test_coded_body_samples_are_the_layers_own_values(dtype: torch.dtype) -> Non
     """The step control samples tokens across layers (``CodedBody.rows``) and the coder
     takes a layer at a time (``CodedBody.layer``): the same float32 values, and the
     caller's KV never written (a float32 KV is converted as a view)."""
-    from codec.profile import CodedBody
     kv = _rope_keys(_pre_rope(5), 900).to(dtype)
     before = kv.clone()
     body = CodedBody(kv, 3, ROPE, start=900)
