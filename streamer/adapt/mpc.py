@@ -52,10 +52,10 @@ Eight rules come from what a plan at one rate cannot see:
   down was first left unheld (the better level's budget goes to the last chunks, as
   above), and a cold ``kvwire demo`` then went 1, 1, 1, 2, 1, 1, 1 over the steady
   stretch on one 181 Mbit/s sample; held both ways, ``kvwire bench policies --workers 2
-  --json`` (6050069 -> this rule) gives the same violations and text shares on all six
-  lines, objective ratios within 0.001 (default 1.0924/1.1936/1.2436 ->
-  1.0924/1.1936/1.2434x, unseen 1.3153/1.4138/1.3401 -> 1.3158/1.4128/1.3399x) and
-  1.5-3.5% fewer level switches.
+  --json`` (4f7bdd3's tree, the policy code 6050069 has, -> this rule) gives the same
+  violations and text shares on all six lines, objective ratios within 0.001 (default
+  1.0924/1.1936/1.2436 -> 1.0924/1.1936/1.2434x, unseen 1.3153/1.4138/1.3401 ->
+  1.3158/1.4128/1.3399x) and 1.5-3.5% fewer level switches.
 * **A margin.** Plans are made for ``1 - PLAN_MARGIN`` of the time left. A chunk's rate
   varies within it, and a plan that fills the budget exactly turns a small shortfall
   late in the fetch into a cancelled chunk recomputed from text (a whole text penalty,
