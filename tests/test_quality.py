@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import codec
 from streamer.tools import calibrate as calibrate_cli
@@ -91,6 +92,7 @@ def test_bench_quality_json_decoder(llama_dir, tmp_path, capsys):
                                                           ("kvwire", 0), ("kvwire", 4)]
     for row in rows:
         assert len(row["attention_error"]) == 2
+        assert all((w.get("target_distortion") is not None) == (row["method"] == "kvwire") for w in row["windows"])
         assert 0 <= row["top1_agreement"] <= 1 and row["perplexity"] > 1
         assert row["cosine"] is None
         assert [w["text"] for w in row["windows"]] == ["GPL-3"] * 2 + ["python-reference"] * 2
@@ -138,6 +140,34 @@ def test_bench_quality_table_names_the_texts_and_the_spread():
     # each level's MSE/var against its target, text by text (issue #14: held on unseen text)
     held = next(line for line in lines if line.strip().startswith("kvwire+rope L1: target"))
     assert "GPL-3 1.10e-03 (1.10x)" in held and "python-reference 9.00e-04 (0.90x)" in held
+    # a profile with section weights is held to what its sections' targets imply
+    implied = row("kvwire", 2, 0.001, (0.0, 0.002), 4e-3)
+    implied.allocation = True
+    for w, target in zip(implied.windows, (1e-3, 1.5e-3)):
+        w["target_distortion"] = target
+    text = render(QualityReport(config, [], {"perplexity": 10.0, "scored_tokens": 4096}, [implied]))
+    held = next(line for line in text.splitlines() if line.strip().startswith("kvwire+rope+alloc L2: target"))
+    assert "(per section x its weight)" in held
+    assert "GPL-3 1.10e-03 (implied 1.00e-03: 1.10x)" in held
+    assert "python-reference 9.00e-04 (implied 1.50e-03: 0.60x)" in held
+
+
+def test_a_windows_implied_target_weighs_each_sections_target_by_its_variance():
+    """Uniform targets imply the level's own; weighted ones their variance-weighted mean."""
+    from streamer.model.quality import _Accumulator, _Window
+
+    kv = torch.zeros(2, 2, 4, 1, 2, dtype=torch.float32)
+    kv[0, 0, :, 0, 0] = torch.tensor([1.0, -1.0, 1.0, -1.0])          # section (0, K): variance 4
+    kv[1, 1, :, 0, 1] = torch.tensor([3.0, -3.0, 3.0, -3.0])          # section (1, V): variance 36
+    window = _Window(ids=[0] * 4, continuation=[], kv=kv, attention=[], queries=torch.empty(0), meta=[])
+    acc = _Accumulator(2)
+    acc.add(window, kv, 8, None, torch.full((2, 2), 1e-3))
+    acc.add(window, kv, 8, None, torch.tensor([[1e-3, 5e-3], [2e-3, 4e-3]]))
+    acc.add(window, kv, 8, None)
+    uniform, weighted, none = acc.windows
+    assert uniform["target_distortion"] == pytest.approx(1e-3)
+    assert weighted["target_distortion"] == pytest.approx((4 * 1e-3 + 36 * 4e-3) / 40)
+    assert "target_distortion" not in none and uniform["distortion"] == 0.0
 
 
 @pytest.mark.model

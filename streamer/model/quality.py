@@ -195,11 +195,15 @@ class _Accumulator:
         self.predicted = 0
         self.windows: list[dict] = []
 
-    def add(self, window: _Window, decoded: torch.Tensor, nbytes: int, model) -> None:
+    def add(self, window: _Window, decoded: torch.Tensor, nbytes: int, model,
+            section_targets: torch.Tensor | None = None) -> None:
+        """Score one window's decoded KV; ``section_targets`` [layers, 2] is the MSE/var each
+        (layer, K/V) section is held to (kvwire), for the window's implied target."""
         x, y = window.kv.double(), decoded.double()
         self.bits += 8.0 * nbytes
         self.elements += x.numel()
-        err2, var = float(((y - x) ** 2).sum()), float(((x - x.mean(dim=2, keepdim=True)) ** 2).sum())
+        section_var = ((x - x.mean(dim=2, keepdim=True)) ** 2).sum(dim=tuple(range(2, x.dim())))
+        err2, var = float(((y - x) ** 2).sum()), float(section_var.sum())
         self.err2 += err2
         self.var += var
         for layer, reference in enumerate(window.attention):
@@ -212,6 +216,11 @@ class _Accumulator:
             embedding = hf.sentence_embedding(model, window.ids, decoded)
             self.cosines.append(float(window.embedding @ embedding))
         per_window: dict = {"text": window.source, "distortion": err2 / var if var else 0.0}
+        if section_targets is not None and var:
+            # what the sections' targets add up to on this window, each weighed by its
+            # variance: a profile whose weights give the loud sections the larger targets
+            # holds its pooled MSE/var above the level's nominal target by design
+            per_window["target_distortion"] = float((section_targets.double() * section_var).sum()) / var
         if window.logits is not None:
             logits = hf.continuation_logits(model, decoded, window.continuation)
             nll, count = continuation_nll(logits, window.continuation)
@@ -392,6 +401,8 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
                 for lv in (range(len(p.targets)) if levels is None else levels)]
     for method, level, prof in methods:
         acc = _Accumulator(layers)
+        targets = None if prof is None or level is None else torch.tensor(
+            [[prof.section_target(level, layer, kind) for kind in range(2)] for layer in range(prof.layers)])
         for w in prepared:
             if method == "kvwire":
                 blob = codec.encode(w.kv, level, prof)  # each window's context starts at position 0
@@ -399,7 +410,7 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
             else:
                 encoded = _BASELINES[method](w.kv)
                 decoded, nbytes = encoded.reconstruction, encoded.nbytes
-            acc.add(w, decoded, nbytes, model)
+            acc.add(w, decoded, nbytes, model, targets)
         row = acc.row(method, level, reference_ppl)
         row.rotary = None if prof is None else prof.rotary is not None
         row.allocation = None if prof is None else prof.weights is not None
