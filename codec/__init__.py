@@ -4,7 +4,7 @@ Pipeline per (layer, K/V): mean removal and a calibrated PCA across heads
 (``transform``), a uniform quantizer whose step meets each quality level's target
 distortion (``levels``), and interleaved-lane rANS coding with tables fixed at
 calibration (``entropy``, ``rans``). The bitstream is specified in FORMAT.md.
-Decoders for other devices plug in through ``backends`` (``import kernels`` for CUDA).
+Decoders for other devices plug in through ``backends`` (``import kvwire_kernels`` for CUDA).
 ``warm_up()`` compiles or loads the numba kernels ahead of a timed path (not on import);
 ``parallel`` makes them safe to call from several threads on any numba threading layer.
 ``Rotary`` (a profile's RoPE parameters) makes keys be coded position-free (``rotary``).

@@ -323,7 +323,7 @@ def _parse_embedded(profile_id: str, data: bytes, limit: int) -> Profile:
 
 def section_decoder(device: str | torch.device):
     """decode_section for ``device``: the CPU decoder, or the one a backend registered
-    (``import kernels`` for CUDA; GpuUnavailable otherwise)."""
+    (``import kvwire_kernels`` for CUDA; GpuUnavailable otherwise)."""
     dev = torch.device(device)
     if dev.type == "cpu":
         return decode_section

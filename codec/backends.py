@@ -1,7 +1,7 @@
 """Section decoders by device type: the seam through which GPU decode plugs into the codec.
 
 The codec itself is pure and only knows its CPU decoder. A backend for another device
-type (``kernels`` for ``cuda``) registers a factory here when it is imported; the codec
+type (``kvwire_kernels`` for ``cuda``) registers a factory here when it is imported; the codec
 never imports it, so ``import codec`` pulls in no GPU stack and there is no import cycle.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ class DeviceDecoder(Protocol):
 #: device type -> factory building (or returning the cached) decoder of one device
 _factories: dict[str, Callable[[torch.device], DeviceDecoder]] = {}
 #: the package that registers each known device type, for the error when it has not
-_PROVIDERS = {"cuda": "kernels"}
+_PROVIDERS = {"cuda": "kvwire_kernels"}
 
 
 def register(device_type: str, factory: Callable[[torch.device], DeviceDecoder]) -> None:

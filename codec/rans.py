@@ -100,7 +100,7 @@ def lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens):
 
     K's lanes come first, then V's; inside each, lanes run piece by piece, and within
     a piece over groups of ``rows_per_lane`` rows (the CUDA kernel's twin: lane_span
-    in kernels/rans_decode.cu).
+    in kernels/kvwire_kernels/rans_decode.cu).
     """
     pieces = max(1, (tokens + piece - 1) // piece)
     groups_k = (kept_k + rows_per_lane - 1) // rows_per_lane

@@ -1,4 +1,4 @@
-"""The CPU side of ``python -m kernels.bench_gpu``: arguments, data, arrival clock, report
+"""The CPU side of ``python -m kvwire_kernels.bench_gpu``: arguments, data, arrival clock, report
 files, the pycuda build step's failure path, and the dry run. The GPU part runs only on a
 device machine (the figures are not measured in CI)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import codec
-from kernels import bench_gpu
+from kvwire_kernels import bench_gpu
 
 
 def test_arguments_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """The CUDA device hook of sessions and the receiver daemon, without a GPU.
 
-A CUDA device's decoder is kernels.stream's stream decoder; OrderedDelivery hands it each
+A CUDA device's decoder is kvwire_kernels.stream's stream decoder; OrderedDelivery hands it each
 section through ``submit`` (no executor thread blocked per section), and the typed errors
 say what is missing where there is no GPU.
 """
@@ -20,7 +20,7 @@ from streamer.receiver.daemon import check_device
 
 
 def _gpu_missing() -> bool:
-    from kernels import devices as kernel_devices
+    from kvwire_kernels import devices as kernel_devices
 
     return not kernel_devices.availability()[0]
 

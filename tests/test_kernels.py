@@ -1,7 +1,7 @@
 """CUDA decode kernels: compile in CI without a GPU, and check their logic bit for bit.
 
 Without a GPU the kernel is still exercised: it is compiled as plain C++ through
-kernels/host_shim.h and run lane by lane, and its coefficients must equal the
+kernels/kvwire_kernels/host_shim.h and run lane by lane, and its coefficients must equal the
 numba decoder's exactly (same bytes in, same floats out). The GPU tests proper
 skip with the reason when pycuda or a device is missing.
 """
@@ -20,7 +20,7 @@ import torch
 
 import codec
 from codec import container, layer_codec, rans
-from kernels import gpu
+from kvwire_kernels import gpu
 
 KERNELS = Path(gpu.__file__).resolve().parent
 
@@ -50,8 +50,8 @@ def _ptr(array: np.ndarray) -> ctypes.c_void_p:
 
 def _host_launch(fn, profile, coded_tokens, sections):
     """One launch of the host-compiled kernel over a group of (layer, lanes), packed as
-    kernels.gpu packs them: each section's [tokens, rows] coefficients and lane statuses."""
-    from kernels import packing
+    kvwire_kernels.gpu packs them: each section's [tokens, rows] coefficients and lane statuses."""
+    from kvwire_kernels import packing
 
     buffer = np.full(packing.group_size(sections) + 64, 0xEE, dtype=np.uint8)
     group = packing.pack(sections, buffer, coded_tokens)
@@ -202,11 +202,11 @@ def test_codec_alone_names_the_missing_backend() -> None:
               "    print('GpuUnavailable:', exc)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
-    assert "GpuUnavailable:" in out.stdout and "import kernels" in out.stdout
+    assert "GpuUnavailable:" in out.stdout and "import kvwire_kernels" in out.stdout
 
 
 def test_importing_kernels_registers_the_cuda_decoder() -> None:
-    import kernels  # noqa: F401
+    import kvwire_kernels  # noqa: F401
 
     assert codec.backends._factories["cuda"] is gpu.decoder
 
@@ -245,7 +245,7 @@ def test_gpu_decodes_raw_sections_exactly() -> None:
 
 # ------------------------------------------------------------------ the GPU adapter's host side
 def test_device_strings_name_a_cuda_device() -> None:
-    from kernels import devices
+    from kvwire_kernels import devices
 
     assert devices.device_index("cuda") == 0
     assert devices.device_index("cuda:1") == 1
@@ -256,7 +256,7 @@ def test_device_strings_name_a_cuda_device() -> None:
 
 
 def test_missing_gpu_is_a_typed_error_naming_what_is_missing() -> None:
-    from kernels import devices
+    from kvwire_kernels import devices
 
     ok, reason = devices.availability()
     if ok:
@@ -271,9 +271,9 @@ def test_missing_gpu_is_a_typed_error_naming_what_is_missing() -> None:
 
 def test_one_launch_decodes_a_group_and_flags_only_the_corrupt_sections_lanes(host_kernel) -> None:
     """The adapter's one upload and one launch per group: every layer's lane arrays and
-    the section table packed into one buffer (kernels.packing), one grid over all the
+    the section table packed into one buffer (kvwire_kernels.packing), one grid over all the
     group's lanes; a lane damaged in one section is flagged in that section alone."""
-    from kernels import packing
+    from kvwire_kernels import packing
 
     profile = codec.calibrate([_kv(1)], delta="always")
     blob = codec.encode(_kv(2), 1, profile)
@@ -304,7 +304,7 @@ def test_one_launch_decodes_a_group_and_flags_only_the_corrupt_sections_lanes(ho
 
 
 def test_a_group_past_the_kernels_32_bit_offsets_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import packing
+    from kvwire_kernels import packing
 
     profile = codec.calibrate([_kv(1)])
     blob = codec.encode(_kv(2), 1, profile)
@@ -480,10 +480,10 @@ def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch:
 
 
 def test_stream_decoder_overlaps_chunks_and_reports_corrupt_sections(host_kernel) -> None:
-    """kernels.stream: sections of three chunks interleaved, one corrupt: every other
+    """kvwire_kernels.stream: sections of three chunks interleaved, one corrupt: every other
     layer's future gets its K and V, the corrupt one CorruptBitstream, and a resent copy
     of it (a refetch) decodes."""
-    from kernels.stream import StreamDecoder
+    from kvwire_kernels.stream import StreamDecoder
 
     profile = codec.calibrate([torch.cat([_kv(1, tokens=300), _kv(2, tokens=300)])])
     blobs = [codec.encode(torch.cat([_kv(10 + i), _kv(20 + i)]).half(), 1, profile, sink_tokens=0)
@@ -519,7 +519,7 @@ def test_stream_decoder_cancel_forgets_a_chunk_with_a_group_in_flight(host_kerne
     """A chunk cancelled with one group decoded and a layer waiting for its group: that
     layer's future is cancelled, a section sent for it later too, the next chunk decodes
     through the same buffers, and the worker and its scheduler hold nothing."""
-    from kernels.stream import StreamDecoder
+    from kvwire_kernels.stream import StreamDecoder
 
     profile = codec.calibrate([torch.cat([_kv(1, tokens=300), _kv(2, tokens=300)])])
     blobs = [codec.encode(torch.cat([_kv(30 + i), _kv(40 + i)]).half(), 1, profile, sink_tokens=0) for i in range(2)]
@@ -543,11 +543,11 @@ def test_stream_decoder_cancel_forgets_a_chunk_with_a_group_in_flight(host_kerne
 
 def test_one_registry_holds_one_decoder_and_one_stream_decoder_per_device(host_kernel,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels.devices' registry: gpu.decoder and stream.stream_decoder share it, so
+    """kvwire_kernels.devices' registry: gpu.decoder and stream.stream_decoder share it, so
     ``cuda`` and ``cuda:0`` get one decoder (one primary context) and one stream decoder
     on it, ``cuda:1`` device 1's; close_all stops each stream before its decoder and
     forgets them; a device that cannot be opened registers nothing."""
-    from kernels import devices, stream
+    from kvwire_kernels import devices, stream
 
     monkeypatch.setattr(devices, "_opened", {})
     built, closed = [], []
@@ -590,7 +590,7 @@ def test_one_registry_holds_one_decoder_and_one_stream_decoder_per_device(host_k
 
 # ------------------------------------------------------------------ occupancy (bench_gpu --dry-run)
 def test_occupancy_arithmetic_on_an_h200() -> None:
-    from kernels import occupancy
+    from kvwire_kernels import occupancy
 
     h200 = occupancy.H200
     light = occupancy.Resources(registers=32, shared_bytes=0)
@@ -606,7 +606,7 @@ def test_occupancy_arithmetic_on_an_h200() -> None:
 
 
 def test_resource_usage_is_parsed_from_nvcc_output() -> None:
-    from kernels import occupancy
+    from kvwire_kernels import occupancy
 
     text = ("ptxas info    : Compiling entry function 'rans_decode_group' for 'sm_90'\n"
             "ptxas info    : Function properties for rans_decode_group\n"
@@ -622,7 +622,7 @@ def test_resource_usage_is_parsed_from_nvcc_output() -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_lane_kernel_resources_leave_an_sm_full() -> None:
     """One thread per lane only pays if the kernel is light enough for 2048 threads per SM."""
-    from kernels import occupancy
+    from kvwire_kernels import occupancy
 
     resources = occupancy.kernel_resources(KERNELS / "rans_decode.cu")
     assert 0 < resources.registers <= 32 and resources.shared_bytes == 0
@@ -632,7 +632,7 @@ def test_lane_kernel_resources_leave_an_sm_full() -> None:
 def test_dry_run_lane_rows_count_the_blobs_lanes() -> None:
     """bench_gpu --dry-run's lanes are inspect's, per level and chunk length."""
     from codec.synthetic import synthetic_kv
-    from kernels import bench_gpu
+    from kvwire_kernels import bench_gpu
 
     profile = codec.calibrate([synthetic_kv(2, 2, 8, 200, seed=1)])
     rows = bench_gpu.lane_rows(profile, [64, 130], group_layers=1)

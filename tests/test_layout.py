@@ -7,25 +7,28 @@ which never run and only name types for annotations.
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("codec", "kernels", "netsim", "streamer")
+#: each package of ours and its folder (the CUDA decoder lives in kernels/ as kvwire_kernels)
+PACKAGES = {"codec": ROOT / "codec", "kvwire_kernels": ROOT / "kernels" / "kvwire_kernels",
+            "netsim": ROOT / "netsim", "streamer": ROOT / "streamer"}
 
 
-def _module_name(path: Path) -> tuple[str, bool]:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, folder: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(folder.parent).with_suffix("").parts)
     is_package = parts[-1] == "__init__"
     return ".".join(parts[:-1] if is_package else parts), is_package
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
     found = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name, is_package = _module_name(path)
+    for folder in PACKAGES.values():
+        for path in folder.rglob("*.py"):
+            name, is_package = _module_name(path, folder)
             found[name] = (path, is_package)
     return found
 
@@ -107,6 +110,7 @@ def test_the_checker_sees_imports() -> None:
     """Guard against a checker that passes because it finds nothing."""
     assert "streamer.wire.protocol" in GRAPH["streamer.net.session"]
     assert "codec.errors" in GRAPH["codec.api"]
+    assert "kvwire_kernels.gpu" in GRAPH["kvwire_kernels"]
 
 
 def test_no_import_cycles() -> None:
@@ -121,8 +125,18 @@ def test_foundations_import_nothing_of_ours(package: str) -> None:
 
 
 def test_codec_does_not_import_kernels() -> None:
-    assert not any(dep.startswith("kernels") for name, deps in GRAPH.items()
+    assert not any(dep.startswith("kvwire_kernels") for name, deps in GRAPH.items()
                    if name.startswith("codec") for dep in deps)
+
+
+def test_the_kernels_folder_leaves_the_name_kernels_to_its_owner() -> None:
+    """Hugging Face's ``kernels`` distribution (a dependency of transformers from 5.25)
+    owns the import name ``kernels``. With a kernels/__init__.py here, running from the
+    repository root (``python -m pytest`` puts it on sys.path) shadowed it, and every
+    transformers model load failed importing ``kernels.CUDAProperties``."""
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or spec.origin is None or ROOT / "kernels" not in Path(spec.origin).parents
 
 
 def test_the_library_imports_no_tool() -> None:

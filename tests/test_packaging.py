@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NEWER_STDLIB = {("asyncio", "timeout"): (3, 11), ("asyncio", "Runner"): (3, 11),
                 ("asyncio", "TaskGroup"): (3, 11), ("asyncio", "timeout_at"): (3, 11),
                 ("typing", "Self"): (3, 11), ("enum", "StrEnum"): (3, 11)}
-PACKAGES = ("codec", "kernels", "netsim", "streamer", "examples")
+PACKAGES = ("codec", "kernels", "netsim", "streamer", "examples")   # folders
 
 
 def _required() -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Stage 2 of the device decode (kernels/reconstruct.py) on CPU tensors, against the CPU decoder.
+"""Stage 2 of the device decode (kernels/kvwire_kernels/reconstruct.py) on CPU tensors, against the CPU decoder.
 
 Coefficients are the CPU decoder's own (stage 1 is bit-exact between the numba decoder
 and the CUDA kernel: tests/test_kernels.py). What may differ is only the GEMM's
@@ -14,7 +14,7 @@ import torch
 
 import codec
 from codec import layer_codec
-from kernels import reconstruct
+from kvwire_kernels import reconstruct
 
 
 def _kv(seed: int, tokens: int = 90, layers: int = 5) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""The upload/decode overlap scheduler (kernels/schedule.py) driven through a fake GPU.
+"""The upload/decode overlap scheduler (kernels/kvwire_kernels/schedule.py) driven through a fake GPU.
 
 The fake backend carries the commands out on a simulated clock with one copy stream and
-one decode stream, as kernels/gpu.py does on a real one, and records what each buffer
+one decode stream, as kernels/kvwire_kernels/gpu.py does on a real one, and records what each buffer
 was doing when: the tests then check the rules the scheduler promises.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from kernels.schedule import Deliver, Event, Launch, Scheduler, Upload, Verify
+from kvwire_kernels.schedule import Deliver, Event, Launch, Scheduler, Upload, Verify
 
 
 class FakeGpu:

@@ -159,7 +159,7 @@ async def test_a_plain_on_text_recomputes_off_the_event_loop() -> None:
 
 
 class _StreamFake:
-    """A stream decoder's interface (``kernels.stream.StreamDecoder``): ``submit`` returns a
+    """A stream decoder's interface (``kvwire_kernels.stream.StreamDecoder``): ``submit`` returns a
     future, resolved at once unless its header is held; ``cancel`` records the header and
     cancels its pending futures, as the real one does."""
 

@@ -40,7 +40,7 @@ SectionDecoder = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 @runtime_checkable
 class StreamingDecoder(Protocol):
     """A decoder that takes sections as they land and holds a chunk's state until it is
-    fully decoded (``kernels.stream.StreamDecoder``): a chunk this delivery gives up on
+    fully decoded (``kvwire_kernels.stream.StreamDecoder``): a chunk this delivery gives up on
     must be cancelled there, else it stays held. The CPU path (``codec.decode_section``)
     is a plain function holding nothing, and has no such interface."""
 

@@ -1,9 +1,9 @@
 """Where decoded layers land: the codec's section decoder for a device, with the CUDA
-backend (``kernels``) imported only when a session or daemon asks for a CUDA device.
+backend (``kvwire_kernels``) imported only when a session or daemon asks for a CUDA device.
 
-On a CUDA device the decoder is ``kernels.stream``'s process-wide stream decoder of that
+On a CUDA device the decoder is ``kvwire_kernels.stream``'s process-wide stream decoder of that
 device: its ``submit`` takes each section as it lands and groups of layers upload and
-decode overlapped (``kernels.schedule``), which ``OrderedDelivery`` uses instead of a
+decode overlapped (``kvwire_kernels.schedule``), which ``OrderedDelivery`` uses instead of a
 blocking decode per section."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def section_decoder(device: str | torch.device):
     """``codec.section_decoder(device)``, registering the CUDA backend first if needed;
     codec.GpuUnavailable says what is missing (pycuda, a GPU) when it cannot run here."""
     if torch.device(device).type == "cuda":
-        import kernels  # noqa: F401  (registers the CUDA section decoder with codec)
-        from kernels import stream
+        import kvwire_kernels  # noqa: F401  (registers the CUDA section decoder with codec)
+        from kvwire_kernels import stream
 
         return stream.stream_decoder(device)
     return codec.section_decoder(device)
@@ -27,7 +27,7 @@ def section_decoder(device: str | torch.device):
 
 def close_devices() -> None:
     """Stop the GPU stream decoders and release the devices, if any were started (they
-    are all in ``kernels.devices``' registry, stream decoders or not)."""
-    registry = sys.modules.get("kernels.devices")
+    are all in ``kvwire_kernels.devices``' registry, stream decoders or not)."""
+    registry = sys.modules.get("kvwire_kernels.devices")
     if registry is not None:
         registry.close_all()

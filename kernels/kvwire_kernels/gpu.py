@@ -1,10 +1,10 @@
-"""GPU decode through PyCUDA: the thin adapter that carries out ``kernels.schedule``'s commands.
+"""GPU decode through PyCUDA: the thin adapter that carries out ``kvwire_kernels.schedule``'s commands.
 
 Everything that decides *what* happens when is elsewhere and tested without a GPU: the
-order of uploads, launches and deliveries (``kernels.schedule``), the one-buffer layout of
-a group's lane arrays (``kernels.packing``), stage 2 of the decode (``kernels.reconstruct``:
+order of uploads, launches and deliveries (``kvwire_kernels.schedule``), the one-buffer layout of
+a group's lane arrays (``kvwire_kernels.packing``), stage 2 of the decode (``kvwire_kernels.reconstruct``:
 one batched GEMM per group, means, RoPE, written straight into the caller's tensors) and
-the device strings (``kernels.devices``). This module only maps them onto CUDA: a copy
+the device strings (``kvwire_kernels.devices``). This module only maps them onto CUDA: a copy
 stream and a decode stream, one named event per command, page-locked host buffers reused
 round robin with a device twin each, and per group of layers one upload, one launch of the
 rANS lane kernel over all the group's lanes (its section table packed with the arrays)
@@ -13,7 +13,7 @@ and one GEMM.
 Context safety: one primary context per device, retained once (``pycuda.driver.Device(n)
 .retain_primary_context()``, the context torch uses too) and pushed around every call in
 whatever thread makes it, popped after; ``cuda:N`` decodes on device N; one decoder per
-device (:func:`decoder`, in ``kernels.devices``' registry, whose ``close_all`` the receiver
+device (:func:`decoder`, in ``kvwire_kernels.devices``' registry, whose ``close_all`` the receiver
 daemon calls on shutdown: it synchronizes and releases every decoder).
 
 Entropy decoding and dequantization are bit-identical to the CPU decoder; the GEMM's
@@ -41,7 +41,7 @@ from codec.profile import Profile
 
 from . import packing, reconstruct
 from . import devices
-from .devices import availability, require  # noqa: F401  (availability: kernels.gpu's API)
+from .devices import availability, require  # noqa: F401  (availability: kvwire_kernels.gpu's API)
 from .schedule import Deliver, Event, Launch, Scheduler, Upload, Verify
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -357,5 +357,5 @@ def _raise_first(delivered: list[Delivered]) -> Iterator[tuple[int, torch.Tensor
 
 def decoder(device: str | torch.device = "cuda") -> GpuDecoder:
     """The process-wide decoder of a device (compiles the kernel and retains the primary
-    context once per device; ``kernels.devices.close_all`` releases it)."""
+    context once per device; ``kvwire_kernels.devices.close_all`` releases it)."""
     return devices.shared(device, "decoder", lambda index: GpuDecoder(torch.device("cuda", index)))

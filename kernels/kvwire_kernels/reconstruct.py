@@ -1,7 +1,7 @@
 """The device-agnostic half of a decode: entropy-decoded coefficients -> KV, in torch.
 
 A decode has two stages. Stage 1, entropy decode and dequantization, is the rANS lane
-kernel on a GPU (``kernels/rans_decode.cu``) and the numba decoder on a CPU; both give
+kernel on a GPU (``kernels/kvwire_kernels/rans_decode.cu``) and the numba decoder on a CPU; both give
 the same float32 coefficients bit for bit. Dequantization stays fused in stage 1: a
 delta row's values are differences to the *dequantized* anchor (``codec/rans.py``), so
 the step is applied where the values are decoded. Its step comes from the plan that

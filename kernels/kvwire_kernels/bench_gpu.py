@@ -1,7 +1,7 @@
 """GPU decode benchmark (an NVIDIA GPU; pycuda built from a carried device kit; < 5 minutes).
 
-    python -m kernels.bench_gpu --kit .kit [--tokens 1536] [--chunks 2] [--json]
-    python -m kernels.bench_gpu --dry-run [--tokens 512 1024 1536] [--json]
+    python -m kvwire_kernels.bench_gpu --kit .kit [--tokens 1536] [--chunks 2] [--json]
+    python -m kvwire_kernels.bench_gpu --dry-run [--tokens 512 1024 1536] [--json]
 
 On a GPU, for Llama-3-8B-shaped chunks (32 layers, 8 KV heads, head dim 128), per level:
 entropy-only decode (the lane kernel alone, inputs on the device) and full decode (packed
@@ -18,9 +18,9 @@ measurement, so a run cut off still reports what it measured.
 
 ``--dry-run`` needs no GPU (nor pycuda): the lane kernel's registers, spills and shared
 memory from ``nvcc --resource-usage``, and per level and chunk length the blob's bytes,
-its lanes (one thread each), its launches (one per group of ``kernels.gpu.GROUP_LAYERS``
+its lanes (one thread each), its launches (one per group of ``kvwire_kernels.gpu.GROUP_LAYERS``
 layers) and the threads per SM the launch with the fewest lanes would fill on an H200
-(``kernels.occupancy``). The chunks are synthetic (``codec.synthetic``), the profile
+(``kvwire_kernels.occupancy``). The chunks are synthetic (``codec.synthetic``), the profile
 calibrated on another draw, as in ``kvwire bench codec --workload llama``.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 import codec
 from codec import container, layer_codec
 from codec.synthetic import synthetic_kv
-from kernels import gpu, occupancy
+from kvwire_kernels import gpu, occupancy
 
 LLAMA = (32, 8, 128)
 RATES_GBIT = (10.0, 25.0, 100.0)
@@ -132,7 +132,7 @@ def _timed(fn, repeat: int) -> float:
 def measure_level(decoder, profile: codec.Profile, prepared: Prepared, repeat: int) -> dict:
     """Entropy-only and full decode GB/s, the overlap behind each arrival rate, and the
     CPU-vs-GPU coefficient check, for one level."""
-    from kernels import packing, reconstruct
+    from kvwire_kernels import packing, reconstruct
 
     header0 = prepared.headers[0]
     kv = torch.empty(header0.shape, dtype=header0.dtype, device=decoder.device)
@@ -188,8 +188,8 @@ def measure_level(decoder, profile: codec.Profile, prepared: Prepared, repeat: i
 
 def _hidden_share(decoder, profile, prepared: Prepared, gbit_s: float, t_full: float) -> float:
     """Share of the decode hidden behind sections arriving at ``gbit_s``, through the
-    session's path (``kernels.stream``): 1 - (last layer out - last byte in) / decode alone."""
-    from kernels.stream import StreamDecoder
+    session's path (``kvwire_kernels.stream``): 1 - (last layer out - last byte in) / decode alone."""
+    from kvwire_kernels.stream import StreamDecoder
 
     sections = [(header, layer, section) for header, chunk in zip(prepared.headers, prepared.sections)
                 for layer, section in chunk]

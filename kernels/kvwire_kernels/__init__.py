@@ -7,6 +7,6 @@ what is missing, on machines without pycuda or a GPU.
 """
 import codec
 
-from kernels import gpu
+from kvwire_kernels import gpu
 
 codec.register_backend("cuda", gpu.decoder)

@@ -6,8 +6,8 @@ a machine without pycuda, without a GPU or with one GPU fails at start with the 
 (``codec.GpuUnavailable``), and a malformed string with a ValueError.
 
 The registry (:func:`shared`, :func:`close_all`) keeps one object of each kind per
-device index (``kernels.gpu``'s decoder, which retains the device's primary context,
-and ``kernels.stream``'s stream decoder running on it), so ``cuda`` and ``cuda:0`` share
+device index (``kvwire_kernels.gpu``'s decoder, which retains the device's primary context,
+and ``kvwire_kernels.stream``'s stream decoder running on it), so ``cuda`` and ``cuda:0`` share
 one context and ``cuda:1`` gets device 1's; the daemon's shutdown closes them all.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GPU decode of a stream of chunks whose sections arrive one by one (a session, the daemon).
 
 ``submit`` takes a section as it lands and returns a future; one worker thread per device
-feeds every section to one ``kernels.schedule.Scheduler`` over all chunks, so groups of a
+feeds every section to one ``kvwire_kernels.schedule.Scheduler`` over all chunks, so groups of a
 chunk's layers upload and decode as they fill, and chunk i's last groups decode while chunk
 i+1's first ones upload. When no section comes for ``idle_seconds`` the worker closes the
 partial groups (``Scheduler.flush``) and waits for every decode, so a layer never waits
@@ -197,5 +197,5 @@ class _StreamState:
 
 def stream_decoder(device: str | torch.device = "cuda") -> StreamDecoder:
     """The process-wide stream decoder of a device (sessions and the daemon share it),
-    running on that device's decoder (``kernels.gpu.decoder``)."""
+    running on that device's decoder (``kvwire_kernels.gpu.decoder``)."""
     return devices.shared(device, "stream", lambda index: StreamDecoder(decoder(torch.device("cuda", index))))

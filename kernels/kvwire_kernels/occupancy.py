@@ -1,6 +1,6 @@
 """How much of a GPU one launch of the lane kernel fills: pure arithmetic, no GPU needed.
 
-``python -m kernels.bench_gpu --dry-run`` feeds it the kernel's registers and shared
+``python -m kvwire_kernels.bench_gpu --dry-run`` feeds it the kernel's registers and shared
 memory (``nvcc --resource-usage``) and the lane count of a launch (a group of layers);
 one thread decodes one lane, so a launch with fewer lanes than the device holds threads
 leaves it idle however fast each thread is (issue #16).

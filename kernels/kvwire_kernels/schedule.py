@@ -5,7 +5,7 @@ few arrived layers; a copy stream and a decode stream ordered by events, so that
 i decodes while chunk i+1 uploads; page-locked host buffers reused, never refilled
 while a copy still reads them or a decode still reads their device twin. The ordering
 rules live here, apart from CUDA, as an object that is told what arrived and answers
-with commands; ``kernels.gpu`` carries them out with PyCUDA and torch, and
+with commands; ``kvwire_kernels.gpu`` carries them out with PyCUDA and torch, and
 tests/test_schedule.py with a fake backend that checks the rules on a simulated clock.
 
 Events are named, not created: ``Event("copied", chunk, group)`` is recorded on the copy
