@@ -113,11 +113,10 @@ def control_chunk(profile: Profile, slot: int, samples: list[tuple[control.PartS
             for layer, parts in enumerate(samples)]
 
 
-def _misfit_limits(profile: Profile, slot: int, layers: int) -> list[list[float]]:
+def _misfit_limits(profile: Profile, slot: int) -> list[list[float]]:
     """Each layer K/V's misfit bound: ``MISFIT_FACTOR`` times its target
     (``Profile.section_target``)."""
-    return [[MISFIT_FACTOR * profile.section_target(slot, layer, kind) for kind in range(2)]
-            for layer in range(layers)]
+    return [[MISFIT_FACTOR * target for target in pair] for pair in profile.targets_by_section(slot)]
 
 
 def _misfits(controls, limits: list[list[float]], raw_layers: frozenset[int] = frozenset()
@@ -230,7 +229,7 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
     samples = control_samples(profile, slots, body) if body.tokens >= MISFIT_MIN_TOKENS else None
     controls = [None if samples is None else control_chunk(profile, slot, samples) for slot in slots]
     judged = embedded is None and samples is not None
-    limits = [_misfit_limits(profile, slot, layers) if judged else [] for slot in slots]
+    limits = [_misfit_limits(profile, slot) if judged else [] for slot in slots]
     # before coding: layers whose dropped components alone miss the target, stored raw
     raw = [{layer for layer, _ in _misfits(c, lim)} if judged else set() for c, lim in zip(controls, limits)]
     sections: list[list[bytes]] = [[] for _ in slots]

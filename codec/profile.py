@@ -133,6 +133,10 @@ class Profile:
         return weighted_target(float(self.targets[slot]),
                                None if self.weights is None else float(self.weights[layer, kind]))
 
+    def targets_by_section(self, slot: int) -> list[list[float]]:
+        """``section_target`` of every layer's [K, V] at level ``slot``, layer by layer."""
+        return [[self.section_target(slot, layer, kind) for kind in range(2)] for layer in range(self.layers)]
+
     def __repr__(self) -> str:
         return (f"Profile(id={self.id}, layers={self.layers}, heads={self.heads}, "
                 f"head_dim={self.head_dim}, transform={self.transform!r}, levels={len(self.targets)})")

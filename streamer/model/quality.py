@@ -401,8 +401,7 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
                 for lv in (range(len(p.targets)) if levels is None else levels)]
     for method, level, prof in methods:
         acc = _Accumulator(layers)
-        targets = None if prof is None or level is None else torch.tensor(
-            [[prof.section_target(level, layer, kind) for kind in range(2)] for layer in range(prof.layers)])
+        targets = None if prof is None or level is None else torch.tensor(prof.targets_by_section(level))
         for w in prepared:
             if method == "kvwire":
                 blob = codec.encode(w.kv, level, prof)  # each window's context starts at position 0
