@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def test_a_failed_pycuda_build_stops_with_its_log(tmp_path: Path, monkeypatch: p
     kit.mkdir()
     (kit / "install-pycuda.sh").write_text("echo configuring; echo 'no libcuda found' >&2; exit 3\n")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    with pytest.raises(SystemExit, match=r"pycuda build failed .*exit 3\)[\s\S]*no libcuda found"):
+    with pytest.raises(SystemExit, match=r"pycuda build failed .*exit 3\)[\s\S]*no libcuda found[\s\S]*pycuda"):
         bench_gpu.ensure_pycuda(str(kit), str(tmp_path / "site"))
     assert "no libcuda found" in (tmp_path / "out" / "pycuda_build.log").read_text()
     with pytest.raises(SystemExit, match="--kit"):
@@ -65,3 +66,27 @@ def test_dry_run_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads((tmp_path / bench_gpu.REPORT_NAME).read_text())
     assert [r["level"] for r in printed["rows"]] == list(range(5)) and all(r["lanes"] > 0 for r in printed["rows"])
+
+
+def test_a_build_whose_own_check_fails_is_judged_by_the_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The kit's script checks the import from inside the source tree and fails after a good
+    install: a pycuda that imports from SITE goes on, with the script's status on stderr."""
+    try:
+        import pycuda  # noqa: F401
+        pytest.skip("pycuda is installed here: the build step is skipped")
+    except ImportError:
+        pass
+    kit, site = tmp_path / "kit", tmp_path / "site"
+    kit.mkdir()
+    (kit / "install-pycuda.sh").write_text(
+        'mkdir -p "$SITE/pycuda"; touch "$SITE/pycuda/__init__.py" "$SITE/pycuda/driver.py"\n'
+        "echo \"ModuleNotFoundError: No module named 'pycuda._driver'\" >&2; exit 1\n")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        bench_gpu.ensure_pycuda(str(kit), str(site))
+        assert sys.modules["pycuda"].__file__ == str(site / "pycuda" / "__init__.py")
+    finally:
+        sys.modules.pop("pycuda", None)
+    assert "exited 1, but pycuda.driver imports" in capsys.readouterr().err

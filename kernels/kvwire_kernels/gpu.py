@@ -87,6 +87,7 @@ class GpuDecoder:
         self.group_layers, self._buffer_count = group_layers, buffers
         self._context = cuda.Device(self.index).retain_primary_context()
         self._lock = threading.Lock()   # one decode_into at a time: they share self.buffers
+        self._closed = False            # current() checks it, the constructor included
         with self.current():
             cache = Path(os.environ.get("KVWIRE_CUDA_CACHE", Path.home() / ".cache" / "kvwire" / "cuda"))
             cache.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,6 @@ class GpuDecoder:
             self._torch_decode = torch.cuda.ExternalStream(self.decode_stream.handle, device=self.device)
         self.buffers = Buffers(self, buffers)
         self._coder: dict[Profile, _CoderTables] = {}
-        self._closed = False
 
     # ------------------------------------------------------------------ context
     @contextmanager
