@@ -1,7 +1,8 @@
 """kvwire streaming engine: stores, the sender daemon and the StreamSession receiver.
 
 The layout is the architecture (docs/ARCHITECTURE.md): pure cores in ``wire`` (the
-sans-I/O protocol) and ``adapt`` (estimator, policies, planner, simulator); ``store``
+sans-I/O protocol), ``adapt`` (estimator, policies, planner, cancel rule) and ``fetch`` (the
+fetch controller, its simulator and the oracle); ``store``
 (chunk stores and put); thin asyncio adapters in ``net`` (sender daemon, client,
 ``StreamSession``, ordered delivery, TLS); the ``receiver`` daemon; ``model`` (transformers
 integration); and ``tools`` (the CLI, the demo and every benchmark).
@@ -19,8 +20,8 @@ __all__ = ["open_store", "put_context", "serve", "Sender", "ServerConfig", "Sess
 _EXPORTS = {
     "open_store": "store", "put_context": "store.put", "serve": "net.sender",
     "Sender": "net.sender", "ServerConfig": "net.sender", "StreamSession": "net.session",
-    "FetchFailed": "net.session", "TextNotConsumed": "net.session", "ContextChanged": "net.session", "FetchReport": "net.report",
-    "ChunkReport": "net.report", "StreamError": "net.client", "ServerError": "net.client",
+    "FetchFailed": "net.session", "TextNotConsumed": "net.session", "ContextChanged": "net.session", "FetchReport": "fetch.report",
+    "ChunkReport": "fetch.report", "StreamError": "net.client", "ServerError": "net.client",
     "ConnectionLost": "net.client", "AuthenticationFailed": "net.client",
     "InsecureConfiguration": "net.sender", "Manifest": "wire.manifest",
     "SessionConfig": "net.config",
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from streamer.net.client import AuthenticationFailed, ConnectionLost, ServerError, StreamError
     from streamer.wire.manifest import Manifest
     from streamer.store.put import put_context
-    from streamer.net.report import ChunkReport, FetchReport
+    from streamer.fetch.report import ChunkReport, FetchReport
     from streamer.net.sender import InsecureConfiguration, Sender, ServerConfig, serve
     from streamer.net.session import ContextChanged, FetchFailed, StreamSession, TextNotConsumed
     from streamer.store import open_store

@@ -58,7 +58,7 @@ async def test_ordered_delivery_submits_sections_to_a_stream_decoder() -> None:
     decoder, got = _Submitting(), []
     executor = concurrent.futures.ThreadPoolExecutor(1)
     delivery = OrderedDelivery(chunks=1, layers=3, on_layer=lambda c, l, k, v: got.append((l, float(k[0, 0]))),
-                               on_text=None, on_corrupt=lambda *a: None, executor=executor, decode=decoder)
+                               on_text=None, observe=lambda event: None, executor=executor, decode=decoder)
     delivery.resolve(0, 1)
     for layer in range(3):
         delivery.add_section(0, layer, None, None, b"x")

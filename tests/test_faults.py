@@ -32,7 +32,7 @@ from streamer.wire import frames
 from streamer.wire.frames import MIN_MAX_FRAME
 from streamer.adapt.policies import TEXT
 from streamer.net import sender as sender_module
-from streamer.net import session as session_module
+from streamer.fetch.controller import MAX_CORRUPT_RETRIES
 from streamer.store import StoreError, open_store
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 32
@@ -467,7 +467,7 @@ async def test_one_corrupted_byte(ctx, reference, monkeypatch, times: int, sourc
         assert len(served) == 1 and report.chunks[2].retries == 1
         assert all(c.level == 0 for c in report.chunks)
     else:
-        assert len(served) == 1 + session_module.MAX_CORRUPT_RETRIES
+        assert len(served) == 1 + MAX_CORRUPT_RETRIES
         assert report.chunks[2].level == TEXT and "corrupt" in report.chunks[2].reason
         assert report.chunks[2].superseded_layers == (2 if where == "layer2" else 0)
         assert all(c.level == 0 for i, c in enumerate(report.chunks) if i != 2)

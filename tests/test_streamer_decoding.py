@@ -17,6 +17,7 @@ from streamer.adapt.cancel import InFlight, Switch, reconsider
 from streamer.adapt.decoding import (PER_TOKEN_SHARE, RECENT_SECTIONS, DecodeCost, measure, measure_whole,
                                      prior_sections)
 from streamer.adapt.mpc import mpc, mpc_plan
+from streamer.fetch import events as ev
 from streamer.net.delivery import OrderedDelivery
 
 MB = 1_000_000
@@ -110,7 +111,7 @@ def test_the_cancel_rule_counts_the_decode_of_what_is_still_to_arrive() -> None:
 
 
 # ------------------------------------------------------------------ the delivery's record
-async def test_the_delivery_times_each_section_and_knows_what_the_decoder_owes() -> None:
+async def test_the_delivery_reports_each_section_handed_and_decoded_with_its_seconds() -> None:
     release = threading.Event()
 
     def decode(header, profile, layer, section):
@@ -118,21 +119,24 @@ async def test_the_delivery_times_each_section_and_knows_what_the_decoder_owes()
             release.wait(5)
         return torch.zeros(1), torch.zeros(1)
 
+    observed: list = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = OrderedDelivery(chunks=1, layers=2, on_layer=None, on_text=None,
-                                   on_corrupt=lambda *a: None, executor=pool, decode=decode)
+                                   observe=observed.append, executor=pool, decode=decode)
         delivery.resolve(0, 0)
         delivery.add_section(0, 0, None, None, b"a")
         delivery.add_section(0, 1, None, None, b"bb")
         consumer = asyncio.create_task(delivery.run())
-        while len(delivery.decodes) < 1:
+        while not any(isinstance(e, ev.SectionDecoded) for e in observed):
             await asyncio.sleep(0.001)
-        assert delivery.decoding() == [(0, 2)]          # layer 1 (2 bytes) is still in the decoder
+        handed = [(e.chunk, e.layer, e.nbytes) for e in observed if isinstance(e, ev.SectionHanded)]
+        decoded = [(e.chunk, e.layer, e.nbytes) for e in observed if isinstance(e, ev.SectionDecoded)]
+        assert handed == [(0, 0, 1), (0, 1, 2)] and decoded == [(0, 0, 1)]   # layer 1 is still in the decoder
         release.set()
         await asyncio.wait_for(consumer, 5)
-    assert delivery.decoding() == []
-    assert [(chunk, size) for chunk, size, _ in delivery.decodes] == [(0, 1), (0, 2)]
-    assert all(seconds >= 0 for _, _, seconds in delivery.decodes)
+    decoded = [e for e in observed if isinstance(e, ev.SectionDecoded)]
+    assert [(e.chunk, e.layer, e.nbytes) for e in decoded] == [(0, 0, 1), (0, 1, 2)]
+    assert all(e.seconds is not None and e.seconds >= 0 for e in decoded)
 
 
 # ------------------------------------------------------------------ a prior from the caller

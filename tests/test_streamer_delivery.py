@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import codec
+from streamer.fetch import events as ev
 from streamer.net.delivery import TEXT, OrderedDelivery
 
 LAYERS = 3
@@ -26,6 +27,11 @@ def _decoder(bad: set[tuple[int, int]]):
     return decode
 
 
+def _on_corrupt(callback):
+    """An observer that passes each Corrupt report to ``callback(chunk, layer, message)``."""
+    return lambda event: callback(event.chunk, event.layer, event.message) if isinstance(event, ev.Corrupt) else None
+
+
 async def _run(delivery: OrderedDelivery) -> None:
     await asyncio.wait_for(delivery.run(), 5.0)
 
@@ -34,7 +40,7 @@ async def test_layers_arrive_in_order_whatever_order_sections_land() -> None:
     seen: list[tuple] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = OrderedDelivery(chunks=2, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
-                                   on_text=None, on_corrupt=lambda *a: None, executor=pool,
+                                   on_text=None, observe=lambda event: None, executor=pool,
                                    decode=_decoder(set()))
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(1, 0)
@@ -63,7 +69,7 @@ async def test_corrupt_sections_are_replaced_by_one_refetch(bad: set) -> None:
                 holder["delivery"].add_section(chunk, again, None, None, b"0,")
 
         delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
-                                   on_text=None, on_corrupt=on_corrupt, executor=pool,
+                                   on_text=None, observe=_on_corrupt(on_corrupt), executor=pool,
                                    decode=_decoder(set(bad)))
         holder["delivery"] = delivery
         consumer = asyncio.create_task(_run(delivery))
@@ -77,12 +83,12 @@ async def test_corrupt_sections_are_replaced_by_one_refetch(bad: set) -> None:
 
 async def test_text_after_delivered_layers_supersedes_them() -> None:
     """The session may switch a chunk to text after layers went out: on_text follows the
-    delivered layers, and superseded_layers says how many it voided."""
+    delivered layers, which stay counted (the report's superseded_layers)."""
     events: list[tuple] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = OrderedDelivery(chunks=2, layers=LAYERS, on_layer=lambda c, l, k, v: events.append((c, l)),
                                    on_text=lambda c, ids: events.append((c, TEXT)),
-                                   on_corrupt=lambda *a: None, executor=pool, decode=_decoder(set()))
+                                   observe=lambda event: None, executor=pool, decode=_decoder(set()))
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 1)
         delivery.add_section(0, 0, None, None, b"0,")
@@ -96,7 +102,7 @@ async def test_text_after_delivered_layers_supersedes_them() -> None:
         delivery.add_text(1, [2])
         await consumer
     assert events == [(0, 0), (0, TEXT), (1, TEXT)]
-    assert delivery.superseded_layers(0) == 1 and delivery.superseded_layers(1) == 0
+    assert delivery.delivered_layers(0) == 1 and delivery.delivered_layers(1) == 0
 
 
 async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
@@ -110,7 +116,7 @@ async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
             holder["delivery"].add_text(chunk, [1, 2, 3])
 
         delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda *a: pytest.fail("no layer expected"),
-                                   on_text=lambda c, ids: texts.append((c, ids)), on_corrupt=on_corrupt,
+                                   on_text=lambda c, ids: texts.append((c, ids)), observe=_on_corrupt(on_corrupt),
                                    executor=pool, decode=_decoder({(0, 0)}))
         holder["delivery"] = delivery
         consumer = asyncio.create_task(_run(delivery))
@@ -136,19 +142,20 @@ async def test_a_plain_on_text_recomputes_off_the_event_loop() -> None:
         calls.append((chunk, threading.get_ident() != loop_thread, flag.wait(5.0)))
 
     seen: list[tuple] = []
+    observed: list = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = OrderedDelivery(chunks=2, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
-                                   on_text=on_text, on_corrupt=lambda *a: None, executor=pool,
+                                   on_text=on_text, observe=observed.append, executor=pool,
                                    decode=_decoder(set()))
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, TEXT)
-        assert delivery.recompute_began(0) is None
         before = time.monotonic()
         delivery.add_text(0, [1, 2, 3])
         while not started.is_set():
             await asyncio.sleep(0.001)
-        # when it began is what the session takes off the recompute it still counts owed
-        assert before <= delivery.recompute_began(0) <= time.monotonic()
+        # when it began is what the controller takes off the recompute it still counts owed
+        began = [e for e in observed if isinstance(e, ev.RecomputeStarted)]
+        assert len(began) == 1 and before <= began[0].at <= time.monotonic()
         delivery.resolve(1, 0)   # the next chunk lands while chunk 0 is recomputed
         for layer in range(LAYERS):
             delivery.add_section(1, layer, None, None, b"1,")
@@ -192,7 +199,7 @@ def _answer(delivery: OrderedDelivery, chunk: int, header, layers=range(LAYERS))
 
 def _streamed(fake: _StreamFake, pool, seen: list, chunks: int = 1, on_corrupt=lambda *a: None) -> OrderedDelivery:
     return OrderedDelivery(chunks=chunks, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
-                           on_text=lambda c, ids: seen.append((c, TEXT)), on_corrupt=on_corrupt,
+                           on_text=lambda c, ids: seen.append((c, TEXT)), observe=_on_corrupt(on_corrupt),
                            executor=pool, decode=fake)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from netsim.trace import Trace
 from streamer.adapt.policies import TEXT
-from streamer.adapt.simulate import Simulator
+from streamer.fetch.simulate import Simulator
 from streamer.tools import bench_policies as ev
 
 

@@ -231,7 +231,7 @@ async def test_queued_requests_per_connection_are_bounded() -> None:
 
 # ------------------------------------------------------------------------ backpressure
 async def test_receiver_backlog_is_bounded_by_pausing_reads(store_root, monkeypatch) -> None:
-    from streamer.net import client as client_module, delivery, session as session_module
+    from streamer.net import client as client_module, delivery, driver as driver_module
 
     peaks: list[int] = []
 
@@ -247,7 +247,7 @@ async def test_receiver_backlog_is_bounded_by_pausing_reads(store_root, monkeypa
         pauses.append(time.monotonic())
         real_pause(self)
 
-    monkeypatch.setattr(session_module, "OrderedDelivery", Measured)
+    monkeypatch.setattr(driver_module, "OrderedDelivery", Measured)
     monkeypatch.setattr(client_module.ClientConnection, "pause_reading", pause)
     delivered: list[tuple[int, int]] = []
 

@@ -475,16 +475,16 @@ async def test_arrival_times_do_not_wait_for_a_busy_decoder(context, sender, mon
 async def test_decisions_plan_text_at_the_callers_measured_recompute_rate(context, sender, monkeypatch) -> None:
     """A caller slower than its configured rate: once its on_text calls show it, every
     later decision plans text at the rate they showed, and the next fetch starts there."""
-    from streamer.net import session as session_module
+    from streamer.fetch import controller as controller_module
 
     planned: list[float] = []
-    decide = session_module.decide
+    decide = controller_module.decide
 
     def recording_decide(*args, **kwargs):
         planned.append(kwargs["recompute_seconds_per_token"])
         return decide(*args, **kwargs)
 
-    monkeypatch.setattr(session_module, "decide", recording_decide)
+    monkeypatch.setattr(controller_module, "decide", recording_decide)
     configured = 1e-7
     pause = 0.02                              # per chunk of CHUNK_TOKENS tokens: 78 us/token
 
@@ -552,7 +552,7 @@ async def test_the_first_chunk_is_planned_at_the_decoder_cost_the_caller_measure
 async def test_each_decision_sees_the_level_the_chunk_before_was_requested_at(context, sender, monkeypatch) -> None:
     """The planner's hold (``adapt.mpc``, "A level held") needs the previous chunk's level:
     the session passes what it requested (None for the first chunk)."""
-    import streamer.net.session as session_module
+    from streamer.fetch import controller as controller_module
 
     seen: list = []
 
@@ -560,7 +560,7 @@ async def test_each_decision_sees_the_level_the_chunk_before_was_requested_at(co
         seen.append(kw["previous"])
         return index % 2, None
 
-    monkeypatch.setattr(session_module, "decide", alternating)
+    monkeypatch.setattr(controller_module, "decide", alternating)
     async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="mpc") as session:
         report = await session.fetch()
     chunks = len(context["manifest"].chunks)
@@ -574,17 +574,18 @@ async def test_the_profile_downloaded_at_open_is_the_first_sample(context, sende
     the time after one round trip) instead of planning on the handshake's rate alone; a
     second fetch on the session starts afresh, and a cached profile is no sample."""
     import streamer.net.session as session_module
+    from streamer.fetch import controller as controller_module
 
     monkeypatch.setattr(session_module, "_profiles", session_module.collections.OrderedDict())
     histories: list[list] = []
-    real = session_module.decide
+    real = controller_module.decide
 
     def recording(policy, manifest, index, **kw):
         if index == 0:
             histories.append(list(kw["history"]))
         return real(policy, manifest, index, **kw)
 
-    monkeypatch.setattr(session_module, "decide", recording)
+    monkeypatch.setattr(controller_module, "decide", recording)
     size = len(context["profile"].to_bytes())
     assert size >= session_module.MIN_SAMPLE_BYTES
     async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), trace=100.0) as proxy:

@@ -4,6 +4,8 @@
 * ``base``      - ``PlanInput`` / ``Observation`` / ``Choice`` and helpers every policy uses
 * ``mpc``, ``greedy``, ``fixed``, ``text`` - one policy each; ``policies`` names them
 * ``plan``      - the exact deadline DP over all remaining chunks
-* ``decide``    - one decision from a manifest, shared by ``StreamSession`` and the simulator
-* ``simulate``  - socket-free fetches over traces, and the oracle
+* ``decide``    - one decision from a manifest (``streamer.fetch``'s controller calls it)
+* ``cancel``    - whether to give up the chunk in flight for a cheaper answer
+* ``decoding``, ``recompute``, ``overlap`` - the receiver's decode and recompute costs, and
+  how recompute overlaps the transfers
 """

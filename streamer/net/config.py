@@ -88,6 +88,9 @@ class SessionConfig:
     max_frame: int = DEFAULT_MAX_FRAME
     #: encoded sections received but not yet delivered, before reading pauses
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
+    #: keep every input and action of the fetch controller in ``StreamSession.log`` (a
+    #: replayable trace of the last fetch: ``streamer.fetch.events``)
+    record: bool = False
 
     def __post_init__(self) -> None:
         owner = "SessionConfig"
@@ -107,6 +110,8 @@ class SessionConfig:
         if self.decode_prior is not None and not isinstance(self.decode_prior, DecodeCost):
             raise TypeError(f"{owner}.decode_prior must be a streamer.adapt.decoding.DecodeCost or None, "
                             f"got {self.decode_prior!r}")
+        if not isinstance(self.record, bool):
+            raise TypeError(f"{owner}.record must be a bool, got {self.record!r}")
         if self.cancel is not None and not isinstance(self.cancel, bool):
             raise TypeError(f"{owner}.cancel must be a bool or None, got {self.cancel!r}")
         for name in ("connect_timeout", "stall_timeout", "backoff", "max_backoff"):

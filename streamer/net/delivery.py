@@ -10,10 +10,17 @@ network does (refetches after a reset or a corrupt section just refill slots). A
 plain-function ``on_text`` runs in a worker thread, so the later chunks keep arriving
 while the caller recomputes (an async one must not block the loop either).
 
-A chunk may switch to text after some of its layers went out (its sections stayed
-corrupt, or the session cancelled it to meet the deadline): the consumer then gets
-``on_text`` for that chunk too and must recompute the whole chunk, the delivered
-layers included; ``superseded_layers(chunk)`` says how many layers that made void.
+A layer counts as delivered from the moment its ``on_layer`` is called: an async
+``on_layer`` may still be running when the session decides about its chunk, and the
+fetch controller never switches such a chunk to another level. It may switch it to text
+(its sections stayed corrupt, or finishing it would miss the deadline): the consumer
+then gets ``on_text`` for that chunk once the running call returns, and must recompute
+the whole chunk, the delivered layers included (``ChunkReport.superseded_layers``).
+
+What happens here is reported to ``observe`` as fetch-controller inputs
+(``streamer.fetch.events``): sections handed to the decoder and decoded (with the
+decoder's seconds), layers delivered, recomputes started and finished, chunks done,
+and sections that fail their checks.
 """
 from __future__ import annotations
 
@@ -28,12 +35,13 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 import codec
+from streamer.fetch import events as ev
 
 TEXT = "text"
 
 LayerCallback = Callable[[int, int, torch.Tensor, torch.Tensor], Any]
 TextCallback = Callable[[int, list[int]], Any]
-CorruptCallback = Callable[[int, int, Exception], None]
+Observer = Callable[[ev.Event], None]
 SectionDecoder = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -62,44 +70,31 @@ class _ChunkSlots:
     submitted: int = 0            # layers of ``header`` handed to the decoder
     failure: BaseException | None = None     # what fail_chunk made the consumer raise
     text: asyncio.Future | None = None
-    delivered: int = 0            # layers handed to on_layer so far
-    superseded: int = 0           # layers delivered before the chunk switched to text
-    decode_seconds: float = 0.0
-    recompute_seconds: float = 0.0   # what on_text took (0 until it returned)
-    recompute_began: float | None = None   # time.monotonic() when on_text was called
+    delivered: int = 0            # layers whose on_layer was called (counted from the call)
     done: bool = False
 
 
 class OrderedDelivery:
     def __init__(self, *, chunks: int, layers: int, on_layer: LayerCallback | None,
-                 on_text: TextCallback | None, on_corrupt: CorruptCallback,
+                 on_text: TextCallback | None, observe: Observer,
                  executor: concurrent.futures.Executor,
                  decode: SectionDecoder | StreamingDecoder = codec.decode_section) -> None:
         self._loop = asyncio.get_running_loop()
         self._layers = layers
         self._on_layer = on_layer
         self._on_text = on_text
-        self._on_corrupt = on_corrupt
+        self._observe = observe
         self._executor = executor
         self._decode = decode
         #: the decoder when it holds chunks between sections (None: a plain section decoder)
         self._stream = decode if isinstance(decode, StreamingDecoder) else None
         self._chunks = [_ChunkSlots(kind=self._loop.create_future()) for _ in range(chunks)]
-        self.first_layer_at: float | None = None
         #: encoded bytes of each section added and not yet delivered (decoding or decoded)
         self._backlog: dict[tuple[int, int], int] = {}
         self.backlog_bytes = 0
         self._position = 0   # the chunk the consumer is on
         #: called whenever the backlog shrinks or the consumer moves on (backpressure hook)
         self.on_progress: Callable[[], None] | None = None
-        #: (tokens, seconds) of each on_text call, in order: the caller's recompute rate as
-        #: it is during this fetch (``adapt.recompute``)
-        self.recomputes: list[tuple[int, float]] = []
-        #: (chunk, bytes, seconds) of each section decoded, in the order they finished: the
-        #: decoder's cost as it is during this fetch (``adapt.decoding``)
-        self.decodes: list[tuple[int, int, float]] = []
-        #: bytes of each section (chunk, layer) handed to the decoder and not finished
-        self._decoding: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------- backlog (backpressure)
     def _release(self, chunk: int, layer: int | None = None) -> None:
@@ -162,9 +157,6 @@ class OrderedDelivery:
     def is_done(self, chunk: int) -> bool:
         return self._chunks[chunk].done
 
-    def superseded_layers(self, chunk: int) -> int:
-        return self._chunks[chunk].superseded
-
     def add_section(self, chunk: int, layer: int, header: codec.BlobHeader, profile: codec.Profile,
                     section: bytes | memoryview) -> None:
         """Start decoding one layer section now; the consumer picks the result up in order."""
@@ -186,22 +178,16 @@ class OrderedDelivery:
                                              layer, section)
         slot.set_result(job)
         size = len(section)
-        self._decoding[(chunk, layer)] = size
+        self._observe(ev.SectionHanded(chunk, layer, size, time.monotonic()))
         job.add_done_callback(functools.partial(self._decoded, chunk, layer, size))
         self.backlog_bytes += size - self._backlog.get((chunk, layer), 0)
         self._backlog[(chunk, layer)] = size
 
     def _decoded(self, chunk: int, layer: int, size: int, job: asyncio.Future) -> None:
-        self._decoding.pop((chunk, layer), None)
         # a failed decode is the consumer's to raise (exception() only marks it seen: a
         # retargeted chunk's moot failure is not logged as unretrieved)
-        if not job.cancelled() and job.exception() is None:
-            self.decodes.append((chunk, size, job.result()[2]))
-
-    def decoding(self) -> list[tuple[int, int]]:
-        """(chunk, bytes) of each section handed to the decoder and not finished: what it
-        still owes (``adapt.decoding`` prices it)."""
-        return [(chunk, size) for (chunk, _), size in self._decoding.items()]
+        seconds = job.result()[2] if not job.cancelled() and job.exception() is None else None
+        self._observe(ev.SectionDecoded(chunk, layer, size, seconds, time.monotonic()))
 
     def add_text(self, chunk: int, token_ids: list[int]) -> None:
         state = self._chunks[chunk]
@@ -232,16 +218,6 @@ class OrderedDelivery:
             self._stream.cancel(state.header)
         state.header = None
 
-    def decode_seconds(self, chunk: int) -> float:
-        return self._chunks[chunk].decode_seconds
-
-    def recompute_seconds(self, chunk: int) -> float:
-        return self._chunks[chunk].recompute_seconds
-
-    def recompute_began(self, chunk: int) -> float | None:
-        """When ``on_text`` was called for ``chunk`` (``time.monotonic()``), or None."""
-        return self._chunks[chunk].recompute_began
-
     # ------------------------------------------------------------- consumer side
     async def run(self) -> None:
         """Deliver every chunk in order; returns when all are delivered."""
@@ -250,19 +226,20 @@ class OrderedDelivery:
             while True:
                 kind = await state.kind
                 if kind == TEXT:
-                    state.superseded = state.delivered
                     if state.text is None:
                         state.text = self._loop.create_future()
                     token_ids = await state.text
                     if self._on_text is not None:
-                        state.recompute_began = time.monotonic()
+                        began = time.monotonic()
+                        self._observe(ev.RecomputeStarted(index, began))
                         await _call(self._on_text, index, token_ids, off_loop=True)
-                        state.recompute_seconds = time.monotonic() - state.recompute_began
-                        self.recomputes.append((len(token_ids), state.recompute_seconds))
+                        ended = time.monotonic()
+                        self._observe(ev.RecomputeFinished(index, len(token_ids), ended - began, ended))
                     break
                 if await self._deliver_layers(index, state):
                     break
             state.done = True
+            self._observe(ev.ChunkDone(index, time.monotonic()))
             if state.submitted < self._layers:
                 # a refetch skipped the layers that went out already: the decoder still
                 # waits for them under the refetch's header
@@ -282,7 +259,7 @@ class OrderedDelivery:
             if isinstance(job, _Retarget):
                 return False
             try:
-                k, v, seconds = await job
+                k, v, _ = await job
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                     raise   # this consumer is cancelled
@@ -298,19 +275,19 @@ class OrderedDelivery:
                 for pending in [l for l in state.layers if l >= layer]:
                     del state.layers[pending]
                 self._release(index)
-                self._on_corrupt(index, layer, exc)
+                self._observe(ev.Corrupt(index, layer, str(exc), time.monotonic()))
                 if state.kind is not kind:
                     return False  # the session gave up on the layers and resolved the chunk anew
                 continue  # the session refetches; wait for the replacement section
             if state.kind is not kind:
                 return False   # retargeted to text while this layer decoded: not delivered
-            state.decode_seconds += seconds
-            if self.first_layer_at is None:
-                self.first_layer_at = time.monotonic()
+            # delivered from the call on: a switch decided while an async on_layer runs
+            # sees it, and leaves it (text supersedes it; no other level replaces it)
+            state.delivered += 1
+            self._observe(ev.LayerDelivering(index, layer, time.monotonic()))
             if self._on_layer is not None:
                 await _call(self._on_layer, index, layer, k, v)
-            state.delivered += 1
-            del state.layers[layer]
+            state.layers.pop(layer, None)   # gone already if the chunk was retargeted meanwhile
             self._release(index, layer)
         return True
 

@@ -1,6 +1,6 @@
 """``kvwire bench policies``: adaptation policies against the oracle, and time to first token.
 
-Everything runs through :mod:`streamer.adapt.simulate` (the session's own decision code on a
+Everything runs through :mod:`streamer.fetch.simulate` (the session's own decision code on a
 socket-free link) over both committed trace sets, ``default`` (``netsim.trace_set()``, the
 shapes the policies were developed on) and ``unseen`` (``netsim.trace_set("unseen")``:
 Markov-modulated with heavy-tailed dwells and deep fades, committed before any tuning),
@@ -70,7 +70,8 @@ from netsim.trace import Trace
 
 from streamer.wire.manifest import ChunkInfo, Manifest
 from streamer.adapt.policies import TEXT
-from streamer.adapt.simulate import TEXT_PENALTY, Simulator
+from streamer.fetch.oracle import TEXT_PENALTY
+from streamer.fetch.simulate import Simulator
 
 # ------------------------------------------------------------------------ workload
 LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128, "params": 8.03e9, "d_model": 4096,

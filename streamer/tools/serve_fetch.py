@@ -141,7 +141,7 @@ async def _serve(args: argparse.Namespace) -> int:
 async def _fetch(args: argparse.Namespace) -> int:
     import torch
 
-    from streamer.net.report import ChunkReport
+    from streamer.fetch.report import ChunkReport
     from streamer.net.session import StreamSession
 
     servers = args.server

@@ -1,0 +1,93 @@
+"""One answer's bytes cut into the blob header and its layer sections, as the parts land.
+
+Sections are cut by the header's lengths, not by part boundaries (a section may span
+parts), and handed on as soon as each is whole, so decoding starts while the rest of
+the chunk arrives. The header must describe the blob the manifest promises (profile,
+shape, tokens, the level asked for): a stored blob of another context or level is
+corruption, whatever its checksums say. Pure: bytes in, sections out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import codec
+
+from streamer.adapt.base import Choice
+from streamer.wire.manifest import Manifest
+
+#: Bytes already cut are dropped from the buffer once more than this accumulated.
+_COMPACT_BYTES = 1 << 20
+
+
+@dataclass
+class Assembly:
+    """The answer of one REQUEST for ``chunk`` at ``level`` (``expected`` bytes long)."""
+
+    manifest: Manifest
+    chunk: int
+    level: Choice
+    expected: int
+    received: int = 0
+    header: codec.BlobHeader | None = None
+    sections: int = 0              # sections cut so far
+    discarded: bool = False        # a check failed: the rest of this answer is ignored
+    _buffer: bytearray = field(default_factory=bytearray)
+    _consumed: int = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet cut into sections (the session's backpressure counts them)."""
+        return len(self._buffer) - self._consumed
+
+    def add(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Take one part's bytes; the (layer, section bytes) now whole. CorruptBitstream
+        (and the answer discarded) when the header is bad."""
+        self.received += len(data)
+        if self.discarded:
+            return []
+        self._buffer += data
+        if self.header is None and not self._parse_header():
+            return []
+        header, out = self.header, []
+        assert header is not None
+        while self.sections < header.layers:
+            length = header.sections[self.sections][0]
+            if len(self._buffer) - self._consumed < length:
+                break
+            out.append((self.sections, bytes(self._buffer[self._consumed:self._consumed + length])))
+            self._consumed += length
+            self.sections += 1
+        if self._consumed > _COMPACT_BYTES:
+            del self._buffer[:self._consumed]
+            self._consumed = 0
+        return out
+
+    def discard(self) -> None:
+        """Ignore the rest of this answer (it is refetched whole)."""
+        self.discarded = True
+        self._buffer, self._consumed = bytearray(), 0
+
+    def _parse_header(self) -> bool:
+        try:
+            size = codec.header_length(self._buffer)
+            if size is not None and size > self.expected:
+                raise codec.CorruptBitstream(f"chunk header claims {size} bytes, the chunk has {self.expected}")
+            if size is None or len(self._buffer) < size:
+                return False
+            header = codec.parse_header(self._buffer)
+            self._check(header)
+        except codec.CorruptBitstream:
+            self.discard()
+            raise
+        self.header, self._consumed = header, header.size
+        return True
+
+    def _check(self, header: codec.BlobHeader) -> None:
+        m = self.manifest
+        if header.profile_id != m.profile_id or (header.layers, header.heads, header.head_dim) != \
+                (m.layers, m.heads, m.head_dim):
+            raise codec.CorruptBitstream("chunk header disagrees with the manifest")
+        if header.tokens != m.chunks[self.chunk].tokens or header.level != self.level:
+            raise codec.CorruptBitstream(
+                f"chunk header says {header.tokens} tokens at level {header.level}; the manifest "
+                f"says {m.chunks[self.chunk].tokens} tokens and we asked for level {self.level}")
