@@ -54,6 +54,17 @@ def test_only_text_once_a_layer_went_out() -> None:
     assert switch is not None and (switch.choice, switch.abort) == (TEXT, False)
 
 
+def test_no_cancel_once_everything_left_is_on_its_way() -> None:
+    """60 kB left at 2 Mbit/s with 0.3 s to go: giving the chunk up for text looks
+    sooner, but the sender has committed more than what is left already: a CANCEL would
+    stop nothing (the chunk arrives whole, then the text), so none is sent. Dropping the
+    connection could stop it; here that costs more than the drain."""
+    head = InFlight(level=0, remaining_bytes=60_000, delivered_layers=0)
+    rate = 250_000
+    assert head.remaining_bytes <= COMMITTED_BYTES + rate * 0.001
+    assert reconsider(_plan(0.3), head, rate=rate, rtt=0.001, reconnect_seconds=5.0) is None
+
+
 def test_aborts_the_connection_when_draining_costs_more_than_reconnecting() -> None:
     head = InFlight(level=0, remaining_bytes=900_000, delivered_layers=0)
     rate = 100_000   # 0.8 Mbit/s: the committed bytes alone take ~2.6 s

@@ -10,7 +10,8 @@ option, provided that finishes sooner than keeping would (by ``MIN_GAIN``).
 
 Cancelling is not free: bytes already on their way (the sender's socket buffer and
 whatever the path queues) still arrive before the new answer, and the new request
-costs a round trip. When those bytes would take longer than opening a new connection
+costs a round trip. When everything left of the chunk is already on its way, a CANCEL
+stops nothing (the chunk arrives whole), so none is sent. When those bytes would take longer than opening a new connection
 (measured when the session connected), the session aborts the connection instead,
 which discards them, and re-requests on a fresh one (``Switch.abort``), as video
 players abort a segment download. A lower level is offered only while none of the chunk's layers
@@ -193,9 +194,12 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
         return max(head.remaining_bytes / at, head.remaining_decode_seconds)
 
     keep = keeping(rate)
-    drain = min(head.remaining_bytes, COMMITTED_BYTES + rate * rtt) / rate
+    committed = COMMITTED_BYTES + rate * rtt
+    drain = min(head.remaining_bytes, committed) / rate
     slow_drain = drain / shortfall   # what the drain may take if the link falls as far as it may
     abort = reconnect_seconds < slow_drain
+    if not abort and head.remaining_bytes <= committed:
+        return None   # everything left is on its way already: a CANCEL would stop nothing
     restart = (reconnect_seconds if abort else drain) + rtt
     options: list[Choice] = [TEXT]
     if head.delivered_layers == 0:

@@ -181,7 +181,8 @@ class TraceLink:
         if sender_time <= answer.start:
             return 0
         sent = self.trace.bits_between(self.t0 + answer.start, self.t0 + min(sender_time, answer.end)) / 8.0
-        return int(min(answer.limit, math.floor(sent + 1e-6)))
+        # rounded, not floored: at when(b)'s time the integral may read b less a float ulp
+        return int(min(answer.limit, round(sent)))
 
     def _time_to_send(self, nbytes: float, start: float) -> float:
         return self.trace.time_to_send(8.0 * nbytes, self.t0 + start)
