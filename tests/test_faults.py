@@ -252,7 +252,7 @@ async def test_connection_reset_resumes(ctx, reference) -> None:
         await _warm_profile_cache(sender.port)
         down = LinkSpec(cut=Cut("reset", at_byte=int(0.4 * sum(c.sizes[0] for c in ctx["manifest"].chunks))))
         async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), down=down) as proxy:
-            async with _session(proxy.port, rec, servers=[("127.0.0.1", sender.port)]) as session:
+            async with _session(proxy.port, rec, servers=[("127.0.0.1", sender.port)], record=True) as session:
                 report = await session.fetch()
     finally:
         await sender.close()
@@ -260,6 +260,24 @@ async def test_connection_reset_resumes(ctx, reference) -> None:
     assert report.reconnects >= 1
     check_delivery(rec, report, ctx, reference)
     assert not any(e[1] == TEXT for e in rec.events)
+    # the bytes of the answer the reset cut count too: the report says what crossed the link
+    assert report.bytes == _arrived_bytes(session.log) > sum(c.sizes[0] for c in ctx["manifest"].chunks)
+
+
+def _arrived_bytes(log: list) -> int:
+    """Chunk payload bytes the session's parts and text answers brought in, from its
+    controller log (each answer's last count: answers start at their REQUEST)."""
+    from streamer.fetch import events as ev
+
+    total, answer = 0, {}
+    for item in log:
+        if isinstance(item, ev.SendRequest):
+            total += answer.pop(item.chunk, 0)
+        elif isinstance(item, ev.PartArrived):
+            answer[item.chunk] = item.received
+        elif isinstance(item, ev.TextArrived):
+            answer[item.chunk] = item.nbytes
+    return total + sum(answer.values())
 
 
 # ---------------------------------------------------------------- row 4: stall past the deadline

@@ -307,3 +307,57 @@ async def test_a_session_drops_a_connection_whose_cancel_a_stall_holds_up(tmp_pa
         await store.close()
     assert report.cancels >= 1 and texts
     assert report.reconnects == (0 if escalate_after < 1.0 else 1)
+
+
+async def test_a_switch_while_an_async_on_layer_runs_supersedes_its_layer_with_text(tmp_path, monkeypatch) -> None:
+    """The consumer's on_layer is async and still awaiting on chunk 0's first layer when
+    the cancel rule (here made to ask for level 2 once a layer of the chunk is out) gives
+    the chunk up. The layer counts as delivered from the call, so the chunk is not switched
+    to another level (which cleared the layer the running call held: a KeyError from the
+    consumer) but to text: chunk 0's layers in order, each once (those already committed
+    to the path keep coming until the CANCEL takes effect), then its text, and the report
+    says how many layers the text superseded."""
+    import codec
+    from streamer.adapt import cancel
+    from streamer_helpers import synthetic_kv
+
+    layers, heads, head_dim, tokens = 4, 8, 64, 4 * 512
+    kv = synthetic_kv(3, tokens, layers, heads, head_dim)
+    profile = codec.calibrate([synthetic_kv(4, 2048, layers, heads, head_dim)])
+    store = await streamer.open_store(str(tmp_path))
+    await streamer.put_context(store, "ctx", kv, list(range(tokens)), profile=profile, chunk_tokens=512)
+    asked_with: list[int] = []
+    switched = asyncio.Event()
+
+    def give_up_once_a_layer_is_out(plan, head, **_):
+        if head.delivered_layers and not asked_with:
+            asked_with.append(head.delivered_layers)
+            switched.set()
+            return Switch(2, abort=False, escalate_after=5.0)
+        return None
+
+    monkeypatch.setattr(cancel, "reconsider", give_up_once_a_layer_is_out)
+    seen: list[tuple] = []
+
+    async def on_layer(chunk: int, layer: int, k, v) -> None:
+        seen.append((chunk, layer))
+        if (chunk, layer) == (0, 0):
+            await asyncio.wait_for(switched.wait(), 10.0)   # the switch is decided meanwhile
+
+    sender = await streamer.serve(store)
+    try:
+        async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), delay_ms=1.0) as proxy:
+            async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=30.0, policy="mpc",
+                                              prior_bps=1e6, on_layer=on_layer,
+                                              on_text=lambda c, ids: seen.append((c, TEXT))) as session:
+                proxy.set_trace(8.0)   # ~0.7 s per layer section: chunk 0 is still arriving when layer 0 is out
+                report = await session.fetch()
+    finally:
+        await sender.close()
+        await store.close()
+    assert asked_with == [1]
+    first = [layer for chunk, layer in seen if chunk == 0]
+    superseded = first.index(TEXT)
+    assert superseded >= 1 and first == [*range(superseded), TEXT]
+    assert report.chunks[0].level == TEXT and report.chunks[0].superseded_layers == superseded
+    assert report.chunks[0].cancelled_levels == [0] and report.cancels == 1

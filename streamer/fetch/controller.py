@@ -60,6 +60,10 @@ from streamer.wire.manifest import Manifest
 
 #: Refetches of one chunk after corrupt sections before giving up on it (it goes to text).
 MAX_CORRUPT_RETRIES = 2
+#: A request is due once the bytes still due exceed its lookahead by no more than this: the
+#: estimate moves with every byte of the partial sample, so an exact threshold would be
+#: chased a few bytes at a time by a driver that wakes at the watermark.
+_REQUEST_SLACK_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -648,7 +652,7 @@ class FetchController:
                 _, estimate = self._estimate(now)
                 lookahead = (estimate or 0.0) * max(self.rtt, self.response_latency) + MIN_SAMPLE_BYTES
                 excess = self._outstanding_bytes() - lookahead
-                if excess > 0:
+                if excess > _REQUEST_SLACK_BYTES:
                     if estimate:   # at least 1 ms on: a stalled link must not spin the driver
                         self._request_due = now + max(excess / estimate, 1e-3)
                     head = self.chunks[self.inflight[0]]

@@ -29,7 +29,7 @@ from netsim.trace import Trace
 from streamer.adapt.cancel import COMMITTED_BYTES
 
 #: Link event kinds (``LinkEvent.kind``)
-BEGIN, SECTION, POINT, END, TEXT_END = "begin", "section", "point", "end", "text"
+BEGIN, SECTION, POINT, PARTIAL, END, TEXT_END = "begin", "section", "point", "partial", "end", "text"
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ class RecordedAnswer:
 
     chunk: int
     choice: object
-    events: tuple[LinkEvent, ...]
+    events: Sequence[LinkEvent]
 
 
 class Diverged(Exception):

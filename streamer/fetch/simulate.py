@@ -39,7 +39,8 @@ from streamer.adapt.decoding import DecodeCost
 from streamer.adapt.policies import get_policy
 from streamer.fetch import events as ev
 from streamer.fetch.controller import Beliefs, Decision, FetchController, FetchSettings, Switch
-from streamer.fetch.links import BEGIN, END, POINT, SECTION, TEXT_END, Link, LinkEvent, TraceLink, VectorLink
+from streamer.fetch.links import (BEGIN, END, PARTIAL, POINT, SECTION, TEXT_END, Link, LinkEvent, TraceLink,
+                                  VectorLink)
 from streamer.fetch.oracle import EPS, TEXT_PENALTY, OracleResult, solve
 from streamer.wire.manifest import Manifest
 
@@ -219,8 +220,15 @@ def _as_policy(policy: str | Policy) -> tuple[Policy, str]:
 class _Run:
     """One simulated fetch: the controller, the link, the receiver and the clock."""
 
-    def __init__(self, sim: "Simulator", controller: FetchController, link: Link, receiver: _Receiver) -> None:
+    def __init__(self, sim: "Simulator", controller: FetchController, link: Link, receiver: _Receiver,
+                 wakes: Sequence[float] | None = None,
+                 connects: Sequence[tuple[float, float, float]] | None = None) -> None:
         self.sim, self.ctl, self.link, self.receiver = sim, controller, link, receiver
+        #: a recorded driver's wake-ups, in place of the controller's timers, and its new
+        #: connections (ready at, rtt, seconds taken), in place of the reconnect model (a replay)
+        self.wakes = None if wakes is None else deque(wakes)
+        self.connects = deque(connects or ())
+        self.connection = (sim.rtt, sim.reconnect_seconds)
         self.now = 0.0
         self.connect_at: float | None = None
         self.fed: dict[int, int] = {}     # chunk -> bytes of its answer the controller was told of
@@ -249,7 +257,11 @@ class _Run:
             self.link.cancel(now, action.chunk)
         elif isinstance(action, ev.Reconnect):
             self.link.drop(now)
-            self.connect_at = now + sim.reconnect_seconds
+            if self.connects:
+                self.connect_at, *connection = self.connects.popleft()
+                self.connection = (connection[0], connection[1])
+            else:
+                self.connect_at = now + sim.reconnect_seconds
 
     def on_link(self, event: LinkEvent) -> None:
         if event.kind == BEGIN:
@@ -259,6 +271,8 @@ class _Run:
                 self.feed(ev.SectionHanded(event.chunk, event.layer, event.nbytes, event.at))
         elif event.kind == POINT:
             self._progress(event.chunk, event.received, event.sections, event.at)
+        elif event.kind == PARTIAL:
+            self.feed(ev.Activity(event.at, event.received))
         elif event.kind == END:
             if not event.cancelled or event.received:
                 self._progress(event.chunk, event.received, event.sections, event.at)
@@ -278,9 +292,12 @@ class _Run:
         ctl = self.ctl
         if ctl.failure is not None or ctl.done:
             return False
-        timer, wanted = ctl.timer(), ctl.watermark()
-        if wanted is not None:
-            timer = min(math.inf if timer is None else timer, self.link.when(*wanted))
+        if self.wakes is not None:
+            timer = self.wakes[0] if self.wakes else None
+        else:
+            timer, wanted = ctl.timer(), ctl.watermark()
+            if wanted is not None:
+                timer = min(math.inf if timer is None else timer, self.link.when(*wanted))
         sources = [self.link.next_time(), self.receiver.next_time(),
                    math.inf if self.connect_at is None else self.connect_at,
                    math.inf if timer is None else timer]
@@ -295,8 +312,10 @@ class _Run:
             self.feed(*self._taken())
         elif source == 2:
             self.connect_at = None
-            self.feed(ev.Connected(self.sim.rtt, self.sim.reconnect_seconds, self.now))
+            self.feed(ev.Connected(*self.connection, self.now))
         else:
+            if self.wakes:
+                self.wakes.popleft()
             progress = self.link.progress(self.now)
             if progress is not None:
                 self._progress(*progress, self.now)
@@ -381,6 +400,7 @@ class Simulator:
             schedule: Sequence[Choice] | None = None, cancel: bool | None = None,
             decode_prior: DecodeCost | None = None, link: Link | None = None,
             decode_time: DecodeTime | None = None, recompute_time: RecomputeTime | None = None,
+            wakes: Sequence[float] | None = None, connects: Sequence[tuple[float, float, float]] | None = None,
             record: bool = False) -> SimResult:
         """Simulate one fetch starting at trace time ``start``.
 
@@ -390,7 +410,9 @@ class Simulator:
         :attr:`SimResult.next_errors`); ``decode_prior`` the session's decoder prior.
         ``cancel`` runs the cancel rule (None: the session's default for the policy).
         ``link`` replaces the trace's (a recorded timeline: ``trace`` may then be None);
-        ``decode_time`` / ``recompute_time`` replace the decoder and recompute models.
+        ``decode_time`` / ``recompute_time`` replace the decoder and recompute models;
+        ``wakes`` the controller's timers by a recorded driver's wake-up times, and
+        ``connects`` the reconnect model by its new connections (``fetch.replay``).
         ``record`` keeps the controller's inputs and actions (``SimResult.actions`` are kept always).
         """
         if not slo > 0:
@@ -413,7 +435,7 @@ class Simulator:
             link = TraceLink(trace, start=start, owd=self.rtt / 2, layers=layers)
         receiver = _Receiver(self.manifest, decode_time or (lambda chunk, _l, _b: float(self.decode[chunk]) / layers),
                              recompute_time or (lambda _c, tokens: self.recompute * tokens))
-        run = _Run(self, controller, link, receiver)
+        run = _Run(self, controller, link, receiver, wakes, connects)
         run.feed(ev.Started(self.rtt, self.reconnect_seconds, 0.0))
         for _ in range(_MAX_STEPS_PER_CHUNK * len(self.sizes)):
             if not run.step():

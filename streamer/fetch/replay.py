@@ -1,0 +1,104 @@
+"""A recorded fetch as the simulator's models: what proves the two drivers drive alike.
+
+``StreamSession`` with ``SessionConfig.record`` keeps its controller's inputs and actions
+(``FetchController.log``). From them this module takes what the *world* did, not what
+the controller was told: the answers' arrival timeline (each answer's first byte,
+sections and parts, and end, in request order: ``links.RecordedLink``), how long the
+decoder took for each section, and how long each recompute took. The simulator, given
+that as its link, decoder and recompute models, and the recorded driver's wake-ups as its
+clock (a live timer fires a little late, and a decision taken a millisecond apart sees
+another partial sample), drives its own controller with its own delivery model; the
+actions it takes should be the session's (``tests/test_fetch_replay.py``).
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from streamer.fetch import events as ev
+from streamer.fetch.links import (BEGIN, END, PARTIAL, POINT, SECTION, TEXT_END, LinkEvent, RecordedAnswer,
+                                  RecordedLink)
+
+
+@dataclass
+class Recording:
+    """The world of one recorded fetch, on its own clock (0 at ``fetch()``)."""
+
+    answers: list[RecordedAnswer]
+    #: (chunk, layer) -> the decoder's seconds for each time that section was decoded
+    decodes: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    #: chunk -> seconds of each recompute of it
+    recomputes: dict[int, deque[float]] = field(default_factory=dict)
+    rtt: float = 0.0
+    connect_seconds: float = 0.0
+    #: the actions the recorded controller took, in order
+    actions: list[ev.Action] = field(default_factory=list)
+    #: when the recorded driver woke the controller with nothing arrived (its ``Tick``s)
+    wakes: list[float] = field(default_factory=list)
+    #: each new connection after a reconnect: (when it was ready, its rtt, what it took)
+    connects: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def link(self) -> RecordedLink:
+        return RecordedLink(self.answers)
+
+    def decode_time(self, chunk: int, layer: int, nbytes: int) -> float:
+        """The recorded seconds of this section's decode (the mean of all, past the record)."""
+        times = self.decodes.get((chunk, layer))
+        if times:
+            return times.popleft()
+        every = [t for queue in self.decodes.values() for t in queue] or [0.0]
+        return sum(every) / len(every)
+
+    def recompute_time(self, chunk: int, tokens: int) -> float:
+        times = self.recomputes.get(chunk)
+        return times.popleft() if times else 0.0
+
+
+def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
+    """The world of the fetch ``log`` records (``FetchController.log``)."""
+    if not log or not isinstance(log[0], ev.Started):
+        raise ValueError("a fetch log starts with Started")
+    start = log[0]
+    out = Recording([], rtt=start.rtt, connect_seconds=start.connect_seconds)
+    events: dict[int, list[LinkEvent]] = {}   # chunk -> the events of its latest answer
+    arriving: list[int] = []                  # chunks whose answers began and did not end, in order
+    decodes: dict[tuple[int, int], deque[float]] = defaultdict(deque)
+    recomputes: dict[int, deque[float]] = defaultdict(deque)
+    for item in log:
+        at = getattr(item, "at", 0.0) - start.at
+        if isinstance(item, ev.SendRequest):
+            events[item.chunk] = []
+            out.answers.append(RecordedAnswer(item.chunk, item.choice, events[item.chunk]))   # type: ignore[arg-type]
+        if isinstance(item, ev.Reconnect):
+            arriving.clear()   # the answers still arriving are gone with the connection
+        if isinstance(item, (ev.SendRequest, ev.SendCancel, ev.Reconnect, ev.ChunkFinished, ev.FailChunk, ev.Fail)):
+            out.actions.append(item)
+        elif isinstance(item, ev.AnswerBegan):
+            events[item.chunk].append(LinkEvent(at, item.chunk, BEGIN, nbytes=item.total_bytes))
+            arriving.append(item.chunk)
+        elif isinstance(item, ev.Activity):
+            if arriving and item.partial:   # a socket read inside the answer arriving
+                events[arriving[0]].append(LinkEvent(at, arriving[0], PARTIAL, item.partial))
+        elif isinstance(item, ev.SectionHanded):
+            events[item.chunk].append(LinkEvent(at, item.chunk, SECTION, layer=item.layer, nbytes=item.nbytes))
+        elif isinstance(item, ev.PartArrived):
+            events[item.chunk].append(LinkEvent(at, item.chunk, POINT, item.received, item.sections))
+        elif isinstance(item, ev.AnswerEnded):
+            if item.chunk in arriving:
+                arriving.remove(item.chunk)
+            last = next((e for e in reversed(events[item.chunk]) if e.kind == POINT), None)
+            events[item.chunk].append(LinkEvent(at, item.chunk, END, last.received if last else 0,
+                                                last.sections if last else 0, cancelled=item.cancelled))
+        elif isinstance(item, ev.TextArrived):
+            events[item.chunk].append(LinkEvent(at, item.chunk, TEXT_END, item.nbytes))
+        elif isinstance(item, ev.Tick):
+            out.wakes.append(at)
+        elif isinstance(item, ev.Connected):
+            out.connects.append((at, item.rtt, item.connect_seconds))
+        elif isinstance(item, ev.SectionDecoded) and item.seconds is not None:
+            decodes[(item.chunk, item.layer)].append(item.seconds)
+        elif isinstance(item, ev.RecomputeFinished):
+            recomputes[item.chunk].append(item.seconds)
+    out.decodes, out.recomputes = dict(decodes), dict(recomputes)
+    return out
