@@ -332,29 +332,32 @@ def warm_start(say: Callable[..., None]) -> WarmStart:
 
 def measure_decode(args: argparse.Namespace, ids: list[int], kv, profile, say: Callable[..., None]) -> bytes:
     """Set ``args.decode_prior`` to the codec's decode of the first chunk of ``kv`` (at the
-    default level), timed alone: the session's first chunks are planned at it, before it
-    has timed a section of its own. Returns that chunk's blob.
+    default level), timed alone: the session plans its first chunks' decode at it, until
+    it has timed a section of its own. Returns that chunk's blob.
 
-    Alone, not beside the recompute: the fetch recomputes only the chunks it sends as
-    text, and a prior timed beside a recompute (115 ms for the MiniLM level-2 chunk on a
-    fresh venv's first run at fc5e950; 36-62 ms alone in ad hoc timings on a warm one)
-    made every level look too slow there: the first chunk went to text, its recompute
-    took 1.2 s and the fetch missed its 1 s SLO."""
+    One untimed decode first, then the median of three: a process's first decode pays for
+    page-ins, the thread pool and the allocator's growth (ten times a warm one's on a
+    fresh venv), and a prior that slow planned every chunk as text. Alone, not beside the
+    recompute: the fetch recomputes only the chunks it sends as text."""
+    import statistics
+
     import codec
 
     from streamer.adapt import decoding
 
     blob = codec.encode(kv[:, :, :len(ids)], level=codec.DEFAULT_LEVEL, profile=profile)
+    codec.decode(blob, profile)   # not timed: the first call's costs are no decoder's rate
     decodes: list[float] = []
     for _ in range(3):
         began = time.perf_counter()
         codec.decode(blob, profile)
         decodes.append(time.perf_counter() - began)
     header = codec.parse_header(blob)
+    median = statistics.median(decodes)
     args.decode_prior = decoding.measure_whole(len(ids), header.layers,
-                                               sum(length for length, _ in header.sections), decodes)
-    say(f"   the codec decodes that chunk (level {codec.DEFAULT_LEVEL}) in {1e3 * sum(decodes) / len(decodes):.0f} ms "
-        "alone: the fetch plans its first chunks' decode at that")
+                                               sum(length for length, _ in header.sections), [median])
+    say(f"   the codec decodes that chunk (level {codec.DEFAULT_LEVEL}) in {1e3 * median:.0f} ms "
+        "alone: the fetch plans its first chunks' decode at that until it has decoded a section")
     return blob
 
 
