@@ -309,3 +309,31 @@ def test_no_level_that_misses_the_deadline_when_a_quicker_option_fits(name, inp)
     quicker = [o for o in options if predicted_seconds(inp, o, estimate) < mine
                and predicted_seconds(inp, o, estimate) <= inp.time_left]
     assert not quicker, (choice, mine, quicker, inp.time_left)
+
+
+@pytest.mark.parametrize("scale", [10.0, 0.1])
+def test_a_decode_prior_ten_times_off_costs_at_most_the_first_chunk(scale: float, monkeypatch) -> None:
+    """The demo's fetch (12 chunks of 512 MiniLM tokens, its level ladder, its 200 -> 25 ->
+    200 Mbit/s trace, 1 s SLO, a CPU decoder at 40 ms a chunk): a decode prior ten times
+    too slow or too fast still meets the SLO, with the same choices as the true prior's
+    from the second chunk on. Too slow, it would have planned every chunk as text, which
+    times no decoder; the first chunk the plan would fetch without it times the decoder."""
+    from netsim import generators
+    from streamer.adapt import decoding
+
+    trace = generators.steps([200.0, 25.0, 200.0], hold=0.25, step=0.05, name="demo-drop")
+    fp16 = 6 * 2 * 512 * 384 * 2
+    chunks = tuple(ChunkInfo(i, 512 * i, 512 * (i + 1), tuple(int(fp16 * bits / 16) for bits in (5.4, 4.0, 2.4, 1.5, 1.0)),
+                             1200, 4 if i == 0 else 0) for i in range(12))
+    m = Manifest("demo", "v1", 6, 12, 32, "float16", 6144, "prof", TARGETS, chunks, 0.0)
+    sim = Simulator(m, rtt=0.004, recompute_seconds_per_token=4e-4, decode_seconds=0.04)
+    true = decoding.measure_whole(512, 6, chunks[0].sizes[2], [0.04])
+    off = decoding.DecodeCost(true.seconds_per_token * scale, true.bytes_per_token)
+    right = sim.run("mpc", trace, slo=1.0, prior_bps=25e6, decode_prior=true)
+    wrong = sim.run("mpc", trace, slo=1.0, prior_bps=25e6, decode_prior=off)
+    assert right.met and wrong.met
+    assert wrong.choices[1:] == right.choices[1:]
+    if scale > 1:   # what the prior alone would have done: every chunk as text, and late
+        monkeypatch.setattr(controller_module.FetchController, "_decoder_untimed", lambda self: False)
+        poisoned = sim.run("mpc", trace, slo=1.0, prior_bps=25e6, decode_prior=off)
+        assert poisoned.choices == [TEXT] * 12 and not poisoned.met

@@ -616,24 +616,43 @@ class FetchController:
     # ------------------------------------------------------------------ deciding
     def _decide(self, index: int, now: float) -> tuple[Choice, str | None, float, float | None]:
         """The policy's choice for chunk ``index`` (and the rule's reason, if any), with the
-        time left and the estimate it saw."""
+        time left and the estimate it saw.
+
+        A decode prior alone never sends the fetch's first KV-capable chunk to text: text
+        times no decoder, so a prior that is far too slow would plan every chunk as text
+        for good. Until a section has been decoded, the first chunk the plan would fetch
+        without the prior goes out at that level and times the decoder; if the decoder
+        is as slow as the prior said, the cancel rule weighs its sections' decode as they
+        arrive."""
         history, estimate = self._estimate(now)
         until_deadline = self.deadline - now
         left = time_left(until_deadline, self._outstanding_bytes(), estimate, self.rtt)
-        abandon = Abandon(self.rtt, self.connect_seconds) if self.settings.cancels else None
         cost = self._decode_cost()
-        # the decoding owed for what was requested, beyond the wait for its bytes (off ``left``)
-        decode_busy = 0.0 if cost is None else max(0.0, self._decode_owed(cost) - (until_deadline - left))
         recompute_busy = self._pending_recompute(now)
-        choice, reason = decide(self._policy, self.manifest, index, time_left=left, history=history,
-                                prior_bps=self.prior, prior_errors=self.prior_errors, abandon=abandon,
-                                recompute_busy=recompute_busy,
-                                recompute_seconds_per_token=self._recompute_rate(),
-                                until_deadline=until_deadline, decode_cost=cost, decode_busy=decode_busy,
-                                previous=self.chunks[index - 1].choice if index else None)
+
+        def choose(cost: DecodeCost | None) -> tuple[Choice, str | None]:
+            # the decoding owed for what was requested, beyond the wait for its bytes (off ``left``)
+            decode_busy = 0.0 if cost is None else max(0.0, self._decode_owed(cost) - (until_deadline - left))
+            return decide(self._policy, self.manifest, index, time_left=left, history=history,
+                          prior_bps=self.prior, prior_errors=self.prior_errors,
+                          abandon=Abandon(self.rtt, self.connect_seconds) if self.settings.cancels else None,
+                          recompute_busy=recompute_busy, recompute_seconds_per_token=self._recompute_rate(),
+                          until_deadline=until_deadline, decode_cost=cost, decode_busy=decode_busy,
+                          previous=self.chunks[index - 1].choice if index else None)
+
+        choice, reason = choose(cost)
+        if choice == TEXT and reason is None and self._decoder_untimed():
+            probe, _ = choose(None)
+            if probe != TEXT:
+                choice, reason = probe, "the decoder is not timed yet: this chunk times it (its prior alone said text)"
         self.decisions.append(Decision(index, now, left, tuple(history), self.prior, estimate, choice, reason,
                                        recompute_busy))
         return choice, reason, left, estimate
+
+    def _decoder_untimed(self) -> bool:
+        """Only a prior says what the decoder costs, and no KV chunk requested yet will time it."""
+        return (self._decode_prior is not None and not self._past_decodes and not self.decodes
+                and all(chunk.choice in (None, TEXT) for chunk in self.chunks))
 
     def _decide_now(self, index: int, now: float) -> tuple[Choice, str | None]:
         choice, reason, _, _ = self._decide(index, now)
