@@ -31,3 +31,20 @@ def put_context_now(root: str, context_id: str, kv: torch.Tensor, token_ids: lis
             await store.close()
 
     return asyncio.run(put())
+
+
+def arrived_bytes(log: list) -> int:
+    """Chunk payload bytes a session's parts and text answers brought in, from its
+    controller log (``SessionConfig.record``): each answer's last count, answers starting
+    at their REQUEST. What ``FetchReport.bytes`` must say."""
+    from streamer.fetch import events as ev
+
+    total, answer = 0, {}
+    for item in log:
+        if isinstance(item, ev.SendRequest):
+            total += answer.pop(item.chunk, 0)
+        elif isinstance(item, ev.PartArrived):
+            answer[item.chunk] = item.received
+        elif isinstance(item, ev.TextArrived):
+            answer[item.chunk] = item.nbytes
+    return total + sum(answer.values())

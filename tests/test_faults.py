@@ -25,7 +25,7 @@ import torch
 import codec
 import netsim
 import streamer
-from streamer_helpers import synthetic_kv
+from streamer_helpers import arrived_bytes, synthetic_kv
 from netsim.proxy import LinkSpec
 from netsim.shaping import Cut
 from streamer.wire import frames
@@ -261,23 +261,7 @@ async def test_connection_reset_resumes(ctx, reference) -> None:
     check_delivery(rec, report, ctx, reference)
     assert not any(e[1] == TEXT for e in rec.events)
     # the bytes of the answer the reset cut count too: the report says what crossed the link
-    assert report.bytes == _arrived_bytes(session.log) > sum(c.sizes[0] for c in ctx["manifest"].chunks)
-
-
-def _arrived_bytes(log: list) -> int:
-    """Chunk payload bytes the session's parts and text answers brought in, from its
-    controller log (each answer's last count: answers start at their REQUEST)."""
-    from streamer.fetch import events as ev
-
-    total, answer = 0, {}
-    for item in log:
-        if isinstance(item, ev.SendRequest):
-            total += answer.pop(item.chunk, 0)
-        elif isinstance(item, ev.PartArrived):
-            answer[item.chunk] = item.received
-        elif isinstance(item, ev.TextArrived):
-            answer[item.chunk] = item.nbytes
-    return total + sum(answer.values())
+    assert report.bytes == arrived_bytes(session.log) > sum(c.sizes[0] for c in ctx["manifest"].chunks)
 
 
 # ---------------------------------------------------------------- row 4: stall past the deadline

@@ -35,13 +35,12 @@ import streamer
 from streamer.adapt.base import TEXT, Observation
 from streamer.adapt.cancel import Switch
 from streamer.fetch import controller as controller_module
-from streamer.fetch import events as ev
 from streamer.fetch.controller import MAX_CORRUPT_RETRIES
 from streamer.net import session as session_module
 from streamer.net.client import ArrivalQueue, ClientConnection, _ReceiverProtocol
 from streamer.net.sender import blob_parts
 from streamer.wire import protocol as p
-from streamer_helpers import synthetic_kv
+from streamer_helpers import arrived_bytes, synthetic_kv
 
 LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 3, 2, 8, 16, 4
 MAX_RECONNECTS = 2
@@ -154,13 +153,13 @@ class ScriptedSender:
         self.task = asyncio.ensure_future(self._answer())
 
     def receive(self, data: bytes) -> None:
-        for event in self.conn.receive_data(data):
-            if isinstance(event, p.Hello):
-                self._send(p.Welcome(version=max(event.versions), server="scripted", max_frame=p.DEFAULT_MAX_FRAME))
-            elif isinstance(event, p.Open):
+        for frame in self.conn.receive_data(data):
+            if isinstance(frame, p.Hello):
+                self._send(p.Welcome(version=max(frame.versions), server="scripted", max_frame=p.DEFAULT_MAX_FRAME))
+            elif isinstance(frame, p.Open):
                 self._send(p.ManifestData(data=self.stored["manifest"].to_bytes()))
-            elif isinstance(event, p.Request):
-                self.pending.append(event)
+            elif isinstance(frame, p.Request):
+                self.pending.append(frame)
                 self.wake.set()
 
     def stop(self) -> None:
@@ -309,18 +308,6 @@ def _check(consumer: Consumer, report, stored: dict, complete: bool) -> None:
             assert chunk in consumer.texts or len(consumer.layers.get(chunk, [])) == LAYERS
 
 
-def _arrived_bytes(log: list) -> int:
-    total, answer = 0, {}
-    for item in log:
-        if isinstance(item, ev.SendRequest):
-            total += answer.pop(item.chunk, 0)
-        elif isinstance(item, ev.PartArrived):
-            answer[item.chunk] = item.received
-        elif isinstance(item, ev.TextArrived):
-            answer[item.chunk] = item.nbytes
-    return total + sum(answer.values())
-
-
 # ---------------------------------------------------------------- the test
 CHOICES = st.sampled_from([0, 1, 2, TEXT])
 SWITCHES = st.builds(Switch, st.sampled_from([1, 2, TEXT]), st.booleans(), st.sampled_from([0.02, 5.0]))
@@ -393,7 +380,7 @@ def test_any_interleaving_keeps_the_delivery_contract(stored, script: Script) ->
         session, consumer, report, failure = asyncio.run(_fetch(stored, script))
     event(f"faults hit: {script.cut} cut, {script.corrupted} corrupt; {report.cancels} cancels, "
           f"{report.reconnects} reconnects; {'failed' if failure else 'completed'}")
-    assert report.bytes == _arrived_bytes(session.log)
+    assert report.bytes == arrived_bytes(session.log)
     within_budget = script.cut <= MAX_RECONNECTS and script.corrupted <= MAX_CORRUPT_RETRIES
     if failure is None:
         _check(consumer, report, stored, complete=True)
