@@ -10,8 +10,9 @@ option, provided that finishes sooner than keeping would (by ``MIN_GAIN``).
 
 Cancelling is not free: bytes already on their way (the sender's socket buffer and
 whatever the path queues) still arrive before the new answer, and the new request
-costs a round trip. When everything left of the chunk is already on its way, a CANCEL
-stops nothing (the chunk arrives whole), so none is sent. When those bytes would take longer than opening a new connection
+costs a round trip. When everything left of the chunk is already on its way and its
+transfer, not its decode, is what holds the pipeline, a CANCEL stops nothing (the chunk
+arrives whole), so none is sent. When those bytes would take longer than opening a new connection
 (measured when the session connected), the session aborts the connection instead,
 which discards them, and re-requests on a fresh one (``Switch.abort``), as video
 players abort a segment download. A lower level is offered only while none of the chunk's layers
@@ -177,74 +178,80 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
     """
     if not rate > 0:
         return None
-    budget = pipeline_budget(plan)
-    later_series = float(option_seconds(plan, rate)[1:].min(axis=1).sum())
-    later_levels = float(link_seconds(plan, rate)[1:, :-1].min(axis=1).sum())
-
-    def finish(link: float, recompute: float = 0.0) -> float:
-        """When the last chunk is delivered if the chunk in flight takes ``link`` more
-        seconds of link time (and ``recompute`` as text): the later chunks at their
-        cheapest in series, or all at levels, streaming while what is owed is
-        recomputed (``adapt.overlap``); whichever is sooner."""
-        done = max(plan.recompute_busy, link) + recompute
-        return min(done + later_series, max(done, link + later_levels))
-
-    def keeping(at: float) -> float:
-        """Seconds the chunk in flight still holds the pipeline if kept, its bytes at ``at`` bytes/s."""
-        return max(head.remaining_bytes / at, head.remaining_decode_seconds)
-
-    keep = keeping(rate)
     committed = COMMITTED_BYTES + rate * rtt
     drain = min(head.remaining_bytes, committed) / rate
     slow_drain = drain / shortfall   # what the drain may take if the link falls as far as it may
     abort = reconnect_seconds < slow_drain
-    if not abort and head.remaining_bytes <= committed:
+    if not abort and head.remaining_bytes <= committed and head.remaining_decode_seconds <= drain:
         return None   # everything left is on its way already: a CANCEL would stop nothing
-    restart = (reconnect_seconds if abort else drain) + rtt
+    timing = _Timing(plan, head, rate, restart=(reconnect_seconds if abort else drain) + rtt)
     options: list[Choice] = [TEXT]
     if head.delivered_layers == 0:
         options += range(head.level + 1, plan.levels)
-    text_bytes, text_seconds = plan.text_bytes[0], float(plan.text_seconds[0])
-
-    def switched(option: Choice, at: float) -> float:
-        """:func:`finish` after re-requesting the chunk as ``option``, its bytes at ``at`` bytes/s."""
-        if option == TEXT:
-            return finish(restart + text_bytes / at, text_seconds)
-        return finish(restart + predicted_seconds(plan, option, at))
-
-    can_wait = finish(PATIENCE_S + restart + text_bytes / rate, text_seconds) <= budget
-
-    def judge() -> Choice | None:
-        """What to switch to on the link as it is now (None: keep), before text is put off."""
-        if finish(keep) <= budget:
-            # keep while it could still be given up later; past that point, only a chunk
-            # that would finish even at ``shortfall`` of this rate
-            if can_wait or finish(keeping(rate * shortfall)) <= budget:
-                return None
-            # at ``shortfall`` of the rate: what a level (re-requested) still makes for sure
-            safe = [option for option in options
-                    if switched(option, rate if option == TEXT else rate * shortfall) <= budget]
-            if not safe:
-                return None   # nothing is surer than keeping
-            return min(safe, key=lambda option: _distortion(plan, option))
-        fitting = [option for option in options if switched(option, rate) <= budget]
-        levels = [option for option in fitting if option != TEXT]
-        if levels:   # a lower level makes the deadline, keeping does not: no gain test needed
-            return min(levels, key=lambda option: _distortion(plan, option))
-        if can_wait:
-            return None   # only text is left, and it can still be had later: a fade may end
-        if fitting:
-            return TEXT
-        cost = {option: restart + predicted_seconds(plan, option, rate) for option in options}
-        choice = min(options, key=lambda option: cost[option])
-        return choice if cost[choice] <= (1 - MIN_GAIN) * keep else None
-
-    choice = judge()
+    choice = _judge(timing, options, shortfall)
     if choice is None:
         return None
-    if choice == TEXT and restart + text_bytes / rate + RECONSIDER_S <= plan.recompute_busy:
+    if choice == TEXT and timing.restart + plan.text_bytes[0] / rate + RECONSIDER_S <= plan.recompute_busy:
         return None   # text still lands before the recompute reaches this chunk at the next look
     return Switch(choice, abort, escalate_after=0.0 if abort else slow_drain + rtt)
+
+
+class _Timing:
+    """When the last chunk is delivered, for each way the chunk in flight may go."""
+
+    def __init__(self, plan: PlanInput, head: InFlight, rate: float, restart: float) -> None:
+        self.plan, self.head, self.rate, self.restart = plan, head, rate, restart
+        self.budget = pipeline_budget(plan)
+        self.later_series = float(option_seconds(plan, rate)[1:].min(axis=1).sum())
+        self.later_levels = float(link_seconds(plan, rate)[1:, :-1].min(axis=1).sum())
+
+    def finish(self, link: float, recompute: float = 0.0) -> float:
+        """If the chunk in flight takes ``link`` more seconds of link time (and ``recompute``
+        as text): the later chunks at their cheapest in series, or all at levels, streaming
+        while what is owed is recomputed (``adapt.overlap``); whichever is sooner."""
+        done = max(self.plan.recompute_busy, link) + recompute
+        return min(done + self.later_series, max(done, link + self.later_levels))
+
+    def keeping(self, at: float) -> float:
+        """Seconds the chunk in flight still holds the pipeline if kept, its bytes at ``at`` bytes/s."""
+        return max(self.head.remaining_bytes / at, self.head.remaining_decode_seconds)
+
+    def switched(self, option: Choice, at: float) -> float:
+        """:meth:`finish` after re-requesting the chunk as ``option``, its bytes at ``at`` bytes/s."""
+        plan = self.plan
+        if option == TEXT:
+            return self.finish(self.restart + plan.text_bytes[0] / at, float(plan.text_seconds[0]))
+        return self.finish(self.restart + predicted_seconds(plan, option, at))
+
+
+def _judge(timing: _Timing, options: list[Choice], shortfall: float) -> Choice | None:
+    """What to switch to on the link as it is now (None: keep), before text is put off."""
+    plan, rate, budget = timing.plan, timing.rate, timing.budget
+    keep = timing.keeping(rate)
+    can_wait = timing.finish(PATIENCE_S + timing.restart + plan.text_bytes[0] / rate,
+                             float(plan.text_seconds[0])) <= budget
+    if timing.finish(keep) <= budget:
+        # keep while it could still be given up later; past that point, only a chunk
+        # that would finish even at ``shortfall`` of this rate
+        if can_wait or timing.finish(timing.keeping(rate * shortfall)) <= budget:
+            return None
+        # at ``shortfall`` of the rate: what a level (re-requested) still makes for sure
+        safe = [option for option in options
+                if timing.switched(option, rate if option == TEXT else rate * shortfall) <= budget]
+        if not safe:
+            return None   # nothing is surer than keeping
+        return min(safe, key=lambda option: _distortion(plan, option))
+    fitting = [option for option in options if timing.switched(option, rate) <= budget]
+    levels = [option for option in fitting if option != TEXT]
+    if levels:   # a lower level makes the deadline, keeping does not: no gain test needed
+        return min(levels, key=lambda option: _distortion(plan, option))
+    if can_wait:
+        return None   # only text is left, and it can still be had later: a fade may end
+    if fitting:
+        return TEXT
+    cost = {option: timing.restart + predicted_seconds(plan, option, rate) for option in options}
+    choice = min(options, key=lambda option: cost[option])
+    return choice if cost[choice] <= (1 - MIN_GAIN) * keep else None
 
 
 def _distortion(plan: PlanInput, choice: Choice) -> float:
