@@ -361,3 +361,72 @@ async def test_a_switch_while_an_async_on_layer_runs_supersedes_its_layer_with_t
     assert superseded >= 1 and first == [*range(superseded), TEXT]
     assert report.chunks[0].level == TEXT and report.chunks[0].superseded_layers == superseded
     assert report.chunks[0].cancelled_levels == [0] and report.cancels == 1
+
+
+async def test_a_cancel_that_crosses_a_chunks_end_does_not_cancel_its_next_request(tmp_path, monkeypatch) -> None:
+    """The receiver cancels chunk 0 while the sender drains its last part (held there until
+    the sender has read the CANCEL): too late to stop it, so chunk 0 ends normally. That
+    CANCEL must end with the answer: chunk 0 requested again on the same connection arrives
+    whole, and the connection stays fit for the pool (the sender kept the chunk in a set of
+    its own and went to answer the new request CHUNK_END cancelled=true: its protocol
+    refused that, a request the client did not cancel, and the connection was aborted)."""
+    import codec
+    from streamer.net import sender as sender_module
+    from streamer.net.client import ClientConnection
+    from streamer.wire import protocol as p
+    from streamer_helpers import synthetic_kv
+
+    layers, heads, head_dim, tokens = 2, 2, 32, 2 * 256
+    kv = synthetic_kv(3, tokens, layers, heads, head_dim)
+    profile = codec.calibrate([synthetic_kv(4, 1024, layers, heads, head_dim)])
+    store = await streamer.open_store(str(tmp_path))
+    manifest = await streamer.put_context(store, "ctx", kv, list(range(tokens)), profile=profile,
+                                          chunk_tokens=256)
+    blob = await store.get_chunk("ctx", manifest.version, 0, 0)
+    in_last_part, cancel_read, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    write, dispatch = sender_module._ConnectionHandler._write, sender_module._ConnectionHandler._dispatch
+
+    async def held_in_the_last_part(self, *pieces):
+        # the last CHUNK_PART of chunk 0 is framed (the sender looked for a CANCEL before
+        # it) and its CHUNK_END is not yet: hold the part's write until the CANCEL is read
+        progress = self.conn.chunk_in_progress
+        if not in_last_part.is_set() and progress is not None and progress.parts_seen == progress.parts:
+            in_last_part.set()
+            await release.wait()
+        await write(self, *pieces)
+
+    def noting_cancels(self, event):
+        alive = dispatch(self, event)
+        if isinstance(event, p.Cancel):
+            cancel_read.set()
+        return alive
+
+    monkeypatch.setattr(sender_module._ConnectionHandler, "_write", held_in_the_last_part)
+    monkeypatch.setattr(sender_module._ConnectionHandler, "_dispatch", noting_cancels)
+
+    async def answer(client: ClientConnection) -> list[p.Event]:
+        events = [(await client.next(5.0)).event]
+        while not isinstance(events[-1], (p.ChunkEnd, p.Error, p.ConnectionClosed)):
+            events.append((await client.next(5.0)).event)
+        return events
+
+    sender = await streamer.serve(store)
+    try:
+        client = await ClientConnection.connect("127.0.0.1", sender.port)
+        await client.call(p.Open(context_id="ctx", slo=1.0), p.ManifestData, 5.0)
+        client.send(p.Request(chunk=0, level=0))
+        await asyncio.wait_for(in_last_part.wait(), 5.0)       # the last part is being written
+        client.send(p.Cancel(chunk=0))
+        await asyncio.wait_for(cancel_read.wait(), 5.0)  # and the sender has the CANCEL
+        release.set()
+        first = await answer(client)
+        assert first[-1] == p.ChunkEnd(chunk=0, cancelled=False), first[-1]
+        client.send(p.Request(chunk=0, level=0))
+        again = await answer(client)
+        assert again[-1] == p.ChunkEnd(chunk=0, cancelled=False), again[-1]
+        assert b"".join(bytes(e.data) for e in again if isinstance(e, p.ChunkPart)) == blob
+        assert client.reusable
+        await client.close()
+    finally:
+        await sender.close()
+        await store.close()

@@ -250,6 +250,34 @@ def test_in_progress_cancelled_chunk_may_still_complete():
     assert w.c.outstanding == w.s.outstanding == ()
 
 
+def test_head_cancelled_names_only_the_head_and_ends_with_its_answer():
+    """What a server asks before beginning a chunk and between its parts: a CANCEL counts
+    for the request being answered (the head) only, and no longer once it is answered,
+    however it ended (so a CANCEL that came too late cannot reach the next REQUEST)."""
+    w = Wire().opened()
+    w.c2s(Request(1, 0))
+    w.c2s(Request(2, 0))
+    w.c2s(Cancel(2))
+    assert not w.s.head_cancelled(1) and not w.s.head_cancelled(2)   # 2 is not the head yet
+    w.s2c(ChunkBegin(1, 0, 2, 2))
+    w.s2c(ChunkPart(1, 0, b"a"))
+    w.s2c(ChunkPart(1, 1, b"b"))
+    w.c2s(Cancel(1))                       # while the last part drains: too late to stop
+    assert w.s.head_cancelled(1) and not w.s.head_cancelled(2)
+    w.s2c(ChunkEnd(1, cancelled=False))
+    assert not w.s.head_cancelled(1) and w.s.head_cancelled(2)
+    w.c2s(Request(1, 0))                   # requested again: not cancelled
+    assert not w.s.head_cancelled(1)
+    w.s2c(ChunkEnd(2, cancelled=True))
+    assert not w.s.head_cancelled(1)
+    w.c2s(Cancel(1))
+    assert w.s.head_cancelled(1)
+    w.s2c(Error("internal", "disk read failed", fatal=False))   # an ERROR ends it too
+    w.c2s(Request(1, 0))
+    assert not w.s.head_cancelled(1) and not w.s.head_cancelled(2)
+    assert [(p.request, p.cancelled) for p in w.s.outstanding] == [(Request(1, 0), False)]
+
+
 def test_error_aborts_chunk_in_progress():
     w = Wire().opened()
     w.c2s(Request(1, 0))

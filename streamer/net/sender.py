@@ -155,22 +155,6 @@ def check_exposure(host: Any, config: ServerConfig) -> None:
                 "reach this port can read every stored context", host or "all interfaces")
 
 
-class _Cancelled:
-    """Set of chunk indexes the receiver cancelled, shared by reader and answerer."""
-
-    def __init__(self) -> None:
-        self._chunks: set[int] = set()
-
-    def add(self, chunk: int) -> None:
-        self._chunks.add(chunk)
-
-    def take(self, chunk: int) -> bool:
-        if chunk in self._chunks:
-            self._chunks.discard(chunk)
-            return True
-        return False
-
-
 def blob_parts(blob: bytes, limit: int) -> Iterator[memoryview]:
     """The blob header, then each layer section, each cut to at most ``limit`` bytes.
 
@@ -232,7 +216,6 @@ class _ConnectionHandler:
         self.log = session_logger(log, self.session_id, writer.get_extra_info("peername"))
         # (request, when it was received) in arrival order
         self.requests: asyncio.Queue[tuple[p.Event, float] | None] = asyncio.Queue()
-        self.cancelled = _Cancelled()
         self.manifest: Manifest | None = None
         self.busy = False
         self.closing = False
@@ -321,7 +304,7 @@ class _ConnectionHandler:
                 events = self.conn.receive_data(data)
             except p.ProtocolError as exc:
                 for event in exc.events:   # the state is ERROR now: nothing more is sent
-                    if isinstance(event, (p.Open, p.GetProfile, p.Request, p.Cancel)):
+                    if isinstance(event, (p.Open, p.GetProfile, p.Request)):
                         self._dispatch(event)
                 self._error("auth" if isinstance(exc, p.AuthenticationError)
                             else getattr(exc, "code", "protocol"))
@@ -343,7 +326,9 @@ class _ConnectionHandler:
                     return
 
     def _dispatch(self, event: p.Event) -> bool:
-        """Route one received event; False when the connection is over."""
+        """Route one received event; False when the connection is over. A CANCEL needs
+        no routing: the protocol marked its request in the ledger, which ``_send_chunk``
+        asks (``Connection.head_cancelled``)."""
         if isinstance(event, p.Hello):
             version = max(set(event.versions) & set(p.SUPPORTED_VERSIONS))
             required = self.conn.auth_required
@@ -357,12 +342,6 @@ class _ConnectionHandler:
         elif isinstance(event, (p.Open, p.GetProfile, p.Request)):
             self._last_activity = self._loop.time()
             self.requests.put_nowait((event, self._loop.time()))
-        elif isinstance(event, p.Cancel):
-            # only for a request still outstanding: a stale CANCEL must neither pile up
-            # nor cancel a later request for the same chunk
-            if any(isinstance(q.request, p.Request) and q.request.chunk == event.chunk
-                   for q in self.conn.outstanding):
-                self.cancelled.add(event.chunk)
         elif isinstance(event, (p.Close, p.ConnectionClosed, p.Error)):
             return False
         return True
@@ -451,7 +430,10 @@ class _ConnectionHandler:
 
     async def _send_chunk(self, request: p.Request) -> None:
         chunk, level = request.chunk, request.level
-        if self.cancelled.take(chunk):
+        # a CANCEL is marked on its request in the protocol's ledger (which the reader
+        # fed it to) and ends with that request's answer: answers go in FIFO order, so
+        # this request is the ledger's head
+        if self.conn.head_cancelled(chunk):
             await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
             if self.metrics is not None:
                 self.metrics.cancelled.inc()
@@ -482,7 +464,7 @@ class _ConnectionHandler:
         await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=len(blob),
                                                       parts=len(parts))))
         for index, part in enumerate(parts):
-            if self.cancelled.take(chunk):
+            if self.conn.head_cancelled(chunk):
                 await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
                 if self.metrics is not None:
                     self.metrics.cancelled.inc()

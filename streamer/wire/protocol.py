@@ -81,7 +81,8 @@ answered. Its answer is, exactly once and in FIFO position:
 * a non-fatal ERROR is always an acceptable answer.
 
 CHUNK_END{cancelled: true} for a request the client did not cancel is an error; so is
-a second CANCEL of the same request.
+a second CANCEL of the same request. A server learns whether the request it is
+answering was cancelled from :meth:`Connection.head_cancelled`.
 
 ERROR and CLOSE
 ---------------
@@ -320,6 +321,16 @@ class Connection:
     def outstanding(self) -> Tuple[Pending, ...]:
         """Requests sent (client) / received (server) and not yet answered, oldest first."""
         return tuple(self._queue)
+
+    def head_cancelled(self, chunk: int) -> bool:
+        """Whether the oldest outstanding request is a REQUEST for ``chunk`` that the
+        client cancelled: a server answering ``chunk`` asks this before beginning it
+        and between its parts. The mark lives on the request in the ledger, so it ends
+        with that request's answer and can never reach a later REQUEST for the same
+        chunk (a CANCEL that crossed the answer finds no request and marks nothing)."""
+        head = self._queue[0] if self._queue else None
+        return (head is not None and head.cancelled and isinstance(head.request, Request)
+                and head.request.chunk == chunk)
 
     @property
     def chunk_in_progress(self) -> Optional[ChunkProgress]:
