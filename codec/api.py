@@ -96,7 +96,7 @@ def control_samples(profile: Profile, slots: list[int], body: CodedBody
     The sample's products run in torch (its thread pool, as the coded rows' do), the
     rest in numpy, which on tensors this small costs less than torch's pool; numpy
     runs no BLAS here, whose second OpenBLAS thread would spin after each product and
-    take a core from the torch and numba threads (a MiniLM encode ran ~1.5x slower so).
+    take a core from the torch and numba threads, slowing the encode.
     """
     rows = control.sample_rows(body.tokens)
     sample = body.rows(rows).numpy()

@@ -2,8 +2,7 @@
 
 A level is defined by a target distortion D = MSE / variance. Calibration fixes one
 step per (layer, K/V) that reaches D on the calibration text, but on other text the
-same step gives another distortion (the MiniLM profile calibrated on licences came
-out 7.5x over on Python's language reference; SmolLM2's coarse levels up to 2x).
+same step gives another distortion, at times several times the target.
 The encoder holds the data, so for every section it measures the distortion a step
 gives on the chunk's own coefficients (an evenly spaced sample of ``SAMPLE_TOKENS``
 tokens) and moves the step, in log-step, until the measured distortion is within

@@ -17,10 +17,10 @@ import numpy as np
 #: calibration lands a little above the calibrated distortion.
 DEFAULT_TARGETS = (2.5e-4, 1e-3, 4e-3, 1.2e-2, 3.2e-2)
 #: Index of the level used when the caller does not choose: the coarsest level that costs
-#: no measurable quality on a causal LM. Measured on format 5: SmolLM2-135M on held-out
-#: text, level 2 is 3.48 bits/element at +0.00% continuation perplexity and top-1
-#: agreement 0.987 (level 1: 4.51 bits, +0.03%, 0.992); all-MiniLM-L6-v2's embedding
-#: cosine at level 2 is 0.99939 (``kvwire bench quality`` and ``kvwire bench codec``).
+#: no measurable quality on a causal LM (continuation perplexity on held-out text), where
+#: the next finer level costs about a bit per element more; an encoder's embedding keeps
+#: a cosine near 1 there too (``kvwire bench quality`` and ``kvwire bench codec`` report
+#: both).
 DEFAULT_LEVEL = 2
 
 _BISECTION_STEPS = 40

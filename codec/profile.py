@@ -578,10 +578,9 @@ class CodedBody:
 
     Made a layer at a time (or a few sampled tokens across layers), never the whole
     chunk at once: a chunk's whole body (47 MB for 1024 tokens of SmolLM2) is over
-    glibc's 32 MB ceiling for reusing freed memory, so an encode that held it took it
-    fresh from the kernel every time, a page fault per 4 KB (ad hoc timings per SmolLM2
-    chunk: the whole chunk's fp16 -> fp32 conversion 18 ms, most of it in the kernel's
-    page faults; made a layer at a time, 1.8 ms). A layer's part is freed before the
+    glibc's 32 MB ceiling for reusing freed memory, so an encode that held it would take
+    it fresh from the kernel every time, a page fault per 4 KB, and those faults, not the
+    fp16 -> fp32 conversion, would dominate its cost. A layer's part is freed before the
     next is made and is reused from the heap.
     """
 

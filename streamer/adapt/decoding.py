@@ -5,34 +5,27 @@ stage of its own: chunk ``i`` decodes while chunk ``i + 1`` arrives. Where the d
 slower than the link (a CPU decoder beside a fast link), a plan timed by the link alone
 finishes long after its estimate: the decode backlog grows behind the link, and a text
 chunk's recompute, which waits for the chunk before it to be delivered, starts that much
-later. ``kvwire demo`` on a 2-core host missed its 1 s SLO that way (at 2c693ff: last
-byte in at 0.56 s, decode of the backlog until 0.64 s, then a text chunk's 0.41 s
-recompute: 1.05 s). So the planners time a KV option at the slower of its transfer and
-its decode (``base.link_seconds``), and the decode still owed comes off their budget
+later. So the planners time a KV option at the slower of its transfer and its decode
+(``base.link_seconds``), and the decode still owed comes off their budget
 (``base.pipeline_budget``).
 
 A section's decode is partly per element (rANS symbols, dequantisation, the inverse
-transform) and partly per coded byte. Decoded alone on this session's machine, the
-demo's MiniLM chunks take 27 ms at level 4 and 48 ms at level 0 (3.8x the bytes): about
-half of a mid-level chunk's time is per token. During a fetch on 2 cores the same chunks
-took 2-5x longer, and longer still while the link ran fast (the receiving loop, the
-sender and the proxy share the cores), so the two terms cannot be told apart from the
-sections a fetch decodes: a least-squares fit read the load as a price of bytes (the
-sections decoded under load were the large ones) and sent a feasible fetch to level 4;
-a per-token figure alone made every level look alike when the decoder was the
-bottleneck, and the plan kept level 0, whose decode then ran 20 ms past a 1 s SLO. So
-the *scale* is measured (the mean over the recent sections, which follows the load) and
-the *split* is fixed: ``PER_TOKEN_SHARE`` of a section's time at the measured sections'
-bytes per token is per token, the rest scales with its bytes.
+transform) and partly per coded byte. Under load (the receiving loop, the sender and a
+proxy sharing few cores) a section takes several times longer, and the sections decoded
+under load are not a random sample of sizes, so the two terms cannot be told apart from
+the sections a fetch decodes: a least-squares fit reads the load as a price of bytes and
+overprices the better levels; a per-token figure alone makes every level look alike
+where the decoder is the bottleneck, so the plan keeps the best level and its decode runs
+late. So the *scale* is measured (the mean over the recent sections, which follows the
+load) and the *split* is fixed: ``PER_TOKEN_SHARE`` of a section's time at the measured
+sections' bytes per token is per token, the rest scales with its bytes.
 
-Before a session has decoded anything the plan has no figure, and the first chunks went
-out timed by the link alone (``kvwire demo``: levels 1-2 then 0, then level 4 once the
-decoder had been timed; the steady stretch was not one level). A caller that has timed
-the decoder (a chunk decoded before the fetch, through ``measure_whole``; ``kvwire
-receive`` passes what its last fetch measured) gives that as
-``SessionConfig.decode_prior``; it stands in for one chunk's sections
-(``prior_sections``): the session's own timings weigh as much after one chunk, more
-after two, and replace it within ``RECENT_SECTIONS``.
+Before a session has decoded anything the plan has no figure, and its first chunks would
+be timed by the link alone. A caller that has timed the decoder (a chunk decoded before
+the fetch, through ``measure_whole``; ``kvwire receive`` passes what its last fetch
+measured) gives that as ``SessionConfig.decode_prior``; it stands in for one chunk's
+sections (``prior_sections``): the session's own timings weigh as much after one chunk,
+more after two, and replace it within ``RECENT_SECTIONS``.
 
 Pure; the delivery times each section as it is decoded, the session asks here.
 """
@@ -45,7 +38,8 @@ from dataclasses import dataclass
 #: load of the moment and no single slow section decides it.
 RECENT_SECTIONS = 24
 #: Share of a section's decode that is per token at the bytes per token of the sections
-#: measured (the rest scales with its coded bytes): ~0.5 from the idle timings above.
+#: measured (the rest scales with its coded bytes): on an idle decoder about half of a
+#: mid-level chunk's time is per token.
 PER_TOKEN_SHARE = 0.5
 
 

@@ -46,16 +46,15 @@ FAST_WINDOW = 2
 #: Prediction errors the pessimism is calibrated on (this fetch's, after the peer's earlier ones).
 ERROR_WINDOW = 20
 #: The quantile of log prediction errors the robust estimate plans for (the median: a
-#: central estimate; lower quantiles, measured on the committed traces, made the plans
-#: give up more KV for text than they saved in deadlines).
+#: central estimate; planning at a lower quantile gives up more KV for text than it saves
+#: in deadlines, and risk is weighed separately by the scenarios and the guard).
 ERROR_QUANTILE = 0.5
 #: Errors a calibration needs before it speaks for itself: with fewer, the missing ones
 #: count as 0 (predicted right), so one surprise moves the central estimate only once
-#: another agrees with it. Without this one 700 -> 11 Mbit/s fade (log error -4.2) was
-#: the whole calibration: the peer's next estimates were divided by 64, its next fetches
-#: went all text, measured nothing, and stayed there until the memory expired (seen in
-#: ``kvwire bench policies`` on the unseen set at 0.5 s: trace mmf-16, every fetch text).
-#: The low quantiles of :func:`rate_scenarios` and the guard's shortfall still see it.
+#: another agrees with it. Otherwise a single deep fade is the whole calibration: the
+#: peer's next estimates are divided by it, its next fetches go all text, measure nothing,
+#: and stay text until the memory expires. The low quantiles of :func:`rate_scenarios`
+#: and the guard's shortfall still see the fade.
 MIN_ERRORS = 3
 #: The quantiles of the recent log prediction errors a planner weighs its choice at
 #: (:func:`rate_scenarios`): the central one is the robust estimate's.
@@ -81,13 +80,12 @@ def throughputs(history: Sequence[Observation]) -> np.ndarray:
     guessed at. So is a stall's upper bound (``Observation.upper_bound``: the chunk
     abandoned before enough of it came to measure) once a later transfer measured more:
     the bound said the link gave at most that while it stalled, and the stall is over.
-    Kept, one 26 Mbit/s bound beside a 1 Gbit/s sample after the link came back held
-    the harmonic mean at 51 Mbit/s, and the rest of the fetch went to text
-    (``kvwire bench policies``, default set at 0.5 s: trace onoff-1g).
+    Kept, one low bound beside fast samples after the link came back would hold the
+    harmonic mean near the bound and send the rest of the fetch to text.
 
     A plain loop, not array code: a history holds a few dozen observations, and the
-    session runs this on its event loop at every look (numpy's per-call overhead made
-    it ~5x slower in an ad hoc profile, and the decode thread waits for the GIL meanwhile).
+    session runs this on its event loop at every look (numpy's per-call overhead
+    dominates at this size, and the decode thread waits for the GIL meanwhile).
     """
     rates: list[float] = []
     bounds: list[bool] = []
@@ -268,8 +266,8 @@ def remember(history: Sequence[Observation], prior_errors: Sequence[float] = ())
     A stall's upper bound (``Observation.upper_bound``) is left out: a chunk that waited
     through a long stall leaves a bound of a few kbit/s, and a memory that low makes the
     next fetch all text, which measures nothing, so every later fetch to the peer would
-    stay text (seen in ``kvwire bench policies`` on an on-off link). The next fetch starts
-    from what was measured, and its own cancel rule meets the stall if it is still there.
+    stay text. The next fetch starts from what was measured, and its own cancel rule
+    meets the stall if it is still there.
     """
     history = [o for o in history if not o.upper_bound]
     # the mean, not the calibrated estimate: the next fetch calibrates its prior with the
@@ -311,18 +309,16 @@ def in_flight_sample(start: float, now: float, received: float,
     less than ``MIN_PARTIAL_SECONDS``.
 
     Why not all of it: a level shift in the middle of a chunk shows in its recent half long
-    before it moves the average (``kvwire bench policies``, unseen set at 0.5 s: 9 -> 6
-    fetches late for mpc, the default set unchanged). And a shaper's bucket, full after the
-    link idled, lets a chunk's first bytes through at once (the shaping proxy: 20 ms of its
-    rate; tbf: its ``burst``): the average so far counts them as link rate for as long as
-    the chunk lasts, the recent half only until the chunk has run twice as long as they
-    took to come. Why not sooner: a shaper also releases its credit in lumps (the shaping
-    proxy moves half its bucket, 10 ms of its rate, at once; tbf its ``burst``), so a few
-    ms of a transfer read line rate or almost nothing. ``kvwire demo`` decided its second
-    chunk ~10 ms into the first, saw 500-850 Mbit/s on its 200 Mbit/s link and sent it at
-    level 0 (ad hoc decision dumps of warm runs at 1ea9449); ``MIN_PARTIAL_SECONDS`` (two
-    lumps) is the least a sample spans. Finished chunks stay whole samples: the
-    estimator's errors are calibrated on those.
+    before it moves the average. And a shaper's bucket, full after the link idled, lets a
+    chunk's first bytes through at once (the shaping proxy: 20 ms of its rate; tbf: its
+    ``burst``): the average so far counts them as link rate for as long as the chunk
+    lasts, the recent half only until the chunk has run twice as long as they took to
+    come. Why not sooner: a shaper also releases its credit in lumps (the shaping proxy
+    moves half its bucket, 10 ms of its rate, at once; tbf its ``burst``), so a few ms of
+    a transfer read line rate or almost nothing, and a decision taken on them would pick
+    a level the link cannot carry; ``MIN_PARTIAL_SECONDS`` (two lumps) is the least a
+    sample spans. Finished chunks stay whole samples: the estimator's errors are
+    calibrated on those.
     """
     if received < MIN_SAMPLE_BYTES or not now - start >= MIN_PARTIAL_SECONDS:
         return None

@@ -1,120 +1,39 @@
-"""The default policy: an exact plan over all remaining chunks at a calibrated estimate,
-whose first step is guarded against the link falling to its worst recent rate.
+"""The default policy: a receding-horizon plan over every remaining chunk, weighed over
+the rates this peer has shown, its first step guarded against the worst recent rate.
 
-robustMPC (Yin et al., SIGCOMM'15) plans a few chunks ahead with guessed sizes; here
-every chunk's size at every level is known, so the plan covers the whole rest of the
-fetch exactly (:func:`streamer.adapt.overlap.solve`: a knapsack over the deadline, with
-text recomputed while later chunks stream) and only the throughput is predicted
-(:func:`streamer.adapt.estimator.robust_estimate`: calibrated, not worst-case). Only the
-first chunk's choice is used: the plan is redone before every chunk with the newest
-measurements (receding horizon).
+Unlike robustMPC (Yin et al., SIGCOMM'15), which plans a few chunks ahead with guessed
+sizes, every chunk's size at every level is known here, so the plan covers the whole rest
+of the fetch exactly (:func:`streamer.adapt.overlap.solve`: a knapsack over the deadline,
+text recomputed while later chunks stream); only the throughput is predicted
+(:mod:`streamer.adapt.estimator`). The plan is redone before every chunk and only its
+first choice is used. A plan at one rate fills the budget exactly, so:
 
-Nine rules come from what a plan at one rate cannot see:
+* **Scenarios.** Each option for the next chunk is scored by the mean cost of the cheapest
+  plan it starts over the peer's rate scenarios (:func:`expected_costs`), plus a fade to
+  ``FADE_FACTOR`` of the slowest, weighted ``FADE_WEIGHT``, for a deep fade not yet seen:
+  a late text chunk costs far more than the level step that slack costs. Where the cancel
+  rule can give an option up for text in time, a rate it misses at counts as all text.
+* **Margin.** Plans get ``1 - PLAN_MARGIN`` of the time left, so a small late shortfall
+  costs a level step, not a cancelled chunk recomputed past the deadline.
+* **Order.** Text is irrevocable and measures nothing, so it goes as late as possible
+  (unless its recompute must start early to hide behind transfers), to be decided with
+  more information; of a mix of two levels the worse goes first, leaving slack to later
+  plans made with more measurements.
+* **Guard.** A requested chunk cannot be taken back: its option must leave the rest able
+  to finish as text at the guard rate (:func:`guarded`); if none does, the least expected
+  cost over all.
+* **A level held.** A steady link's samples scatter, and a mix may put either level
+  first at the same cost, so the previous chunk's level is kept while its expected cost
+  is within ``HOLD_SHARE`` of the distortion step (:func:`held`).
+* **A first step that leans worse.** With no previous level, the next worse one is held
+  so: a plan with no prediction errors to weigh yet is the fetch's least cautious.
+* **Probe.** Where the plan says text and the cancel rule is on, the smallest level is
+  tried first, as a winnable bet (:func:`probe`) or for free while earlier text is still
+  being recomputed (:func:`free_probe`); the rule gives it up if the link stays slow.
 
-* **Weighed over the rates this peer has shown.** A plan at one central rate fills the
-  budget exactly, so a link a little slower than predicted turns the last chunks into
-  text: each first option is scored by the mean, over rates at several quantiles of
-  the peer's recent prediction errors (:func:`streamer.adapt.estimator.rate_scenarios`),
-  of the cheapest plan it starts (:func:`expected_costs`). A steady peer has one rate
-  and gets the plain plan; an erratic one buys a little caution where text would be dear.
-  Where a level starts no plan that fits at some rate but the cancel rule could give it
-  up for text in time, it is scored as what the rule then leaves (every chunk as text),
-  not as a miss: a bet that wins at the fast rates and loses a try at the slow ones.
-* **Text last, unless in front pays.** Sending a chunk as text is irrevocable and
-  teaches nothing about the link (token ids are a few kB), while a KV chunk is a
-  measurement. When a plan needs some text, text is therefore placed as late as possible
-  (its cost grows by a negligible amount per position earlier), so the decision can be
-  redone with more information before it is taken; only a plan that needs its text in
-  front, where its recompute hides behind the later transfers, puts it there.
-* **Better levels last.** A budget between two levels is met by a mix of them, and
-  every order of a mix costs the same; left to rounding, the plan's first chunk took
-  the better level of the mix as often as not, and the next plan, with the budget that
-  left, the worse one (``kvwire demo``: levels 0, 1, 1, 2, 2 over a steady link). The
-  first chunk takes the worse level of the mix, so what it saves is slack for the plans
-  after it, made with more measurements, which spend it on the last chunks (unless the
-  chunk before was at the mix's better level: then that level is held, below).
-* **A level held.** A steady link's samples still scatter around its rate (a shaper's
-  bucket lets a chunk after an idle gap through faster, a busy receiver stamps arrivals
-  late), and a plan mixing two levels may put either first at the same cost, so the
-  levels followed the scatter: ``kvwire demo`` sent 1, 0, 2, 2, 1, 1, 2 over its steady
-  200 Mbit/s (a warm run at 1ea9449). Where the plan would change level from the previous
-  chunk's, that level is kept while its expected cost is within ``HOLD_SHARE`` (three
-  quarters) of the distortion step between the two: free while the plan still mixes the
-  held level in, less than a step on one chunk otherwise, and the next plan decides
-  afresh; a plan better on every chunk left by a whole step ends the hold, and a level no
-  longer safe, or one where the plan says text, is never held. Measured with ``kvwire
-  bench policies``'s sweep on both sets at 0.5/1/2 s (an ad hoc script over
-  ``sweep_sets``, at 1ea9449 plus the rule against a step up only): objective over the
-  oracle's lower on all six lines (default 1.096/1.194/1.245 -> 1.092/1.193/1.243x,
-  unseen 1.315/1.414/1.368 -> 1.311/1.402/1.354x), level switches per fetch 15-30%
-  fewer; shares of 0.25, 0.5 and 0.9 within 0.01 of them; 1.5 (never a single step)
-  all but stopped switching and cost 1.243 -> 1.275x on the default set at 2 s. A step
-  down was first left unheld (the better level's budget goes to the last chunks, as
-  above), and a cold ``kvwire demo`` then went 1, 1, 1, 2, 1, 1, 1 over the steady
-  stretch on one 181 Mbit/s sample; held both ways, ``kvwire bench policies --workers 2
-  --json`` (4f7bdd3's tree, the policy code 6050069 has, -> this rule) gives the same
-  violations and text shares on all six lines, objective ratios within 0.001 (default
-  1.0924/1.1936/1.2436 -> 1.0924/1.1936/1.2434x, unseen 1.3153/1.4138/1.3401 ->
-  1.3158/1.4128/1.3399x) and 1.5-3.5% fewer level switches.
-* **A first step that leans worse.** A fetch's first chunk has no level to hold, and its
-  plan is the fetch's least cautious: a fresh peer has no prediction errors yet, so it
-  is weighed at one rate (and the fade below), and where that rate fits all but every
-  chunk at the better of two levels the plan starts with it; the plans after it weigh
-  the first samples' scatter, find the better level no longer fits, and step down
-  within the steady stretch (cold ``kvwire demo`` runs at 7aacf91: levels 0, 0, 0, 0, 1
-  and 0, 0, 1, 1 over the steady 200 Mbit/s in 2 of 6; a dump of a warm run's decisions
-  had level 0 ahead of level 1 by 3% of the step at the first chunk). So with no level
-  before it (the fetch's first chunk, or one after text) a chunk holds the level after
-  the plan's choice as if the chunk before had been sent at it, within ``HOLD_SHARE``,
-  and the hold keeps it against a small step up after that. On that dump's first
-  decision, with the profile's sample set to 150-258 Mbit/s in steps of 4, the first
-  level above 186 Mbit/s went from 0 or 1 (12 and 6 of the 18 rates) to 1 at every
-  one; below it, from 1 or 2 to 2 (but at 182). The share was
-  swept on the committed trace set (``kvwire bench policies --workers 2 --json`` with
-  0, 0.1, 0.25, 0.5 and 0.75 of the step, the hold's share the best there: objective
-  over the oracle's at SLO 0.5/1/2 s 1.0924/1.1936/1.2434x without the rule,
-  1.0910/1.1791/1.2412x with it); on the unseen set 1.3158/1.4128/1.3399 ->
-  1.3093/1.4041/1.3348x; violations unchanged on all six lines, text shares down by
-  up to 0.4 points, level switches per fetch up at 0.5 s (0.65 -> 0.75 and 0.53 ->
-  0.54), down at 1 and 2 s.
-* **A margin.** Plans are made for ``1 - PLAN_MARGIN`` of the time left. A chunk's rate
-  varies within it, and a plan that fills the budget exactly turns a small shortfall
-  late in the fetch into a cancelled chunk recomputed from text (a whole text penalty,
-  and the recompute then runs past the deadline) where a margin costs at most a level
-  step somewhere. The sweep of ``kvwire bench policies`` (its ``sweep_sets`` on the
-  command's inputs, commit 6e1c3c6, format 5 level sizes; the 0 and 3% rows are what the
-  command itself printed at 5afc79d and b34cf3e) with margins 0, 3% and 6%: objective
-  over the oracle's 1.15/1.26/1.33x (0), 1.13/1.26/1.31x (3%), 1.13/1.27/1.30x (6%) on
-  the committed traces at SLO 0.5/1/2 s and 1.47/1.58/1.53x, 1.47/1.56/1.51x,
-  1.47/1.57/1.53x on the second set; violations at 0.5 s 2.1/2.1/1.8% and 3.2/2.8/2.5%;
-  text at 1 s on the second set 40/39.5/39.6%.
-* **Hedged against a fade not seen yet.** The peer's recent errors say how its rate
-  varied in what was measured; a deep fade that did not happen in that window (links
-  shared with bursty traffic fade rarely, then deeply) is not among the scenarios, and a
-  plan that fills the budget at the rates seen turns a late fade into text chunks (1.0
-  each in the objective) where the slack that would have absorbed it costs a level step
-  (0.001-0.01). So every option is also scored with the link at ``FADE_FACTOR`` of the
-  slowest scenario, weighted ``FADE_WEIGHT`` of the others together (~9% likely). Both
-  were chosen on the committed trace set alone (``kvwire bench policies``'s sweep at SLO
-  0.5/1/2 s, factor 0.2/0.3/0.4 x weight 0.1/0.2/0.3: all within 0.01 of each other,
-  this one lowest at 1 s), then measured on the unseen set: see the README.
-* **A guarded first step.** A requested chunk cannot be taken back. Its option must
-  leave the rest of the fetch able to finish as text even if this chunk arrives at the
-  *guard* rate (:func:`streamer.adapt.estimator.guard_estimate`: the worst recent
-  shortfall on this peer). Among the options that pass, the one with the least expected
-  cost is taken; if none passes, the least expected cost over all.
-* **Text decided when the recompute reaches it.** Where the plan says text while the
-  caller is still recomputing earlier text chunks, the chunk is first tried at its
-  smallest level for free (:func:`free_probe`): the cancel rule gives it up for text by
-  the time the recompute reaches it, unless the link came back meanwhile. On the unseen
-  set at 0.5 s this took the text share from 60.9% to 57.5% of chunks (``kvwire bench
-  policies``, 7bdc14b and 091cce4).
-
-Text costs ``text_penalty`` plus its token bytes and recompute seconds (``adapt.overlap``
-says when these overlap the transfers); with the
-default penalty (as bad as losing the chunk) the plan takes it only when no plan of
-levels fits the deadline. When no plan fits at any of the rates, the fastest plan's first
-choice is returned, to miss the deadline by as little as possible.
+Text costs ``text_penalty`` plus its token bytes and recompute seconds; with the default
+penalty (as bad as losing the chunk) it is planned only when no plan of levels fits. When
+none fits at any rate, the fastest plan's first choice is returned, to miss by the least.
 """
 from __future__ import annotations
 
@@ -130,17 +49,21 @@ from streamer.adapt.estimator import (DEFAULT_WINDOW, guard_estimate, rate_scena
                                       throughputs)
 from streamer.adapt.plan import DEFAULT_BINS, Plan, fastest
 
-#: Share of the time left a plan keeps unused (see "A margin" above).
+#: Share of the time left a plan keeps unused (see "Margin" above): more costs a level
+#: step more often, less lets a small late shortfall turn a chunk into text.
 PLAN_MARGIN = 0.03
 
 #: The unseen fade every option is also scored against: the link at this share of the
 #: slowest rate scenario, with this weight relative to all the scenarios together (see
-#: "Hedged against a fade not seen yet" above).
+#: "Scenarios" above). A deeper or likelier fade keeps more slack, paid in level steps,
+#: against a late fade turning the last chunks into text.
 FADE_FACTOR = 0.3
 FADE_WEIGHT = 0.1
 
 #: The previous chunk's level is held, against a step either way, while its expected cost
-#: is within this share of the distortion step between the two (see "A level held" above).
+#: is within this share of the distortion step between the two (see "A level held"
+#: above). Larger means fewer level switches for up to this share of a step on one chunk;
+#: below 1, so a plan better by a whole step always ends the hold.
 HOLD_SHARE = 0.75
 
 #: Extra cost of text per position earlier in the plan: far below any level's distortion
@@ -148,7 +71,7 @@ HOLD_SHARE = 0.75
 TEXT_LATER = 1e-6
 #: Extra cost of a level per position earlier and per level better: between plans that mix
 #: the same levels in another order (equal in the objective), the one with its better
-#: levels last (see "Better levels last" above). At most 64 x 8 x 1e-9 per chunk, far
+#: levels last (see "Order" above). At most 64 x 8 x 1e-9 per chunk, far
 #: below any level's distortion step.
 LEVEL_LATER = 1e-9
 
@@ -268,9 +191,9 @@ def probe(inp: PlanInput, estimate: float, safe: np.ndarray, costs: np.ndarray,
     after its first bytes. The smallest level (:func:`~streamer.adapt.base.probe_level`)
     commits the fewest bytes to the bet. Once this fetch has samples, the bet must be
     winnable: a plan starting with that level must fit at the fastest of them (or the
-    prior). Otherwise, on a steady link too slow for KV, every chunk was tried and given
-    up in turn, each costing a look's worth of time, until the text left came too late
-    (``kvwire bench policies``, unseen set at 0.5 s: trace mmf-02).
+    prior). Otherwise, on a steady link too slow for KV, every chunk would be tried and
+    given up in turn, each costing a look's worth of time, until the text left comes too
+    late.
     """
     if inp.abandon is None:
         return None
@@ -313,8 +236,10 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
 def held(inp: PlanInput, totals: np.ndarray, choice: int) -> int:
     """The previous chunk's level instead of ``choice`` where its expected cost
     (``totals``, inf where unsafe) is within ``HOLD_SHARE`` of the distortion step
-    between the two (see "A level held" above); with no previous level, the level after
-    ``choice`` is held so (see "A first step that leans worse")."""
+    between the two (see "A level held" above); with no previous level (the fetch's first
+    chunk, or one after text), the level after ``choice`` is held so, as if the chunk
+    before had been sent at it (see "A first step that leans worse"). A level no longer
+    safe, or one where the plan says text, is never held."""
     previous = inp.previous_level
     if previous is None:
         previous = choice + 1
@@ -332,10 +257,9 @@ def free_probe(inp: PlanInput, estimate: float, costs: np.ndarray, bins: int = D
 
     A text chunk's recompute cannot start before the caller has recomputed the text
     chunks before it (``recompute_busy``), so deciding it now gains nothing over deciding
-    it then; sent at once, the whole rest of a fetch that met a slow start went to text
-    in one go (its token ids are tiny, so each next request went out at once) and the
-    link sat idle while the caller recomputed (``kvwire bench policies``, unseen set at
-    0.5 s: all 8 chunks text on trace mmf-08 where the link came back within 0.1 s). So
+    it then; decided at once, the whole rest of a fetch that met a slow start would go
+    to text in one go (token ids are tiny, so each next request goes out at once) and the
+    link would sit idle while the caller recomputes, even if it came back at once. So
     the chunk is tried at its smallest level while that recompute runs: the cancel rule
     keeps it while giving it up for text still lands before the recompute reaches it
     (``cancel.reconsider``) and gives it up then unless it is on course. The try is

@@ -3,10 +3,10 @@
 A text chunk costs the caller a prefill, and the planners weigh it at
 ``recompute_seconds_per_token`` (``PlanInput.text_seconds``, ``recompute_busy``). That
 figure is usually measured on an idle machine; during a fetch the caller's compute shares
-the host with section decoding and the event loop, and on a 2-core CPU host the demo's
-recomputes took 1.4-1.7x their idle time: a plan made at the idle rate ran ~0.15 s past
-its estimate and one cold run missed a 1 s SLO by 17 ms. So the rate a decision uses is the
-slower of the configured one and the one the caller's last few ``on_text`` calls showed.
+the host with section decoding and the event loop, so on a small CPU host a recompute takes
+markedly longer than idle, and a plan made at the idle rate runs past its estimate. So the
+rate a decision uses is the slower of the configured one and the one the caller's last few
+``on_text`` calls showed.
 Never faster: a caller quicker than it said only makes text look dearer than it is, which
 costs a level step, while one slower than it said makes the deadline slip.
 

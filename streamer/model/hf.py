@@ -549,9 +549,10 @@ def recompute_seconds_per_token(model, tokens: int = RATE_TOKENS) -> float:
     """Seconds per token ``recompute_chunk`` takes on a ``tokens``-token chunk (capped at
     the model's positions) with this model, measured here once and remembered.
 
-    A fetch weighs sending a chunk as text against its KV at this rate; a default guessed
-    for a GPU (0.1 ms/token) made text look 19x cheaper than it is for SmolLM2 on a 2-core
-    CPU (~1.9 ms/token). So whoever holds the model measures it, once per (model, chunk
+    A fetch weighs sending a chunk as text against its KV at this rate, and the rate
+    differs by more than an order of magnitude between a GPU and a small CPU host, so a
+    guessed default makes text look far cheaper (or dearer) than it is. So whoever holds
+    the model measures it, once per (model, chunk
     length) in a process and outside any timed fetch. A profile does not record it: the
     rate belongs to the receiver's hardware, and a profile travels to other machines.
     """

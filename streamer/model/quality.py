@@ -120,15 +120,12 @@ def model_rotary(model, rotary: bool | None = None) -> codec.Rotary | None:
 #: ``allocation`` choices, as ROTARY_MODES.
 ALLOCATION_MODES = ("auto", "on", "off", "both")
 #: Whether ``kvwire calibrate`` and ``bench quality`` weight each (layer, K/V)'s target by
-#: the model's measured sensitivity to it (codec.allocation) by default. On: on SmolLM2,
-#: with the weights fitted to the uniform split's bits, it raised top-1 agreement at
-#: levels 1-4 (level 3: 0.965 -> 0.979, level 4: 0.948 -> 0.966) and cut level 4's
-#: perplexity change from +0.71% to -0.00% at bits within 0.006 of uniform
-#: (``kvwire bench quality --model smollm2 --windows 1 --allocation both`` at ced9bd0);
-#: on MiniLM (an encoder: its embedding's sensitivity) every level took fewer bits at a
-#: higher cosine (level 2: 2.816 -> 2.734 bits/el, 1 - cos 5.4e-4 -> 2.0e-4; ``kvwire
-#: bench quality --allocation both``; README). It costs a few forward and backward passes
-#: at calibration.
+#: the model's measured sensitivity to it (codec.allocation) by default. On: with the
+#: weights fitted to the uniform split's bits, a decoder (SmolLM2) keeps more top-1
+#: agreement and less perplexity change at the coarse levels for about the same bits, and
+#: an encoder (MiniLM: its embedding's sensitivity) takes fewer bits at a higher cosine
+#: (``kvwire bench quality --allocation both`` compares the two; README). It costs a few
+#: forward and backward passes at calibration.
 ALLOCATION_DEFAULT = True
 
 

@@ -46,8 +46,8 @@ CONTINUATION_TOKENS = 256
 WINDOWS = 2
 DRAWS = 2
 #: an encoder's draws per window: a pass over MiniLM's 512 positions costs a fraction of
-#: SmolLM2's (one window of 8 draws: ~2.5 s), and with 8 draws two seeds' estimates of a
-#: MiniLM section still differ by up to 1.33x
+#: SmolLM2's, and an encoder's per-section estimates are noisier between seeds, so more
+#: draws buy a steadier estimate cheaply
 ENCODER_DRAWS = 8
 
 

@@ -1,18 +1,16 @@
 """Keep a long-running receiver's resident memory near what it uses: glibc malloc settings
 at start and a periodic ``malloc_trim``.
 
-Why: under ``kvwire bench load --senders 3`` (256 sessions, 60 s, Redis Cluster, 2 cores)
-the receiving process's RSS rose 26-28% after the warm-up with glibc's defaults, yet
-nothing leaked: in a one-off diagnostic (tracemalloc, gc type counts and ``mallinfo2``
-inside that process) the Python heap stayed flat, the bytes malloc had handed out went
-back to their level once the fetches were over, and most of the RSS was memory malloc
-held free; ``malloc_trim(0)`` gave it back. glibc keeps freed memory: its mmap threshold
-rises after the first large block is freed, so decoded layers and frame buffers of
-128-256 KB land in the heap instead of in mappings returned at ``free``, and every fetch
-decodes on a thread of its own, so up to 8 arenas per core each keep their own high-water
-mark. Tuned and trimmed, the same command measured +0.4% and +2.2% from the warm-up to
-the end; under load RSS still follows what the fetches in flight hold (decoded layers
-waiting for their consumer), so its highest sample was 5% and 22% above the warm-up.
+Why: with glibc's defaults a busy receiver's RSS rises well past its warm-up level though
+nothing leaks: the Python heap stays flat and the bytes malloc has handed out return to
+their level once the fetches are over, but most of the RSS is memory malloc holds free,
+which ``malloc_trim(0)`` gives back. glibc keeps freed memory: its mmap threshold rises
+after the first large block is freed, so decoded layers and frame buffers of 128-256 KB
+land in the heap instead of in mappings returned at ``free``, and every fetch decodes on
+a thread of its own, so up to 8 arenas per core each keep their own high-water mark.
+Tuned and trimmed, RSS stays near its warm-up level between bursts; under load it still
+follows what the fetches in flight hold (decoded layers waiting for their consumer).
+``kvwire bench load`` reports the receiver's RSS over a soak.
 
 ``tune`` fixes the mmap threshold at 128 KiB (a fixed value also turns the dynamic one
 off) and caps the arenas at 2; ``trim_periodically`` hands what is still free back to the
