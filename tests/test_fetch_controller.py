@@ -226,3 +226,30 @@ def test_a_recorded_input_sequence_replays_to_the_same_actions() -> None:
     again = controller([[1_000_000, 400_000]] * 3, policy="mpc", record=True)
     feed(again, *inputs)
     assert again.log == ctl.log
+
+
+@pytest.mark.parametrize("lower_bound", [True, False])
+def test_a_lower_bound_alone_never_sends_the_first_chunk_to_text(lower_bound: bool) -> None:
+    """A handshake that carried only the manifest reads a few kB in a few ms: as a prior
+    it makes every chunk text, and text measures no link. Known to be a lower bound, it
+    may pick a level but not text: the first chunk goes out at its smallest level. A
+    caller's own prior is taken at its word."""
+    ctl = controller([[1_000_000, 500_000, 200_000]] * 4, policy="mpc", slo=1.0, recompute_seconds_per_token=1e-4,
+                     beliefs=Beliefs(prior_bps=50_000.0, prior_is_lower_bound=lower_bound))
+    first = feed(ctl, ev.Started(0.004, 0.02, 0.0))[0]
+    assert first == (ev.SendRequest(0, 2) if lower_bound else ev.SendRequest(0, TEXT))
+    if lower_bound:
+        assert "the link is not measured yet" in ctl.chunk_report(0).reason
+
+
+def test_with_nothing_to_plan_on_the_next_chunk_waits_for_the_first_sample() -> None:
+    """The first chunk probes a link known only by a lower bound; the next decision waits
+    for that chunk's sample instead of deciding on the bound, which would send every chunk
+    left to text at once (their token ids are tiny: each next request would go out at once)."""
+    ctl = controller([[1_000_000, 500_000, 200_000]] * 4, policy="mpc", slo=1.0, recompute_seconds_per_token=1e-4,
+                     beliefs=Beliefs(prior_bps=50_000.0, prior_is_lower_bound=True))
+    assert feed(ctl, ev.Started(0.004, 0.02, 0.0)) == [ev.SendRequest(0, 2)]
+    assert feed(ctl, ev.AnswerBegan(0, 200_000, 0.004), ev.PartArrived(0, 190_000, 3, 0.010)) == []
+    actions = feed(ctl, ev.PartArrived(0, 200_000, 4, 0.012), ev.AnswerEnded(0, False, 0.012))
+    requests = [a for a in actions if isinstance(a, ev.SendRequest)]
+    assert requests and requests[0].chunk == 1 and requests[0].choice != TEXT   # 200 kB in 8 ms: a fast link

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from streamer.adapt import cancel, decoding, estimator
-from streamer.adapt.base import TEXT, Abandon, Choice, Observation, Policy
+from streamer.adapt.base import TEXT, Abandon, Choice, Observation, Policy, probe_level
 from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input, time_left
 from streamer.adapt.decoding import DecodeCost
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES, LinkMemory
@@ -89,6 +89,9 @@ class Beliefs:
 
     prior_bps: float | None = None
     prior_errors: tuple[float, ...] = ()
+    #: the prior is only a lower bound on the link (what the handshake's few round trips
+    #: carried): it may pick a level, but it alone never sends the first chunk to text
+    prior_is_lower_bound: bool = False
     history: tuple[Observation, ...] = ()
     decodes: tuple[tuple[int, int, float], ...] = ()
     recomputes: tuple[tuple[int, float], ...] = ()
@@ -172,6 +175,7 @@ class FetchController:
         self.history: list[Observation] = list(beliefs.history)
         self.prior = beliefs.prior_bps
         self.prior_errors = tuple(beliefs.prior_errors)
+        self._prior_is_lower_bound = beliefs.prior_is_lower_bound
         self._past_decodes = list(beliefs.decodes)
         self._past_recomputes = list(beliefs.recomputes)
         self._decode_prior = beliefs.decode_prior
@@ -618,12 +622,13 @@ class FetchController:
         """The policy's choice for chunk ``index`` (and the rule's reason, if any), with the
         time left and the estimate it saw.
 
-        A decode prior alone never sends the fetch's first KV-capable chunk to text: text
-        times no decoder, so a prior that is far too slow would plan every chunk as text
-        for good. Until a section has been decoded, the first chunk the plan would fetch
-        without the prior goes out at that level and times the decoder; if the decoder
-        is as slow as the prior said, the cancel rule weighs its sections' decode as they
-        arrive."""
+        A prior alone never sends the fetch's first KV-capable chunk to text: text measures
+        neither the decoder nor the link, so a prior that is far too slow would plan every
+        chunk as text for good. Until a section has been decoded, the first chunk the plan
+        would fetch without the decode prior goes out at that level and times the decoder;
+        while the link's only measure is the handshake's lower bound, the first chunk goes
+        out at its smallest level and measures it. Either way the cancel rule gives the
+        chunk up if it proves as slow as the prior said."""
         history, estimate = self._estimate(now)
         until_deadline = self.deadline - now
         left = time_left(until_deadline, self._outstanding_bytes(), estimate, self.rtt)
@@ -645,14 +650,32 @@ class FetchController:
             probe, _ = choose(None)
             if probe != TEXT:
                 choice, reason = probe, "the decoder is not timed yet: this chunk times it (its prior alone said text)"
+        if choice == TEXT and reason is None and self._link_unmeasured():
+            choice = probe_level(plan_input(self.manifest, index, time_left=left, history=[], prior_bps=None,
+                                            recompute_seconds_per_token=self._recompute_rate()))
+            reason = "the link is not measured yet: this chunk measures it (the handshake's lower bound said text)"
         self.decisions.append(Decision(index, now, left, tuple(history), self.prior, estimate, choice, reason,
                                        recompute_busy))
         return choice, reason, left, estimate
 
-    def _decoder_untimed(self) -> bool:
-        """Only a prior says what the decoder costs, and no KV chunk requested yet will time it."""
-        return (self._decode_prior is not None and not self._past_decodes and not self.decodes
+    def _sample_pending(self, history: list[Observation]) -> bool:
+        """No sample of the link yet, no prior worth planning on, and a KV answer on its way
+        that will make one. Text requests are tiny and go out at once, so deciding ahead on
+        nothing would send every chunk left to text before the first sample lands."""
+        return (not history and (self.prior is None or self._prior_is_lower_bound)
+                and any(self.chunks[i].choice != TEXT for i in self.inflight))
+
+    def _link_unmeasured(self) -> bool:
+        """The link's only measure is a lower bound, and no KV chunk requested yet will measure
+        it (a probe needs the cancel rule, which gives it up if the link is that slow)."""
+        return (self.settings.cancels and self._prior_is_lower_bound and not self.history
                 and all(chunk.choice in (None, TEXT) for chunk in self.chunks))
+
+    def _decoder_untimed(self) -> bool:
+        """Only a prior says what the decoder costs, and no KV chunk requested yet will time
+        it (a probe needs the cancel rule, which weighs the decode it proves to take)."""
+        return (self.settings.cancels and self._decode_prior is not None and not self._past_decodes
+                and not self.decodes and all(chunk.choice in (None, TEXT) for chunk in self.chunks))
 
     def _decide_now(self, index: int, now: float) -> tuple[Choice, str | None]:
         choice, reason, _, _ = self._decide(index, now)
@@ -668,7 +691,9 @@ class FetchController:
             if self.inflight:
                 if sum(self.chunks[i].choice != TEXT for i in self.inflight) > MAX_QUEUED_AHEAD:
                     return
-                _, estimate = self._estimate(now)
+                history, estimate = self._estimate(now)
+                if self._sample_pending(history):
+                    return   # the answer arriving is about to measure the link: decide with that
                 lookahead = (estimate or 0.0) * max(self.rtt, self.response_latency) + MIN_SAMPLE_BYTES
                 excess = self._outstanding_bytes() - lookahead
                 if excess > _REQUEST_SLACK_BYTES:

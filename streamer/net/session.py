@@ -308,6 +308,7 @@ class StreamSession:
         memory = _recall(self.address, time.monotonic())
         prior = self.config.prior_bps or (memory.rate if memory else self.handshake_bps)
         return Beliefs(prior_bps=prior, prior_errors=memory.errors if memory else (),
+                       prior_is_lower_bound=not self.config.prior_bps and not memory,
                        history=(self.open_sample,) if self.open_sample else (),
                        decodes=tuple(self.decodes), recomputes=tuple(self.recomputes),
                        decode_prior=self.config.decode_prior)
