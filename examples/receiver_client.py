@@ -1,7 +1,11 @@
 """A serving process asking its node's receiver daemon (``kvwire receive``) for a context.
 
-    kvwire receive --listen 127.0.0.1:7420 --servers hostA:7410 &
-    python examples/receiver_client.py --context doc1 --slo 1.0
+    kvwire receive --listen 127.0.0.1:7420 --servers hostA:7410 --api-token-file /etc/kvwire/receiver.token &
+    python examples/receiver_client.py --token-file /etc/kvwire/receiver.token --context doc1 --slo 1.0
+
+Every request carries ``Authorization: Bearer <token>``, the token read from
+``--token-file`` or ``$KVWIRE_RECEIVER_TOKEN`` (a daemon started without one, on
+loopback, ignores the header; one with a token answers 401 without it).
 
 It starts the fetch without waiting (``"wait": false``), follows the progress events
 so it could start on layer 0 of chunk 0 while later chunks are still on the wire,
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 
 import aiohttp
 
@@ -34,15 +39,27 @@ async def events(http: aiohttp.ClientSession, url: str):
                 kind = None
 
 
+def token(path: str | None) -> str | None:
+    """The daemon's API token: from ``path``, else ``$KVWIRE_RECEIVER_TOKEN``; None when neither is set."""
+    if path is not None:
+        with open(path) as f:
+            return f.read().strip()
+    return os.environ.get("KVWIRE_RECEIVER_TOKEN", "").strip() or None
+
+
 async def main(args: argparse.Namespace) -> int:
     base = args.receiver.rstrip("/")
-    async with aiohttp.ClientSession() as http:
+    secret = token(args.token_file)
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    async with aiohttp.ClientSession(headers=headers) as http:
         body = {"context_id": args.context, "slo": args.slo, "wait": False}
         if args.min_level is not None:
             body["min_level"] = args.min_level
         async with http.post(f"{base}/fetch", json=body) as r:
             answer = await r.json()
-            if r.status >= 400:  # 400 bad request, 404 unknown context, 503 no sender (with the reason)
+            # 400 bad request, 401 no or wrong token, 404 unknown context, 429 this client has too
+            # many fetches running (Retry-After), 503 no sender (with the reason)
+            if r.status >= 400:
                 print(f"error {r.status}: {answer['error']}")
                 return 1
         if answer["status"] == "running":
@@ -75,6 +92,8 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--receiver", default="http://127.0.0.1:7420")
+    parser.add_argument("--token-file", help="file holding the daemon's API token "
+                                             "(default: $KVWIRE_RECEIVER_TOKEN)")
     parser.add_argument("--context", required=True)
     parser.add_argument("--slo", type=float, default=1.0)
     parser.add_argument("--min-level", type=int, help="every chunk at this level or better (0 = best)")

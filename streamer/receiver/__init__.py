@@ -7,7 +7,7 @@ serving processes next to it over a small HTTP/JSON API.
 * ``fetcher`` - one fetch per context however many requests ask (single-flight), with
   its progress events for server-sent-event subscribers
 * ``http``    - the aiohttp application (``/fetch``, ``/contexts/{id}``, ``/events``,
-  ``/healthz``, ``/metrics``)
+  ``/healthz``, ``/metrics``, ``/livez``), behind the API token when there is one
 * ``requests`` - what a request says (route, parameters, fetch body), parsed sans-I/O
   within stated size limits, or a typed 4xx
 * ``sse``     - the event stream's encoding (no value can start a field or an event)

@@ -9,6 +9,12 @@ place of the longest idle keep-alive connection, which is closed, or, when none 
 is answered 503 (``Retry-After``) without its request being read, and closed
 (``streamer.receiver.connections``).
 
+Exposure, the sender's rule (``streamer.net.sender.check_exposure``): the API serves
+every cached KV and starts fetches with the receiver's own sender credentials, so off
+loopback it needs an ``api_token`` (``InsecureConfiguration`` otherwise, unless
+``allow_insecure``); with one, every request but ``GET /livez`` must carry it
+(``streamer.receiver.requests.authorize``).
+
 Shutdown: stop accepting connections, answer 503 to requests still arriving on open
 ones, give running fetches ``shutdown_grace`` seconds to finish (their results are
 cached), cancel the rest (their waiters get 503, their event streams an ``error``
@@ -28,14 +34,16 @@ from aiohttp import web
 
 from streamer.net.config import SessionConfig, require_int
 from streamer.net.devices import close_devices
+from streamer.net.sender import InsecureConfiguration, is_loopback
 from streamer.receiver import malloc
 from streamer.receiver.cache import ContextCache
 from streamer.receiver.connections import DEFAULT_MAX_CONNECTIONS, ConnectionGate, check_descriptors
-from streamer.receiver.fetcher import Fetcher
+from streamer.receiver.fetcher import DEFAULT_MAX_FETCHES_PER_CLIENT, Fetcher
 from streamer.receiver.http import make_app
 from streamer.receiver.metrics import Metrics
 from streamer.receiver.requests import server_options
 from streamer.receiver.server_log import server_logger
+from streamer.wire import auth
 
 log = logging.getLogger("kvwire.receiver")
 
@@ -43,6 +51,10 @@ DEFAULT_PORT = 7420
 DEFAULT_CACHE_BYTES = 4 << 30
 #: longest a /healthz probe of one sender may take (less if the session's connect_timeout is)
 PROBE_TIMEOUT = 2.0
+#: /healthz probes the senders at most once per this many seconds, whatever the request rate
+PROBE_INTERVAL = 2.0
+#: the environment variable ``kvwire receive`` reads the API token from (without --api-token-file)
+API_TOKEN_ENV = "KVWIRE_RECEIVER_TOKEN"
 
 
 @dataclass
@@ -60,6 +72,14 @@ class ReceiverConfig:
     shutdown_grace: float = 5.0
     #: client connections served at once (each holds a descriptor); one more gets a 503
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    #: bearer token (str/bytes, >= 16 bytes of printable ASCII: it travels in a header) that
+    #: every request but GET /livez must present; needed to listen off loopback
+    api_token: auth.Token | None = field(default=None, repr=False)
+    #: listen off loopback without an ``api_token`` (the risk accepted)
+    allow_insecure: bool = False
+    #: fetches one client (with an ``api_token``: all its holders; else a peer address) may
+    #: have running that it started (joins not counted); one more is answered 429
+    max_fetches_per_client: int = DEFAULT_MAX_FETCHES_PER_CLIENT
     #: glibc malloc tuned at start and trimmed every this many seconds, so that RSS follows
     #: what is in use instead of its high-water mark (see ``streamer.receiver.malloc``);
     #: None: malloc left as it is
@@ -77,9 +97,33 @@ class ReceiverConfig:
                      if (value := getattr(self, name)) is not None}
         self.session = dataclasses.replace(self.session, **overrides)   # validates
         require_int("ReceiverConfig", "max_connections", self.max_connections, 1)
+        require_int("ReceiverConfig", "max_fetches_per_client", self.max_fetches_per_client, 1)
+        self.api_token = auth.normalize_token(self.api_token)
+        if self.api_token is not None and not all(0x21 <= b <= 0x7E for b in self.api_token):
+            raise ValueError("api_token must be printable ASCII without spaces: it is sent in an "
+                             "Authorization header (e.g. secrets.token_urlsafe(32))")
         if self.trim_seconds is not None and not self.trim_seconds > 0:
             raise ValueError(f"trim_seconds must be > 0 (or None), not {self.trim_seconds!r}")
         self.device, self.slo, self.policy = self.session.device, self.session.slo, self.session.policy
+
+
+def check_exposure(host: str | None, config: ReceiverConfig) -> str | None:
+    """Refuse (InsecureConfiguration) to listen off loopback without an API token, unless
+    ``config.allow_insecure``; else what to warn of when the API is reachable from other
+    hosts (None on loopback)."""
+    if is_loopback(host):
+        return None
+    where = host or "all interfaces"
+    if config.api_token is not None:
+        return (f"the HTTP API on {where} is plain HTTP: its bearer token and the KV it serves "
+                "cross the network in clear; expose it only on a network you trust")
+    if not config.allow_insecure:
+        raise InsecureConfiguration(
+            f"refusing to serve the receiver API on {where} without an API token: set one "
+            f"(kvwire receive --api-token-file FILE or ${API_TOKEN_ENV}; ReceiverConfig(api_token=...)), "
+            "listen on 127.0.0.1, or accept the risk with --insecure-no-auth (allow_insecure=True)")
+    return (f"the HTTP API on {where} has NO authentication (insecure mode): anyone who can reach it "
+            "can read every cached context and start fetches")
 
 
 class Receiver:
@@ -87,8 +131,12 @@ class Receiver:
         self.config = config
         self.metrics = Metrics()
         self.cache = ContextCache(config.cache_bytes, config.cache_dir)
-        self.fetcher = Fetcher(config.servers, self.cache, self.metrics, config.session, model=model)
+        self.fetcher = Fetcher(config.servers, self.cache, self.metrics, config.session, model=model,
+                               max_per_client=config.max_fetches_per_client)
         self.closing = False
+        #: the last (or running) round of /healthz probes, and when it started
+        self._probe: asyncio.Future[list[dict[str, Any]]] | None = None
+        self._probed_at = 0.0
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self._gate: ConnectionGate | None = None
@@ -105,6 +153,10 @@ class Receiver:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> "Receiver":
+        """Listen on ``host:port``; InsecureConfiguration off loopback without an API token."""
+        exposed = check_exposure(host, self.config)
+        if exposed is not None:
+            log.warning("%s", exposed)
         found = await asyncio.to_thread(self.cache.load)
         if found:
             log.info("cache: %d contexts (%d bytes) in %s", found, self.cache.total_bytes, self.cache.directory)
@@ -137,11 +189,22 @@ class Receiver:
         return self._gate.open if self._gate is not None else 0
 
     async def probe_senders(self) -> list[dict[str, Any]]:
-        """Handshake with every sender at once (authenticated, over TLS, as a fetch would)
-        and hang up: {"address", "reachable", "handshake_ms" or "error"} each."""
-        return list(await asyncio.gather(*(self._probe(host, port) for host, port in self.config.servers)))
+        """Each sender's state, {"address", "reachable", "handshake_ms" or "error"}, from a
+        round of probes at most ``PROBE_INTERVAL`` old: a poller, or a flood, of /healthz
+        must not cost every sender a handshake per request. Calls within the interval get
+        the last round's result; calls while a round runs wait for it (single-flight)."""
+        probe = self._probe
+        if probe is None or (probe.done() and time.monotonic() - self._probed_at >= PROBE_INTERVAL):
+            self._probed_at = time.monotonic()
+            probe = self._probe = asyncio.ensure_future(self._probe_all())
+        return await asyncio.shield(probe)   # a caller that goes away leaves the round to the others
 
-    async def _probe(self, host: str, port: int) -> dict[str, Any]:
+    async def _probe_all(self) -> list[dict[str, Any]]:
+        """Handshake with every sender at once (authenticated, over TLS, as a fetch would)
+        and hang up."""
+        return list(await asyncio.gather(*(self._probe_one(host, port) for host, port in self.config.servers)))
+
+    async def _probe_one(self, host: str, port: int) -> dict[str, Any]:
         from streamer.net.client import StreamError
         from streamer.net.session import connect
 
@@ -164,6 +227,8 @@ class Receiver:
             self._listener.close()  # no new connections
         if self._gate is not None:
             self._gate.close()
+        if self._probe is not None:
+            self._probe.cancel()
         await self.fetcher.close(self.config.shutdown_grace)
         await asyncio.to_thread(close_devices)   # GPU decode workers finish, devices released
         if self._runner is not None:
@@ -217,7 +282,9 @@ def warm_up_decoder(device: str) -> float:
 async def start_receiver(config: ReceiverConfig, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                          model: Any = None) -> Receiver:
     """Start a receiver daemon (port 0: any free port). ``model``: an already loaded
-    (model, tokenizer); otherwise ``config.model`` is loaded."""
+    (model, tokenizer); otherwise ``config.model`` is loaded. InsecureConfiguration (a
+    ValueError) off loopback without ``config.api_token``, before anything is loaded."""
+    check_exposure(host, config)
     await asyncio.to_thread(check_device, config.device)
     await asyncio.to_thread(warm_up_decoder, config.device)
     if model is None and config.model:

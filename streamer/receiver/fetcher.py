@@ -8,6 +8,12 @@ policy: then only a ``fixed:M`` fetch with M <= N is, others are waited out and 
 cache is checked again), and otherwise starts one. A fetch is a task of its own: a
 requester that goes away does not cancel it, and its result is cached for the next.
 
+A client (``fetch(..., client=KEY)``) may have at most ``max_per_client`` fetches
+running that it started; starting one more is refused (429, ``Retry-After``). Joining a
+running fetch and a cache hit cost the senders nothing and are not counted; a started
+fetch counts until it ends, also past the 202 of ``"wait": false`` and after its
+requester went away, since that is how long it occupies the senders.
+
 Each fetch keeps its events (``start``, ``manifest``, ``layer``, ``chunk``, ``text``,
 then ``done`` or ``error``) so a late subscriber replays them before following live.
 ``layer`` events come in (chunk, layer) order, as ``StreamSession`` delivers them.
@@ -20,7 +26,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Mapping, Sequence
 
 from streamer.adapt import decoding
 from streamer.receiver.cache import ContextCache, Entry, Quality
@@ -32,13 +38,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvwire.receiver")
 
 
-class FetchError(Exception):
-    """A fetch (or a request for one) failed; ``status`` is the HTTP status to answer."""
+#: fetches a client may have running at once (``Fetcher.max_per_client``)
+DEFAULT_MAX_FETCHES_PER_CLIENT = 8
+#: seconds a client past its limit is told to wait (a fetch takes about its SLO)
+RETRY_AFTER = 1
 
-    def __init__(self, status: int, message: str) -> None:
+
+class FetchError(Exception):
+    """A fetch (or a request for one) failed; ``status`` is the HTTP status to answer,
+    ``headers`` go with it (``Retry-After``, ``Allow``, ``WWW-Authenticate``)."""
+
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = dict(headers or {})
 
 
 @dataclass(frozen=True)
@@ -112,9 +126,11 @@ class Outcome:
 class FetchJob:
     """One fetch of one context, with its event log and subscribers."""
 
-    def __init__(self, fetcher: "Fetcher", request: FetchRequest) -> None:
+    def __init__(self, fetcher: "Fetcher", request: FetchRequest, client: Hashable | None) -> None:
         self.fetcher = fetcher
         self.request = request
+        #: who started it (counted against its ``max_per_client`` until it ends), or None
+        self.client = client
         self.events: list[Event] = []
         self._seq = itertools.count(1)
         self._subscribers: set[asyncio.Queue[Event]] = set()
@@ -179,9 +195,13 @@ class Fetcher:
     """
 
     def __init__(self, servers: Sequence[tuple[str, int]], cache: ContextCache, metrics: Metrics,
-                 session: SessionConfig, *, model: Any = None) -> None:
+                 session: SessionConfig, *, model: Any = None,
+                 max_per_client: int = DEFAULT_MAX_FETCHES_PER_CLIENT) -> None:
         if not servers:
             raise ValueError("the receiver needs at least one sender address")
+        self.max_per_client = max_per_client
+        #: running fetches by the client that started them (no entry at zero)
+        self.per_client: dict[Hashable, int] = {}
         self.servers = [(h, int(p)) for h, p in servers]
         self.cache = cache
         self.metrics = metrics
@@ -204,8 +224,10 @@ class Fetcher:
         self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------ requests
-    async def fetch(self, request: FetchRequest, *, wait: bool = True) -> Outcome:
-        """Serve ``request`` from the cache, a running fetch or a new one; FetchError on failure."""
+    async def fetch(self, request: FetchRequest, *, wait: bool = True, client: Hashable | None = None) -> Outcome:
+        """Serve ``request`` from the cache, a running fetch or a new one; FetchError on
+        failure, 429 when a new one is needed and ``client`` (None: not limited) has
+        ``max_per_client`` running already."""
         required = request.required_level
         cid = request.context_id
         for attempt in range(4):
@@ -221,7 +243,7 @@ class Fetcher:
             if job is None:
                 self.metrics.cache_misses.labels("refresh" if request.refresh else
                                                  "quality" if entry is not None else "absent").inc()
-                job, status = self._start(request), "fetched"
+                job, status = self._start(request, client), "fetched"
             elif job.guarantees(required) or attempt == 3:
                 self.metrics.joins.inc()
                 status = "joined"
@@ -256,8 +278,15 @@ class Fetcher:
                 return None
 
     # ------------------------------------------------------------------ fetching
-    def _start(self, request: FetchRequest) -> FetchJob:
-        job = FetchJob(self, request)
+    def _start(self, request: FetchRequest, client: Hashable | None) -> FetchJob:
+        if client is not None:
+            running = self.per_client.get(client, 0)
+            if running >= self.max_per_client:
+                raise FetchError(429, f"{running} fetches started by {client} are running, the most allowed "
+                                      "at once (max_fetches_per_client); retry when one has ended",
+                                 {"Retry-After": str(RETRY_AFTER)})
+            self.per_client[client] = running + 1
+        job = FetchJob(self, request, client)
         self.inflight[request.context_id] = job
         self.metrics.inflight.inc()
         job.task = asyncio.create_task(self._run(job), name=f"kvwire-receive-{request.context_id}")
@@ -310,6 +339,9 @@ class Fetcher:
             self.metrics.inflight.dec()
             if self.inflight.get(req.context_id) is job:
                 del self.inflight[req.context_id]
+            if job.client is not None:
+                if (left := self.per_client.pop(job.client) - 1) > 0:
+                    self.per_client[job.client] = left
             job.finished.set()
             job.opened.set()
             self._notify()

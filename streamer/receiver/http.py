@@ -9,16 +9,30 @@
 ``GET  /healthz``               200 {"status": "ok", "senders": [...], ...} when a sender
                                 answers a handshake; 503 with "no_sender" when none does
                                 (each sender's error listed), "shutting_down" on the way out
+                                (the senders' state from a probe at most ``PROBE_INTERVAL``,
+                                2 s, old: a flood of requests costs each sender one
+                                handshake per interval)
 ``GET  /metrics``               Prometheus text format
+``GET  /livez``                 200 ``ok``: the process answers (no sender, no cache, no token)
+
+Authentication: a daemon with an API token (``ReceiverConfig.api_token``, ``kvwire
+receive --api-token-file`` / ``$KVWIRE_RECEIVER_TOKEN``; required off loopback) answers
+every request but ``/livez`` that lacks ``Authorization: Bearer <token>`` with 401 and
+``WWW-Authenticate: Bearer``, before anything else of the request is parsed or read.
+Without a token (on loopback) every route is open, as any local process is trusted.
 
 Errors are JSON ``{"error": message, "status": code}``: 400 for a malformed request,
-404 for a context no sender has (or a path that names no endpoint), 405 for a method
-the path does not take, 408 for a body that does not arrive in time, 413 for one too
-large, 503 when no sender can be reached (with the reason) or the daemon is shutting
-down, 500 for anything unexpected (logged; the daemon goes on).
+401 for a missing or wrong token, 404 for a context no sender has (or a path that
+names no endpoint), 405 for a method the path does not take, 408 for a body that does
+not arrive in time, 413 for one too large, 429 (``Retry-After``) for a fetch that would
+start when its client already has ``max_fetches_per_client`` running (joining a running
+fetch, or a cache hit, is never refused; with a token all its holders are one client,
+without one each peer address is), 503 when no sender can be reached (with the reason)
+or the daemon is shutting down, 500 for anything unexpected (logged; the daemon goes on).
 
-Every request goes to one handler, ``dispatch``: aiohttp frames it within
-``streamer.receiver.requests``' limits, ``requests.parse_head`` reads its route and
+Every request goes to one handler, ``dispatch``, so that no route can miss the token
+check: aiohttp frames it within ``streamer.receiver.requests``' limits,
+``requests.authorize`` checks its token, ``requests.parse_head`` reads its route and
 parameters (and ``requests.parse_fetch_body`` a fetch's body), and the route's handler
 does the I/O.
 """
@@ -28,7 +42,7 @@ import asyncio
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from aiohttp import web
 
@@ -49,8 +63,7 @@ _READ_BLOCK = 1 << 20
 RECEIVER_KEY: web.AppKey["Receiver"] = web.AppKey("receiver")
 
 
-def _error(status: int, message: str, allow: tuple[str, ...] = ()) -> web.Response:
-    headers = {"Allow": ", ".join(allow)} if allow else None
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
     return web.json_response({"error": message, "status": status}, status=status, headers=headers)
 
 
@@ -61,7 +74,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except FetchError as exc:
         receiver.metrics.errors.labels(str(exc.status)).inc()
-        return _error(exc.status, exc.message, exc.allow if isinstance(exc, RequestError) else ())
+        return _error(exc.status, exc.message, exc.headers)
     except web.HTTPException as exc:
         if exc.status >= 400:
             receiver.metrics.errors.labels(str(exc.status)).inc()
@@ -87,8 +100,10 @@ async def post_fetch(request: web.Request, head: Head) -> web.Response:
         raise RequestError(408, f"the body did not arrive within {requests.BODY_TIMEOUT:.0f} s") from None
     fetch, wait = requests.parse_fetch_body(body, default_slo=receiver.config.slo,
                                             default_policy=receiver.config.policy)
+    # the token is the only identity the API knows: with one, all its holders are one client
+    client = "the holders of the API token" if receiver.config.api_token is not None else f"peer {request.remote}"
     try:
-        outcome = await receiver.fetcher.fetch(fetch, wait=wait)
+        outcome = await receiver.fetcher.fetch(fetch, wait=wait, client=client)
     except FetchError:
         receiver.metrics.requests.labels("error").inc()
         raise
@@ -133,7 +148,7 @@ async def get_context(request: web.Request, head: Head) -> web.StreamResponse:
         response = web.StreamResponse(headers=headers)
         response.content_length = size
         await response.prepare(request)
-        while block := await asyncio.to_thread(f.read, _READ_BLOCK):
+        while request.method != "HEAD" and (block := await asyncio.to_thread(f.read, _READ_BLOCK)):
             await response.write(block)
         await response.write_eof()
         return response
@@ -152,13 +167,17 @@ async def get_events(request: web.Request, head: Head) -> web.StreamResponse:
     job = await receiver.fetcher.wait_for(cid, wait)
     if receiver.closing:
         raise FetchError(503, "the receiver is shutting down")
+    entry = receiver.cache.peek(cid) if job is None else None
+    if job is None and entry is None:
+        raise FetchError(404, f"no fetch of {cid!r} is running and it is not cached (POST /fetch, "
+                              "or wait for one with ?wait=S)")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
+    if request.method == "HEAD":   # the status and headers alone: aiohttp would write a body too
+        await response.prepare(request)
+        return response
     if job is None:
-        entry = receiver.cache.peek(cid)
-        if entry is None:
-            raise FetchError(404, f"no fetch of {cid!r} is running and it is not cached (POST /fetch, "
-                                  "or wait for one with ?wait=S)")
+        assert entry is not None
         await response.prepare(request)
         await response.write(_sse(Event(0, "done", {"status": "cached", **entry.describe(token_ids=False),
                                                     "report": entry.report})))
@@ -208,14 +227,21 @@ async def metrics(request: web.Request, head: Head) -> web.Response:
     return web.Response(body=receiver.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-_HANDLERS = {"fetch": post_fetch, "contexts": list_contexts, "context": get_context, "events": get_events,
-             "healthz": healthz, "metrics": metrics}
+async def livez(request: web.Request, head: Head) -> web.Response:
+    return web.Response(text="ok")
+
+
+#: a handler for each of ``requests.ROUTES``
+HANDLERS = {"fetch": post_fetch, "contexts": list_contexts, "context": get_context, "events": get_events,
+            "healthz": healthz, "metrics": metrics, "livez": livez}
 
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
-    """Every request: its head parsed (sans-I/O) before any body is read, then its route's handler."""
+    """Every request: its token checked, then its head parsed (both sans-I/O, before any
+    body is read), then its route's handler."""
+    requests.authorize(request.raw_path, request.headers, request.app[RECEIVER_KEY].config.api_token)
     head = requests.parse_head(request.method, request.raw_path, request.headers)
-    return await _HANDLERS[head.route](request, head)
+    return await HANDLERS[head.route](request, head)
 
 
 @web.middleware

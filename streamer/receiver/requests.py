@@ -1,9 +1,10 @@
 """What the receiver daemon reads from an HTTP request, as pure functions (sans-I/O).
 
 aiohttp frames each request (request line, headers, body) within the limits below;
-the daemon hands what it framed to ``parse_head`` (route and parameters, from the
-request target and headers, before any body is read) and, for ``POST /fetch``, the
-body to ``parse_fetch_body``. Each returns the parsed request or raises
+the daemon hands what it framed to ``authorize`` (the API token, when the daemon has
+one), then to ``parse_head`` (route and parameters, from the request target and
+headers), both before any body is read, and, for ``POST /fetch``, the body to
+``parse_fetch_body``. Each returns the parsed request or raises
 ``RequestError``, a ``FetchError`` with a 4xx status that names the cause. The fuzz
 target ``http`` (``streamer.tools.fuzz_http``) drives these functions from raw bytes
 through aiohttp's own request parser, configured by ``server_options``.
@@ -26,6 +27,7 @@ Maximum of each size read, each checked before anything of that size is kept:
 """
 from __future__ import annotations
 
+import hmac
 import json
 import math
 from dataclasses import dataclass
@@ -53,8 +55,9 @@ FETCH_KEYS = frozenset({"context_id", "slo", "policy", "min_level", "refresh", "
 class RequestError(FetchError):
     """A request the daemon refuses (4xx); ``allow``: the methods of the path (for 405)."""
 
-    def __init__(self, status: int, message: str, allow: tuple[str, ...] = ()) -> None:
-        super().__init__(status, message)
+    def __init__(self, status: int, message: str, allow: tuple[str, ...] = (),
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(status, message, {"Allow": ", ".join(allow)} if allow else headers)
         self.allow = allow
 
 
@@ -62,7 +65,7 @@ class RequestError(FetchError):
 class Head:
     """A request's route and parameters, from its target and headers."""
 
-    #: "fetch", "contexts", "context", "events", "healthz" or "metrics"
+    #: a key of ``ROUTES``
     route: str
     context_id: str | None = None
     #: context: wait for a fetch of it that is running
@@ -81,14 +84,18 @@ def server_options() -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- head
 #: route -> (methods, the query parameters it takes)
-_ROUTES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+ROUTES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "fetch": (("POST",), frozenset()),
     "contexts": (("GET", "HEAD"), frozenset()),
     "context": (("GET", "HEAD"), frozenset({"wait"})),
     "events": (("GET", "HEAD"), frozenset({"wait", "after"})),
     "healthz": (("GET", "HEAD"), frozenset()),
     "metrics": (("GET", "HEAD"), frozenset()),
+    "livez": (("GET", "HEAD"), frozenset()),
 }
+#: the one route served without the API token: it says only that the process answers,
+#: and costs nothing (no sender, no cache)
+PUBLIC_ROUTE = "livez"
 
 
 def _segments(path: str) -> list[str]:
@@ -104,7 +111,7 @@ def _route(path: str) -> tuple[str, str | None]:
     if not path.startswith("/"):
         raise RequestError(400, f"the request target must be a path starting with '/', got {path[:80]!r}")
     parts = _segments(path)
-    if len(parts) == 1 and parts[0] in ("fetch", "contexts", "healthz", "metrics"):
+    if len(parts) == 1 and parts[0] in ("fetch", "contexts", "healthz", "metrics", "livez"):
         return parts[0], None
     if len(parts) in (2, 3) and parts[0] == "contexts" and (len(parts) == 2 or parts[2] == "events"):
         from streamer.wire.manifest import validate_context_id
@@ -115,7 +122,7 @@ def _route(path: str) -> tuple[str, str | None]:
             raise RequestError(400, str(exc)) from None
         return ("context" if len(parts) == 2 else "events"), cid
     raise RequestError(404, f"no endpoint at {path[:200]!r} (POST /fetch, GET /contexts, /contexts/ID, "
-                            "/contexts/ID/events, /healthz, /metrics)")
+                            "/contexts/ID/events, /healthz, /metrics, /livez)")
 
 
 def _query(query: str, allowed: frozenset[str]) -> dict[str, str]:
@@ -142,13 +149,31 @@ def _event_id(value: str, what: str) -> int:
     return int(value)
 
 
+def authorize(target: str, headers: Mapping[str, str], token: bytes | None) -> None:
+    """``RequestError`` (401, ``WWW-Authenticate``) unless the daemon has no API token,
+    the target's path is exactly ``/`` + ``PUBLIC_ROUTE``, or the request carries
+    ``Authorization: Bearer <token>`` (compared in constant time). Called first, so that
+    without the token nothing else is parsed or answered: no 400, 404 or 413 either."""
+    if token is None or target.partition("?")[0] == "/" + PUBLIC_ROUTE:
+        return
+    scheme, _, given = headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        raise RequestError(401, "this API needs the daemon's token: Authorization: Bearer <token>",
+                           headers={"WWW-Authenticate": 'Bearer realm="kvwire"'})
+    # (a header may hold any character, lone surrogates too: surrogatepass encodes each,
+    # never as ASCII, and a token is ASCII, so a non-ASCII one only ever differs)
+    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"), token):
+        raise RequestError(401, "wrong API token",
+                           headers={"WWW-Authenticate": 'Bearer realm="kvwire", error="invalid_token"'})
+
+
 def parse_head(method: str, target: str, headers: Mapping[str, str]) -> Head:
     """The route and parameters of a request, from its method, target (path and query,
     still percent-encoded: aiohttp's ``raw_path``) and headers; ``RequestError`` (400,
     404, 405, 413) naming what is wrong. Called before any body is read."""
     path, _, query = target.partition("?")
     route, cid = _route(path)
-    methods, params = _ROUTES[route]
+    methods, params = ROUTES[route]
     if method not in methods:
         raise RequestError(405, f"{method[:20]} is not allowed on {path[:200]} (allowed: {', '.join(methods)})",
                            allow=methods)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 from streamer.receiver.connections import DEFAULT_MAX_CONNECTIONS
-from streamer.receiver.daemon import DEFAULT_CACHE_BYTES, DEFAULT_PORT
+from streamer.receiver.daemon import API_TOKEN_ENV, DEFAULT_CACHE_BYTES, DEFAULT_PORT
+from streamer.receiver.fetcher import DEFAULT_MAX_FETCHES_PER_CLIENT
 from streamer.tools.serve_fetch import parse_address
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -27,12 +29,25 @@ def parse_servers(text: str) -> list[tuple[str, int]]:
     return [parse_address(p.strip()) for p in parts]
 
 
+def api_token(args: argparse.Namespace) -> bytes | None:
+    """The API token from --api-token-file or, without it, ``$KVWIRE_RECEIVER_TOKEN``
+    (read as the sender's token is; never taken as an argument: ``ps`` shows those)."""
+    from streamer.wire.auth import load_token, normalize_token
+
+    if args.api_token_file is not None:
+        return load_token(args.api_token_file)
+    value = os.environ.get(API_TOKEN_ENV, "").strip()
+    return normalize_token(value) if value else None
+
+
 async def _receive(args: argparse.Namespace) -> int:
     import asyncio
     import contextlib
     import logging
     import signal
+    import sys
 
+    from streamer.net.sender import InsecureConfiguration
     from streamer.receiver.daemon import ReceiverConfig, start_receiver
 
     logging.basicConfig(level=logging.INFO, format="kvwire receive: %(message)s")
@@ -41,21 +56,24 @@ async def _receive(args: argparse.Namespace) -> int:
     session = session_config(args, slo=args.slo, policy=args.policy, device=args.device)
     config = ReceiverConfig(servers=args.servers, cache_dir=args.cache, cache_bytes=args.cache_bytes,
                             model=args.model, shutdown_grace=args.grace, session=session,
-                            max_connections=args.max_connections)
+                            max_connections=args.max_connections, api_token=api_token(args),
+                            allow_insecure=args.insecure_no_auth,
+                            max_fetches_per_client=args.max_fetches_per_client)
+    model_errors: tuple[type[Exception], ...] = ()
     if args.model:
-        import sys
-
         from streamer.model.hf import ModelLoadError
 
+        # a wrong path, not a model, a damaged file or a missing package: say which
+        model_errors = (FileNotFoundError, ModelLoadError, RuntimeError)
         print(f"kvwire receive: loading model {args.model}", flush=True)
-        try:
-            receiver = await start_receiver(config, *args.listen)
-        except (FileNotFoundError, ModelLoadError, RuntimeError) as exc:
-            # a wrong path, not a model, a damaged file or a missing package: say which
-            print(f"kvwire receive: cannot load model {args.model}: {exc}", file=sys.stderr)
-            return 2
-    else:
+    try:
         receiver = await start_receiver(config, *args.listen)
+    except InsecureConfiguration as exc:
+        print(f"kvwire receive: {exc}", file=sys.stderr)
+        return 2
+    except model_errors as exc:
+        print(f"kvwire receive: cannot load model {args.model}: {exc}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -64,7 +82,8 @@ async def _receive(args: argparse.Namespace) -> int:
     servers = ",".join(f"{h}:{p}" for h, p in config.servers)
     cache = args.cache or "memory"
     print(f"kvwire receive: {receiver.url} <- {servers} (cache {cache}, {config.cache_bytes} bytes, "
-          f"device {config.device}{', model ' + args.model if args.model else ''})", flush=True)
+          f"device {config.device}{', model ' + args.model if args.model else ''}, "
+          f"{'API token required' if config.api_token is not None else 'no API token'})", flush=True)
     await stop.wait()
     print("kvwire receive: shutting down", flush=True)
     await receiver.close()
@@ -79,11 +98,21 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         "receive", allow_abbrev=False, help="run a receiver daemon: fetch contexts for local serving processes",
         description="Fetch contexts from sender daemons under an SLO for the serving processes on this "
                     "host, over a local HTTP API: POST /fetch, GET /contexts/ID (safetensors), "
-                    "GET /contexts/ID/events (server-sent events), GET /healthz, GET /metrics. "
+                    "GET /contexts/ID/events (server-sent events), GET /healthz, GET /metrics, GET /livez. "
                     "Concurrent requests share one fetch; finished contexts stay in an LRU cache.")
     receive.add_argument("--listen", type=parse_address, default=("127.0.0.1", DEFAULT_PORT),
-                         help=f"HOST:PORT of the HTTP API (default 127.0.0.1:{DEFAULT_PORT}; it has no "
-                              "authentication: keep it on loopback)")
+                         help=f"HOST:PORT of the HTTP API (default 127.0.0.1:{DEFAULT_PORT}); off loopback "
+                              "it needs an API token")
+    receive.add_argument("--api-token-file", metavar="FILE",
+                         help="file holding the token every API request but GET /livez must carry "
+                              f"(Authorization: Bearer TOKEN; default: ${API_TOKEN_ENV}; without one the "
+                              "API is open, which only loopback allows)")
+    receive.add_argument("--insecure-no-auth", action="store_true",
+                         help="allow the API on a non-loopback address without a token")
+    receive.add_argument("--max-fetches-per-client", type=int, default=DEFAULT_MAX_FETCHES_PER_CLIENT,
+                         help=f"fetches one client may have running that it started (default "
+                              f"{DEFAULT_MAX_FETCHES_PER_CLIENT}; with a token all its holders are one "
+                              "client, else each peer address); one more is answered 429 with Retry-After")
     receive.add_argument("--servers", type=parse_servers, required=True,
                          help="sender daemons, HOST:PORT[,HOST:PORT...] (over one shared store): "
                               "fetches start on them round-robin, and move to the next if one fails")
