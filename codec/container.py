@@ -47,6 +47,12 @@ MAX_U16 = 0xFFFF
 MAX_CHANNELS = 1 << 16
 #: Largest tokens * channels of one layer's K or V (1 GiB of float32 coefficients).
 MAX_LAYER_VALUES = 1 << 28
+#: decoded bytes (the header's dtype) a coded section may claim per byte it holds: 1/64 of
+#: a bit per fp16 element. The lowest level on real KV decodes to ~60 per byte; data the
+#: profile does not fit is stored raw (1 per byte). The lane minimum alone would let a
+#: table whose likeliest symbol is almost certain carry ~48,000 values per word, so an
+#: 11 KB section could claim 1 GiB: this bound keeps it to ~11 MB, checked at the header.
+MAX_OUTPUT_PER_BYTE = 1024
 #: The level is a u8 field, so a profile has at most 256 levels.
 MAX_LEVELS = 256
 #: Table classes are u8 indices, so a profile has at most 256 frequency tables.
@@ -229,7 +235,8 @@ def parse_header(data: bytes | memoryview) -> BlobHeader:
 
 
 def _check_section_length(header: BlobHeader, layer: int, length: int, mode: int) -> None:
-    """A raw section is exactly the layer's tokens; a coded one holds its sinks and lane count."""
+    """A raw section is exactly the layer's tokens; a coded one holds its sinks and lane
+    count, and no more decoded output per byte than ``MAX_OUTPUT_PER_BYTE``."""
     if mode not in _MODES:
         raise CorruptBitstream(f"layer {layer}'s section has unknown mode {mode}")
     if mode == MODE_RAW and length != header.raw_size:
@@ -237,6 +244,10 @@ def _check_section_length(header: BlobHeader, layer: int, length: int, mode: int
                                f"{header.raw_size}")
     if mode == MODE_CODED and length < header.sink_size + _LANE_COUNT:
         raise CorruptBitstream(f"layer {layer}'s section is {length} bytes, shorter than its sink tokens")
+    if mode == MODE_CODED and header.raw_size > MAX_OUTPUT_PER_BYTE * length:
+        raise CorruptBitstream(f"layer {layer}'s section of {length} bytes claims {header.raw_size} bytes of "
+                               f"output, over {MAX_OUTPUT_PER_BYTE} per byte: no encoder output is that "
+                               "compressed")
 
 
 def section(data: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:

@@ -58,18 +58,44 @@ def test_embedded_profile_must_be_identity(small_profile) -> None:
 
 # ------------------------------------------------------------------ finding 2: size claims
 def test_blob_claiming_many_tokens_over_few_words_is_corrupt(small_profile) -> None:
-    """2^21 tokens, 8 words: the lane minimum (FORMAT.md, Limits) refuses it, by name,
-    for the whole-blob, layer-by-layer and section decoders alike. (In version 4 the
-    lane table alone ties T to bytes a little: 6 bytes per 16383 tokens of a row.)"""
+    """2^21 tokens over 8 words of lanes: the header alone refuses it (more output per
+    byte than MAX_OUTPUT_PER_BYTE), by name, for the whole-blob, layer-by-layer and
+    section decoders alike, before any lane is read."""
     blob, profile = HOSTILE["blob_claiming_2^21_tokens"][0]()
     assert len(blob) < 4096
-    with pytest.raises(codec.CorruptBitstream, match="too few for 2097152 tokens"):
+    with pytest.raises(codec.CorruptBitstream, match="bytes of output, over 1024 per byte"):
+        codec.parse_header(blob)
+    with pytest.raises(codec.CorruptBitstream, match="per byte"):
         codec.decode(blob, profile)
-    with pytest.raises(codec.CorruptBitstream, match="too few"):
+    with pytest.raises(codec.CorruptBitstream, match="per byte"):
         list(codec.decode_layers(blob, profile))
+
+
+@pytest.mark.parametrize("name", ["blob_11kb_claiming_1gib"])
+def test_a_small_section_claiming_a_gigabyte_is_refused_at_the_header(name: str) -> None:
+    """FORMAT.md's lane minimum lets a table whose likeliest symbol is almost certain carry
+    ~48,000 values per word, so an ~11 KB section could pass it and claim 1 GiB of output;
+    the header's output-per-byte bound refuses it before anything is read or allocated."""
+    build, reject = HOSTILE[name]
+    blob, _ = build()
+    assert 10_000 < len(blob) < 12_000
+    assert container.token_bytes(1 << 14, 1 << 14, torch.float32) * 2 >= 1 << 30
+    with pytest.raises(codec.CorruptBitstream, match="per byte"):
+        reject((blob, None))
+
+
+def test_the_lane_minimum_refuses_lanes_too_short_for_their_tokens(small_profile) -> None:
+    """A section within the output-per-byte bound whose lanes hold fewer words than their
+    values need (FORMAT.md, "Lane minimum"): refused by name before decoding."""
+    plan = layer_codec.plan_layer(small_profile, 0, 0, 4096)
+    payload = lane_payload(plan.lanes, 64, kept=plan.kept, steps=tuple(map(float, small_profile.steps[0, 0])))
+    blob = hand_blob(tokens=4096, heads=1, head_dim=2, sections=[payload], profile_id=small_profile.id, dtype=3)
+    codec.parse_header(blob)   # within the bound
+    with pytest.raises(codec.CorruptBitstream, match="too few for 4096 tokens"):
+        codec.decode(blob, small_profile)
     header = codec.parse_header(blob)
     with pytest.raises(codec.CorruptBitstream, match="too few"):
-        codec.decode_section(header, profile, 0, blob[header.size:])
+        codec.decode_section(header, small_profile, 0, blob[header.size:])
 
 
 def test_whole_blob_decode_checks_every_section_before_allocating(small_profile, monkeypatch) -> None:
@@ -185,8 +211,9 @@ def delta_profile() -> codec.Profile:
     (15, 1, 40, "does not start at anchors"),                             # not a multiple of 10
 ])
 def test_impossible_lane_shapes_are_corrupt(delta_profile, piece, rows_per_lane, tokens, message) -> None:
-    """FORMAT.md "Rows and lanes": the shape is checked before n_lanes is compared with it."""
-    blob = _lane_blob(delta_profile, tokens, lane_payload(4, 0, piece, rows_per_lane))
+    """FORMAT.md "Rows and lanes": the shape is checked before n_lanes is compared with it.
+    (200 words, which no lane shape reads, keep the section within the output per byte.)"""
+    blob = _lane_blob(delta_profile, tokens, lane_payload(4, 200, piece, rows_per_lane))
     with pytest.raises(codec.CorruptBitstream, match="impossible lane shape: .*" + message):
         codec.decode(blob, delta_profile)
 

@@ -146,6 +146,14 @@ def _many_tokens():
     return blob, profile
 
 
+def _gigabyte_claim():
+    """An ~11 KB coded section whose header claims 2^14 tokens x 2^14 channels of float32:
+    2 GiB of K and V, over 1 GiB per K or V (FORMAT.md, "Limits": output per byte)."""
+    blob = hand_blob(tokens=1 << 14, heads=128, head_dim=128, sections=[lane_payload(4, 5_400)],
+                     profile_id="00" * 8, dtype=3)
+    return blob, None
+
+
 def _embedded_bomb(declare_size: bool):
     import zstandard
 
@@ -192,6 +200,7 @@ def _parse_profile(data: bytes) -> None:
 #: name -> (build the input, reject it); each is one hostile input of issue #15
 HOSTILE: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {
     "blob_claiming_2^21_tokens": (_many_tokens, _decode),
+    "blob_11kb_claiming_1gib": (_gigabyte_claim, _decode),
     "embedded_profile_zstd_bomb": (lambda: _embedded_bomb(True), _decode),
     "embedded_profile_unsized_zstd_bomb": (lambda: _embedded_bomb(False), _decode),
     "blob_with_65535x65535_channels": (_wide_channels, _decode),
