@@ -15,13 +15,14 @@ from .backends import register as register_backend
 from .container import BlobHeader
 from .errors import CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
-from .profile import Level, Profile, calibrate
+from .profile import Level, Profile, calibrate, max_profile_bytes
 from .rotary import Rotary
 from .warmup import warm_up
 
 __all__ = [
     "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS",
     "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "ProfileMismatchWarning", "calibrate", "decode",
-    "decode_layers", "decode_section", "encode", "encode_levels", "header_length", "inspect", "parse_header",
+    "decode_layers", "decode_section", "encode", "encode_levels", "header_length", "inspect", "max_profile_bytes",
+    "parse_header",
     "register_backend", "resolve_profile", "Rotary", "section_decoder", "warm_up",
 ]

@@ -141,6 +141,11 @@ class Profile:
         return (f"Profile(id={self.id}, layers={self.layers}, heads={self.heads}, "
                 f"head_dim={self.head_dim}, transform={self.transform!r}, levels={len(self.targets)})")
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays: what keeping it costs."""
+        return sum(array.nbytes for array in self._arrays().values())
+
     # ---------------------------------------------------------- serialization
     def _metadata_json(self) -> str:
         meta = {
@@ -673,3 +678,23 @@ def embedded_profile(kv: torch.Tensor, level: int, sink_tokens: int) -> Profile:
 
 
 __all__ = ["Profile", "Level", "Rotary", "calibrate", "DEFAULT_LEVEL", "DEFAULT_TARGETS"]
+
+
+#: room for a profile file's JSON (safetensors' array index and the metadata array: the
+#: targets and estimated bits of up to MAX_LEVELS levels, and rotary) beyond its arrays
+_PROFILE_JSON_BYTES = 256 << 10
+
+
+def max_profile_bytes(layers: int, heads: int, head_dim: int, levels: int) -> int:
+    """The most bytes a profile file of these dimensions can take (FORMAT.md, "Profile
+    file": every array at its largest, the basis square, MAX_TABLES tables): a receiver
+    that knows a context's shape refuses a longer one before reading it whole."""
+    L, C, V = layers, heads * head_dim, levels
+    arrays = (L * 2 * C * 4                  # mean
+              + L * 2 * C * C * 4            # basis, R <= C rows
+              + 2 * V * L * 2 * 4            # steps, kept
+              + L * 2 * 4 * 2                # delta_group, weights
+              + 2 * V * L * 2 * 2 * C        # shift, table
+              + MAX_TABLES * 128 * 2)        # tables
+    return arrays + _PROFILE_JSON_BYTES
+

@@ -16,8 +16,9 @@ Pure functions of tensors; no I/O.
 """
 from __future__ import annotations
 
-import functools
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -124,21 +125,62 @@ class Rotary:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), float32 [tokens, dim], of positions ``start .. start + tokens - 1``.
 
-        Every layer of a chunk asks for the same angles (a 30-layer chunk spent 14 of its
-        88 ms of decode recomputing them), so recent ones are kept: the tensors are
-        shared between callers, to be read and never written.
+        Every layer of a chunk asks for the same angles (recomputing them was a sixth of
+        a 30-layer chunk's decode), so recent ones are kept, up to ``ANGLE_CACHE_BYTES``:
+        the tensors are shared between callers, to be read and never written.
         """
         if start < 0 or start + tokens > MAX_POSITION:
             raise ValueError(f"positions {start}..{start + tokens - 1} are outside [0, {MAX_POSITION})")
-        return _angles(self, start, tokens, torch.device(device))
+        return _ANGLES.get(self, start, tokens, torch.device(device))
 
 
-@functools.lru_cache(maxsize=16)
+#: bytes of angle tables kept across calls: a chunk's are a few MB (2 x tokens x dim x 4);
+#: a bound in entries would let 16 tables of a hostile header's size stay resident
+ANGLE_CACHE_BYTES = 64 << 20
+
+
 def _angles(rotary: Rotary, start: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(start, start + tokens, dtype=torch.int64, device=device).to(torch.float32)
     freqs = positions[:, None] * rotary.inv_freq().to(device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+class _AngleCache:
+    """The most recently used angle tables, at most ``limit`` bytes of them (a table
+    larger than that is computed and not kept). Decoders ask from several threads."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, rotary: Rotary, start: int, tokens: int, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rotary, start, tokens, device)
+        with self._lock:
+            if key in self._tables:
+                self._tables.move_to_end(key)
+                return self._tables[key]
+        angles = _angles(rotary, start, tokens, device)
+        size = 2 * angles[0].numel() * angles[0].element_size()
+        if size <= self.limit:
+            with self._lock:
+                if key not in self._tables:
+                    self._tables[key] = angles
+                    self._bytes += size
+                while self._bytes > self.limit:
+                    _, (cos, _) = self._tables.popitem(last=False)
+                    self._bytes -= 2 * cos.numel() * cos.element_size()
+        return angles
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+_ANGLES = _AngleCache(ANGLE_CACHE_BYTES)
 
 
 def rotate(keys: torch.Tensor, rotary: Rotary, angles: tuple[torch.Tensor, torch.Tensor], *,

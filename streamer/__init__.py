@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["open_store", "put_context", "serve", "Sender", "ServerConfig", "SessionConfig",
            "StreamSession", "FetchReport", "ChunkReport", "FetchFailed", "TextNotConsumed", "StreamError",
            "ServerError",
-           "ConnectionLost", "ContextChanged", "Manifest", "AuthenticationFailed",
+           "ConnectionLost", "ContextChanged", "ContextTooLarge", "Manifest", "AuthenticationFailed",
            "InsecureConfiguration"]
 
 _EXPORTS = {
     "open_store": "store", "put_context": "store.put", "serve": "net.sender",
     "Sender": "net.sender", "ServerConfig": "net.sender", "StreamSession": "net.session",
-    "FetchFailed": "net.session", "TextNotConsumed": "net.session", "ContextChanged": "net.session", "FetchReport": "fetch.report",
+    "FetchFailed": "net.session", "TextNotConsumed": "net.session", "ContextChanged": "net.session",
+    "ContextTooLarge": "net.session", "FetchReport": "fetch.report",
     "ChunkReport": "fetch.report", "StreamError": "net.client", "ServerError": "net.client",
     "ConnectionLost": "net.client", "AuthenticationFailed": "net.client",
     "InsecureConfiguration": "net.sender", "Manifest": "wire.manifest",
@@ -44,5 +45,5 @@ if TYPE_CHECKING:
     from streamer.store.put import put_context
     from streamer.fetch.report import ChunkReport, FetchReport
     from streamer.net.sender import InsecureConfiguration, Sender, ServerConfig, serve
-    from streamer.net.session import ContextChanged, FetchFailed, StreamSession, TextNotConsumed
+    from streamer.net.session import ContextChanged, ContextTooLarge, FetchFailed, StreamSession, TextNotConsumed
     from streamer.store import open_store

@@ -314,3 +314,23 @@ def test_model_profiles_remove_rope_by_default_and_on_request() -> None:
     assert (default.rotary is not None) == quality.ROTARY_DEFAULT
     assert quality.calibrate_profile(model, tokenizer, ids, rotary=True).rotary == rotary_of(model)
     assert quality.calibrate_profile(model, tokenizer, ids, rotary=False).rotary is None
+
+
+def test_the_angle_cache_is_bounded_in_bytes_not_entries() -> None:
+    """Tables are kept up to ANGLE_CACHE_BYTES, most recent first; one larger than that is
+    computed but never kept (a hostile header's token count cannot pin memory)."""
+    from codec import rotary as rotary_module
+
+    cache = rotary_module._AngleCache(limit=1 << 20)
+    rope = codec.Rotary(head_dim=64, dim=64, theta=10000.0)
+    per_table = 2 * 1024 * 64 * 4            # cos and sin of 1024 positions x 64 float32
+    for start in range(8):
+        cos, sin = cache.get(rope, start * 1024, 1024, torch.device("cpu"))
+        assert cos.shape == (1024, 64)
+        assert cache.nbytes <= 1 << 20
+    assert cache.nbytes == (1 << 20) // per_table * per_table
+    again = cache.get(rope, 7 * 1024, 1024, torch.device("cpu"))
+    assert again[0] is cos                    # the most recent one is still there
+    big = cache.get(rope, 0, 1 << 14, torch.device("cpu"))   # 8 MiB: computed, not kept
+    assert big[0].shape == (1 << 14, 64) and cache.nbytes <= 1 << 20
+    assert torch.equal(big[0][:1024], rope.angles(0, 1024)[0])

@@ -388,7 +388,7 @@ class _HostDecoder:
         import threading
 
         self.index, self.device, self.group_layers, self._buffer_count = 0, torch.device("cpu"), group_layers, 2
-        self._cuda, self._coder, self._lock = _FakeCuda, {}, threading.Lock()
+        self._cuda, self._coder, self._lock = _FakeCuda, gpu.coder_cache(), threading.Lock()
         self.copy_stream = self.decode_stream = _FakeCuda.Stream()
         self.current = self.decode_context = contextlib.nullcontext
         self.buffers = gpu.Buffers(self, 2)
@@ -410,6 +410,22 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> int:
 def _sections(blob: bytes):
     header = codec.parse_header(blob)
     return header, [(l, bytes(container.section(blob, header, l))) for l in range(header.layers)]
+
+
+def test_the_decoder_forgets_a_profiles_tables_with_the_profile(host_kernel) -> None:
+    """The device tables of a profile live as long as the profile: a receiver that sees
+    many profiles over its life does not keep them all (the CPU side does the same)."""
+    import gc
+
+    decoder = _HostDecoder(host_kernel, group_layers=2)
+    kv = torch.randn(2, 2, 64, 2, 8)
+    profile = codec.calibrate([kv], sink_tokens=0)
+    header, sections = _sections(codec.encode(kv.half(), 1, profile, sink_tokens=0))
+    list(decoder.decode_into(header, profile, iter(sections)))
+    assert len(decoder._coder) == 1
+    del profile
+    gc.collect()
+    assert len(decoder._coder) == 0
 
 
 def test_adapter_decodes_into_caller_tensors_through_the_host_kernel(host_kernel) -> None:

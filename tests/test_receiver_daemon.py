@@ -299,10 +299,13 @@ async def test_eviction_under_a_small_cache_and_persistence(contexts, sender, re
     assert status == 200 and _distortion(contexts["kv"]["b"], tensors["kv"]) < 2 * contexts["profile"].targets[1]
 
 
-async def test_an_entry_larger_than_the_cache_is_returned_but_not_kept(contexts, sender, receive, http) -> None:
+async def test_a_context_larger_than_the_cache_is_refused_before_it_is_fetched(contexts, sender, receive,
+                                                                               http) -> None:
+    """The manifest says what a context decodes to (the sender controls it): one larger than
+    the receiver's cache could never be kept, nor served, so it is 413 before any chunk."""
     receiver = await receive([("127.0.0.1", sender.port)], cache_bytes=1000)
     status, body = await _post(http, receiver, context_id="a", slo=5.0, policy="fixed:4")
-    assert status == 200 and body["stored"] is False and body["quality"]["worst_level"] == 4
+    assert status == 413 and "over this receiver's limit of 1000" in body["error"], body
     assert (await _get_kv(http, receiver, "a"))[0] == 404
 
 

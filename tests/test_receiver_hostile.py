@@ -29,10 +29,12 @@ def test_each_hostile_request_is_a_typed_4xx_and_the_daemon_stays_up(name: str, 
         assert row["error"].startswith(f"{n} of {n} partial heads closed by the daemon"), row
     elif name == "connection_flood":   # the default cap, from a flood of four times as many
         n, cap = adversarial_http.FLOOD_CONNECTIONS, connections.DEFAULT_MAX_CONNECTIONS
-        found = re.search(r": (\d+) x HTTP 200, (\d+) x HTTP 503; (\d+) idle ones closed for newcomers; "
+        # every client answered 200 or 503 (none refused when every newcomer found an idle
+        # connection to reclaim): none reset, none left unanswered
+        found = re.search(r": (\d+) x HTTP 200(?:, (\d+) x HTTP 503)?; (\d+) idle ones closed for newcomers; "
                           r"all released", row["error"])
-        assert found, row   # every client answered 200 or 503: none reset, none left unanswered
-        served, refused, reclaimed = map(int, found.groups())
+        assert found, row
+        served, refused, reclaimed = (int(g or 0) for g in found.groups())
         assert served + refused == n and served == cap + reclaimed, row
         assert row["error"].endswith("(0 with a traceback)"), row
     elif name == "malformed_request_flood":   # how many lines is the bench's figure (it depends on time)

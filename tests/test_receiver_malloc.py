@@ -5,6 +5,7 @@ off glibc, and the daemon starting and stopping it. No RSS figures (the machine 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -13,14 +14,17 @@ from streamer.receiver.daemon import Receiver, ReceiverConfig
 
 
 class FakeLibc:
-    """Records mallopt and malloc_trim calls; ``trimmed`` is set after ``stop_after`` trims."""
+    """Records mallopt and malloc_trim calls (and the threads the trims ran on);
+    ``trimmed`` is set after ``stop_after`` trims. Made inside a running loop."""
 
     def __init__(self, accept: bool = True, stop_after: int = 2) -> None:
         self.mallopts: list[tuple[int, int]] = []
         self.trims = 0
+        self.threads: set[int] = set()
         self.accept = accept
         self.stop_after = stop_after
         self.trimmed = asyncio.Event()
+        self._loop = asyncio.get_event_loop()
 
     def mallopt(self, param: int, value: int) -> int:
         self.mallopts.append((param, value))
@@ -29,8 +33,9 @@ class FakeLibc:
     def malloc_trim(self, pad: int) -> int:
         assert pad == 0
         self.trims += 1
+        self.threads.add(threading.get_ident())
         if self.trims >= self.stop_after:
-            self.trimmed.set()
+            self._loop.call_soon_threadsafe(self.trimmed.set)
         return 1
 
 
@@ -43,7 +48,7 @@ def test_settings_leave_what_the_environment_chose() -> None:
     assert malloc.settings({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}) == both
 
 
-def test_tune_applies_the_settings_glibc_accepts() -> None:
+async def test_tune_applies_the_settings_glibc_accepts() -> None:
     libc = FakeLibc()
     assert malloc.Malloc(libc).tune({}) == {"arena_max": malloc.ARENA_MAX, "mmap_threshold": malloc.MMAP_THRESHOLD}
     assert sorted(libc.mallopts) == sorted([(malloc.M_ARENA_MAX, malloc.ARENA_MAX),
@@ -71,6 +76,28 @@ async def test_trim_runs_every_period_until_cancelled() -> None:
     assert libc.trims == trims
     assert tuning.describe() == (f"arena_max={malloc.ARENA_MAX}, mmap_threshold={malloc.MMAP_THRESHOLD}, "
                                  "trimmed every 0.001 s")
+
+
+async def test_a_trim_runs_off_the_event_loop_which_keeps_serving_meanwhile() -> None:
+    """A trim walks glibc's free lists with each arena locked (tens of ms with a few
+    hundred MB of holes): it runs on a worker thread. Here a trim that cannot end until
+    the loop has run a callback after it began: on the loop's own thread it never would."""
+    began, release = threading.Event(), threading.Event()
+
+    class SlowLibc(FakeLibc):
+        def malloc_trim(self, pad: int) -> int:
+            began.set()
+            assert release.wait(10), "the event loop did not run while the trim held its thread"
+            return super().malloc_trim(pad)
+
+    libc = SlowLibc(stop_after=1)
+    tuning = malloc.Tuning({}, seconds=0.001, malloc=malloc.Malloc(libc))
+    while not began.is_set():
+        await asyncio.sleep(0.001)
+    release.set()   # only a loop that runs during the trim gets here
+    await asyncio.wait_for(libc.trimmed.wait(), 10)
+    tuning.stop()
+    assert threading.get_ident() not in libc.threads
 
 
 async def test_off_glibc_nothing_runs() -> None:

@@ -44,7 +44,9 @@ def test_keyword_arguments_alone_still_build_a_config() -> None:
 
 def test_the_receiver_config_shares_the_session_config() -> None:
     config = ReceiverConfig(servers=[("h", 1)], session=SessionConfig(stall_timeout=9.0), slo=0.25)
-    assert config.session == SessionConfig(stall_timeout=9.0, slo=0.25)
+    # no context larger than the cache is fetched, unless the session config says otherwise
+    assert config.session == SessionConfig(stall_timeout=9.0, slo=0.25, max_context_bytes=config.cache_bytes)
+    assert ReceiverConfig(servers=[("h", 1)], session=SessionConfig(max_context_bytes=5)).session.max_context_bytes == 5
     assert config.slo == 0.25 and config.policy == "mpc" and config.device == "cpu"
     with pytest.raises(ValueError):
         ReceiverConfig(servers=[("h", 1)], policy="bogus")

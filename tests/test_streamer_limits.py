@@ -598,3 +598,55 @@ async def test_a_stored_manifest_over_the_limit_is_refused_before_it_is_read(
             await client.close()
         finally:
             await sender.close()
+
+
+async def test_a_context_larger_than_the_receiver_keeps_is_refused_at_open(store_root) -> None:
+    """The manifest (which the sender controls) says how much the context decodes to: over
+    SessionConfig.max_context_bytes it is ContextTooLarge at open, at once, nothing fetched."""
+    decoded = LAYERS * 2 * CHUNKS * CHUNK_TOKENS * HEADS * HEAD_DIM * 2
+    async with Sending(store_root) as sender:
+        async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", max_context_bytes=decoded) as session:
+            assert session.manifest.decoded_bytes == decoded
+        with pytest.raises(streamer.ContextTooLarge, match=f"decodes to {decoded} bytes"):
+            async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", max_context_bytes=decoded - 1,
+                                              max_reconnects=3):
+                pass
+
+
+async def test_a_profile_larger_than_the_manifests_shape_allows_is_refused(tmp_path, limits_profile) -> None:
+    """A stored profile file swollen past what a profile of the context's shape can take
+    (codec.max_profile_bytes): the receiver refuses it past one frame, never holding it."""
+    root = str(tmp_path)
+    store = await streamer.open_store(root)
+    await streamer.put_context(store, "ctx", _kv(2, CHUNK_TOKENS), list(range(CHUNK_TOKENS)), profile=limits_profile,
+                               chunk_tokens=CHUNK_TOKENS)
+    await store.close()
+    most = codec.max_profile_bytes(LAYERS, HEADS, HEAD_DIM, len(limits_profile.levels))
+    assert len(limits_profile.to_bytes()) < most
+    path = tmp_path / "profiles" / f"{limits_profile.id}.safetensors"
+    path.write_bytes(path.read_bytes() + bytes(most))
+    from streamer.net import session as session_module
+
+    session_module._profiles.pop(limits_profile.id, None)
+    async with Sending(root) as sender:
+        with pytest.raises(streamer.ConnectionLost, match=f"exceeds {most} bytes"):
+            async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", max_reconnects=0):
+                pass
+
+
+def test_the_profile_cache_is_bounded_in_bytes(monkeypatch, limits_profile) -> None:
+    """Profiles kept for later sessions stay within PROFILE_CACHE_BYTES, least recently used
+    out first; the newest stays whatever its size."""
+    from collections import OrderedDict
+
+    from streamer.net import session as session_module
+
+    small = codec.calibrate([synthetic_kv(3, 256, 2, 2, 8)])
+    monkeypatch.setattr(session_module, "_profiles", OrderedDict())
+    monkeypatch.setattr(session_module, "PROFILE_CACHE_BYTES", limits_profile.nbytes + small.nbytes)
+    for profile in (small, limits_profile, small):
+        session_module._remember_profile(profile)
+    assert list(session_module._profiles) == [limits_profile.id, small.id]
+    monkeypatch.setattr(session_module, "PROFILE_CACHE_BYTES", 1)
+    session_module._remember_profile(limits_profile)
+    assert list(session_module._profiles) == [limits_profile.id]

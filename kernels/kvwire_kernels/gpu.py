@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,13 @@ class _CoderTables:
     lut: torch.Tensor
 
 
+def coder_cache() -> "weakref.WeakKeyDictionary[Profile, _CoderTables]":
+    """A decoder's device copies of each profile's coder tables, for as long as the profile
+    lives: a long-running receiver sees profiles come and go (re-downloaded, embedded), and
+    a plain dict keyed by the identity-compared profile kept every one until close()."""
+    return weakref.WeakKeyDictionary()
+
+
 @dataclass
 class _Inflight:
     """A launched group: what must stay alive until its decode event fires, and where each
@@ -97,7 +105,7 @@ class GpuDecoder:
             self.copy_stream, self.decode_stream = cuda.Stream(), cuda.Stream()
             self._torch_decode = torch.cuda.ExternalStream(self.decode_stream.handle, device=self.device)
         self.buffers = Buffers(self, buffers)
-        self._coder: dict[Profile, _CoderTables] = {}
+        self._coder = coder_cache()
 
     # ------------------------------------------------------------------ context
     @contextmanager
@@ -119,7 +127,7 @@ class GpuDecoder:
         with self._lock, self.current():
             self.copy_stream.synchronize()
             self.decode_stream.synchronize()
-            self.buffers, self._coder = Buffers(self, 0), {}
+            self.buffers, self._coder = Buffers(self, 0), coder_cache()
         self._closed = True
         self._context.detach()
 

@@ -91,6 +91,10 @@ class SessionConfig:
     #: keep every input and action of the fetch controller in ``StreamSession.log`` (a
     #: replayable trace of the last fetch: ``streamer.fetch.events``)
     record: bool = False
+    #: the most a context may decode to (bytes of its whole KV, from its manifest, which the
+    #: sender controls): a larger one is ContextTooLarge before anything is fetched; None: no
+    #: limit beyond the blob format's (the receiver daemon sets its cache's size)
+    max_context_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         owner = "SessionConfig"
@@ -110,6 +114,8 @@ class SessionConfig:
         if self.decode_prior is not None and not isinstance(self.decode_prior, DecodeCost):
             raise TypeError(f"{owner}.decode_prior must be a streamer.adapt.decoding.DecodeCost or None, "
                             f"got {self.decode_prior!r}")
+        if self.max_context_bytes is not None:
+            require_int(owner, "max_context_bytes", self.max_context_bytes, 1)
         if not isinstance(self.record, bool):
             raise TypeError(f"{owner}.record must be a bool, got {self.record!r}")
         if self.cancel is not None and not isinstance(self.cancel, bool):

@@ -175,7 +175,7 @@ class OrderedDelivery:
                                                    time.perf_counter()))
         else:
             job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
-                                             layer, section)
+                                             layer, section, time.perf_counter())
         slot.set_result(job)
         size = len(section)
         self._observe(ev.SectionHanded(chunk, layer, size, time.monotonic()))
@@ -293,10 +293,12 @@ class OrderedDelivery:
 
 
 def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: codec.Profile, layer: int,
-                  section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor, float]:
-    start = time.perf_counter()
+                  section: bytes | memoryview, submitted: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(k, v, seconds from submission): the decoder threads are the process's, so a
+    section's time includes its wait behind other sessions' sections, which is what the
+    fetch controller must plan with."""
     k, v = decode(header, profile, layer, section)
-    return k, v, time.perf_counter() - start
+    return k, v, time.perf_counter() - submitted
 
 
 async def _submitted(future: concurrent.futures.Future, start: float) -> tuple[torch.Tensor, torch.Tensor, float]:

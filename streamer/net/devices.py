@@ -7,6 +7,8 @@ decode overlapped (``kvwire_kernels.schedule``), which ``OrderedDelivery`` uses 
 blocking decode per section."""
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import sys
 
 import torch
@@ -23,6 +25,19 @@ def section_decoder(device: str | torch.device):
 
         return stream.stream_decoder(device)
     return codec.section_decoder(device)
+
+
+_decode_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def decode_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads every session of the process decodes CPU sections on, one per core: a
+    thread per session made memory and contention grow with the number of sessions (the
+    codec's kernels use every core already), and a section now waits its turn instead."""
+    global _decode_pool
+    if _decode_pool is None:
+        _decode_pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvwire-decode")
+    return _decode_pool
 
 
 def close_devices() -> None:

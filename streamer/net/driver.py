@@ -21,6 +21,7 @@ from streamer.fetch import events as ev
 from streamer.fetch.controller import FetchController
 from streamer.fetch.report import FetchReport
 from streamer.net.assembly import Assembly
+from streamer.net.budget import process_budget
 from streamer.net.client import Arrival, ConnectionLost, StreamError
 from streamer.net.delivery import TEXT, OrderedDelivery
 from streamer.store.put import decode_tokens
@@ -49,6 +50,11 @@ class ContextChanged(StreamError):
     """The context was re-put while we were fetching it: chunks would mix versions."""
 
 
+class ContextTooLarge(StreamError):
+    """The context's manifest says it decodes to more than ``SessionConfig.max_context_bytes``:
+    refused before anything is fetched or allocated (the sender controls the manifest)."""
+
+
 class FetchDriver:
     """Runs one fetch of ``session``'s context with ``controller`` deciding."""
 
@@ -59,7 +65,8 @@ class FetchDriver:
                                         on_layer=session._on_layer, on_text=session._on_text,
                                         observe=self._observe, executor=session._executor,
                                         decode=session._decode)
-        self.delivery.on_progress = self._maybe_resume
+        self.delivery.on_progress = self._on_progress
+        self.share = process_budget().join(self._maybe_resume)
         self.assemblies: dict[int, Assembly] = {}
         self.wake = asyncio.Event()
         self.pending: collections.deque[ev.Reconnect | ev.Fail] = collections.deque()
@@ -99,6 +106,7 @@ class FetchDriver:
         finally:
             if not consumer.done():
                 consumer.cancel()
+            self.share.close()
             self.s._on_data = None
             if self.s._client is not None:
                 self.s._client.set_on_data(None)
@@ -261,22 +269,30 @@ class FetchDriver:
         return self.delivery.backlog_bytes + assembling + (client.queued_bytes if client is not None else 0)
 
     def _maybe_pause(self) -> None:
-        """After each socket read and each handled event: stop reading when over the limit."""
+        """After each socket read and each handled event: stop reading when over this
+        session's limit or, holding more than its share, over the process's budget."""
         buffered = self._buffered()
         self.peak_backlog = max(self.peak_backlog, buffered)
+        self.share.hold(buffered)
         client = self.s._client
-        if (not self.paused and client is not None and buffered > self.s.max_buffered_bytes
-                and not self.delivery.starved()):
+        if (not self.paused and client is not None and not self.delivery.starved()
+                and (buffered > self.s.max_buffered_bytes or self.share.over())):
             client.pause_reading()
-            self.paused = True
+            self.paused = self.share.paused = True
             self.pauses += 1
             self.controller.handle(ev.ReadingPaused(time.monotonic()))
+
+    def _on_progress(self) -> None:
+        """The delivery's backlog shrank or its consumer moved on."""
+        self.share.hold(self._buffered())
+        self._maybe_resume()
 
     def _maybe_resume(self) -> None:
         if not self.paused:
             return
-        if self._buffered() <= self.s.max_buffered_bytes // 2 or self.delivery.starved():
-            self.paused = False
+        buffered = self._buffered()
+        if buffered <= self.s.max_buffered_bytes // 2 and not self.share.over() or self.delivery.starved():
+            self.paused = self.share.paused = False
             if self.s._client is not None:
                 self.s._client.resume_reading()
             self._feed(ev.ReadingResumed(time.monotonic()))

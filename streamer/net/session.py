@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -37,15 +36,18 @@ from streamer.adapt.policies import Choice, Observation
 from streamer.adapt.recompute import RECENT
 from streamer.fetch.controller import Beliefs, FetchController, FetchSettings
 from streamer.fetch.report import ChunkReport, FetchReport
-from streamer.net.client import AuthenticationFailed, ClientConnection, ConnectionLost, ServerError
+from streamer.net.client import (MAX_PROFILE_BYTES, AuthenticationFailed, ClientConnection, ConnectionLost,
+                                 ServerError)
 from streamer.net.config import SessionConfig
-from streamer.net.devices import section_decoder
-from streamer.net.driver import ContextChanged, FetchDriver, FetchFailed, TextNotConsumed
+from streamer.net.devices import decode_executor, section_decoder
+from streamer.net.driver import ContextChanged, ContextTooLarge, FetchDriver, FetchFailed, TextNotConsumed
 from streamer.wire import protocol as p
 from streamer.wire.manifest import Manifest
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
-_PROFILE_CACHE_SIZE = 8
+#: bytes of profiles kept for later sessions (least recently used first out; the one in use
+#: stays whatever its size): a Llama-3-8B profile is ~270 MB
+PROFILE_CACHE_BYTES = 1 << 30
 #: Per sender address: the prior of the next fetch (a reused connection, the receiver
 #: daemon and successive sessions of one process all carry it), with when it was measured.
 _server_priors: dict[tuple[str, int], tuple[float, estimator.LinkMemory]] = {}
@@ -62,6 +64,15 @@ def _recall(address: tuple[str, int], now: float) -> estimator.LinkMemory | None
         _server_priors.pop(address, None)
         return None
     return entry[1]
+
+
+def _remember_profile(profile: codec.Profile) -> None:
+    """Keep ``profile`` for later sessions, the most recent first out last, within
+    ``PROFILE_CACHE_BYTES`` (the newest stays whatever its size)."""
+    _profiles[profile.id] = profile
+    _profiles.move_to_end(profile.id)
+    while len(_profiles) > 1 and sum(p.nbytes for p in _profiles.values()) > PROFILE_CACHE_BYTES:
+        _profiles.popitem(last=False)
 
 
 async def connect(config: SessionConfig, host: str, port: int, *, timeout: float | None = None,
@@ -118,7 +129,7 @@ class StreamSession:
         #: (tokens, bytes, seconds) of the last sections decoded, across fetches: the decoder's
         #: cost, so the next fetch's first plan is timed by it too (adapt.decoding)
         self.decodes: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=RECENT_SECTIONS)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvwire-decode")
+        self._executor = decode_executor()
         self._fetch: FetchDriver | None = None
         #: with ``SessionConfig.record``: the last fetch's controller inputs and actions, in
         #: order (``streamer.fetch.events``), replayable in the simulator
@@ -138,22 +149,17 @@ class StreamSession:
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "StreamSession":
-        try:
-            if self._decode is codec.decode_section:
-                # the CPU decoder's numba kernels compile (cold cache) or load now, not in
-                # fetch(), whose clock would count the stall as a slow link (once per process)
-                await asyncio.get_running_loop().run_in_executor(self._executor, codec.warm_up)
-            if not await self._reuse(self._given_connection):
-                await self._connect_any()
-        except BaseException:
-            self._executor.shutdown(wait=False)
-            raise
+        if self._decode is codec.decode_section:
+            # the CPU decoder's numba kernels compile (cold cache) or load now, not in
+            # fetch(), whose clock would count the stall as a slow link (once per process)
+            await asyncio.to_thread(codec.warm_up)
+        if not await self._reuse(self._given_connection):
+            await self._connect_any()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self._client is not None:
             await self._client.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def set_callbacks(self, *, on_layer: Callable[..., Any] | None = None,
                       on_text: Callable[..., Any] | None = None) -> None:
@@ -214,11 +220,11 @@ class StreamSession:
                 profile_seconds = await self._open_context()
                 self.connect_seconds = time.monotonic() - started - profile_seconds
                 return
-            except AuthenticationFailed:
+            except (AuthenticationFailed, ContextTooLarge):
                 if self._client is not None:
                     self._client.abort()
                     self._client = None
-                raise  # a wrong token stays wrong: retrying (or another sender) cannot help
+                raise  # a wrong token, or a context too large here: retrying cannot help
             except ServerError as exc:
                 if exc.code in ("not_found", "bad_request"):
                     raise  # no such context, or an invalid id: retrying elsewhere cannot help
@@ -243,6 +249,12 @@ class StreamSession:
         answer = await client.call(p.Open(context_id=self.context_id, slo=self.slo), p.ManifestData, timeout)
         received = len(answer.data)
         manifest = Manifest.from_bytes(answer.data)
+        limit = self.config.max_context_bytes
+        if limit is not None and manifest.decoded_bytes > limit:
+            raise ContextTooLarge(f"context {self.context_id!r} decodes to {manifest.decoded_bytes} bytes "
+                                  f"({manifest.layers} layers x {manifest.tokens} tokens x {manifest.heads} x "
+                                  f"{manifest.head_dim} {manifest.dtype}), over this receiver's limit of "
+                                  f"{limit} (SessionConfig.max_context_bytes)")
         if self.manifest is not None and manifest.version != self.manifest.version:
             raise ContextChanged(f"context {self.context_id!r} changed from version "
                                  f"{self.manifest.version} to {manifest.version} during the fetch")
@@ -251,7 +263,11 @@ class StreamSession:
         profile_seconds = 0.0
         if profile is None:
             profile_asked = time.monotonic()
-            data = await client.get_profile(manifest.profile_id, timeout)
+            # no larger than a profile of the manifest's shape can be (the sender controls both,
+            # but then the context's own limit has bounded the shape)
+            most = min(MAX_PROFILE_BYTES, codec.max_profile_bytes(manifest.layers, manifest.heads,
+                                                                  manifest.head_dim, manifest.levels))
+            data = await client.get_profile(manifest.profile_id, timeout, max_bytes=most)
             profile_seconds = time.monotonic() - profile_asked
             received += len(data)
             if len(data) >= MIN_SAMPLE_BYTES:
@@ -260,10 +276,7 @@ class StreamSession:
             profile = codec.Profile.from_bytes(data)
             if profile.id != manifest.profile_id:
                 raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
-            _profiles[manifest.profile_id] = profile
-            while len(_profiles) > _PROFILE_CACHE_SIZE:
-                _profiles.popitem(last=False)
-        _profiles.move_to_end(manifest.profile_id)
+        _remember_profile(profile)
         self.profile = profile
         # round trips included, so a lower bound on the link: the first chunk's prior when
         # neither the caller nor an earlier fetch from this sender gives a better one
@@ -320,4 +333,4 @@ class StreamSession:
 
 
 #: the fetch's errors are raised by its driver; callers import them from here
-__all__ = ["ContextChanged", "FetchFailed", "StreamSession", "TextNotConsumed", "connect"]
+__all__ = ["ContextChanged", "ContextTooLarge", "FetchFailed", "StreamSession", "TextNotConsumed", "connect"]

@@ -32,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from streamer.net.budget import DEFAULT_BUDGET_BYTES, set_process_budget
 from streamer.net.config import SessionConfig, require_int
 from streamer.net.devices import close_devices
 from streamer.net.sender import InsecureConfiguration, is_loopback
@@ -80,6 +81,9 @@ class ReceiverConfig:
     #: fetches one client (with an ``api_token``: all its holders; else a peer address) may
     #: have running that it started (joins not counted); one more is answered 429
     max_fetches_per_client: int = DEFAULT_MAX_FETCHES_PER_CLIENT
+    #: bytes received and not yet delivered that all fetches together may hold; above it a
+    #: fetch holding more than its share stops reading (``streamer.net.budget``)
+    receive_budget: int = DEFAULT_BUDGET_BYTES
     #: glibc malloc tuned at start and trimmed every this many seconds, so that RSS follows
     #: what is in use instead of its high-water mark (see ``streamer.receiver.malloc``);
     #: None: malloc left as it is
@@ -95,9 +99,12 @@ class ReceiverConfig:
     def __post_init__(self) -> None:
         overrides = {name: value for name in ("device", "slo", "policy")
                      if (value := getattr(self, name)) is not None}
+        if self.session.max_context_bytes is None:   # no context larger than the cache can hold
+            overrides["max_context_bytes"] = self.cache_bytes
         self.session = dataclasses.replace(self.session, **overrides)   # validates
         require_int("ReceiverConfig", "max_connections", self.max_connections, 1)
         require_int("ReceiverConfig", "max_fetches_per_client", self.max_fetches_per_client, 1)
+        require_int("ReceiverConfig", "receive_budget", self.receive_budget, 1)
         self.api_token = auth.normalize_token(self.api_token)
         if self.api_token is not None and not all(0x21 <= b <= 0x7E for b in self.api_token):
             raise ValueError("api_token must be printable ASCII without spaces: it is sent in an "
@@ -153,8 +160,10 @@ class Receiver:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     async def start(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> "Receiver":
-        """Listen on ``host:port``; InsecureConfiguration off loopback without an API token."""
+        """Listen on ``host:port``; InsecureConfiguration off loopback without an API token.
+        The process's receive budget (shared by its sessions) is sized from the config."""
         exposed = check_exposure(host, self.config)
+        set_process_budget(self.config.receive_budget)
         if exposed is not None:
             log.warning("%s", exposed)
         found = await asyncio.to_thread(self.cache.load)

@@ -295,7 +295,7 @@ class Fetcher:
 
     async def _run(self, job: FetchJob) -> None:
         from streamer.net.client import ServerError, StreamError
-        from streamer.net.session import ContextChanged
+        from streamer.net.session import ContextChanged, ContextTooLarge
 
         req = job.request
         outcome = "error"
@@ -328,6 +328,8 @@ class Fetcher:
             else:
                 outcome = "unavailable"
                 job._fail(FetchError(503, f"sender error: {exc}"))
+        except ContextTooLarge as exc:   # the manifest's size is over what this receiver keeps
+            job._fail(FetchError(413, str(exc)))
         except (StreamError, OSError, asyncio.TimeoutError) as exc:
             outcome = "unavailable"
             job._fail(FetchError(503, f"sender unavailable: {exc or type(exc).__name__}"))

@@ -24,7 +24,8 @@ Without a token (on loopback) every route is open, as any local process is trust
 Errors are JSON ``{"error": message, "status": code}``: 400 for a malformed request,
 401 for a missing or wrong token, 404 for a context no sender has (or a path that
 names no endpoint), 405 for a method the path does not take, 408 for a body that does
-not arrive in time, 413 for one too large, 429 (``Retry-After``) for a fetch that would
+not arrive in time, 413 for one too large or a context that decodes to more than the cache
+holds, 429 (``Retry-After``) for a fetch that would
 start when its client already has ``max_fetches_per_client`` running (joining a running
 fetch, or a cache hit, is never refused; with a token all its holders are one client,
 without one each peer address is), 503 when no sender can be reached (with the reason)

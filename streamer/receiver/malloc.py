@@ -14,7 +14,9 @@ follows what the fetches in flight hold (decoded layers waiting for their consum
 
 ``tune`` fixes the mmap threshold at 128 KiB (a fixed value also turns the dynamic one
 off) and caps the arenas at 2; ``trim_periodically`` hands what is still free back to the
-kernel every few seconds (it walks the free lists, each arena locked meanwhile). A
+kernel every few seconds, on a worker thread: it walks the free lists, each arena locked
+meanwhile, which took tens of ms with a few hundred MB of holes, and the event loop's
+arrival timestamps feed the throughput estimate (ctypes releases the GIL for the call). A
 setting the user already chose through the environment (``MALLOC_ARENA_MAX``,
 ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) is left as it is. Off glibc (musl, macOS)
 everything here does nothing.
@@ -94,12 +96,13 @@ class Malloc:
 
 
 async def trim_periodically(malloc: Malloc, seconds: float = TRIM_SECONDS) -> None:
-    """Trim every ``seconds`` until cancelled (returns at once off glibc)."""
+    """Trim every ``seconds``, off the event loop's thread, until cancelled (returns at
+    once off glibc)."""
     if not malloc.available:
         return
     while True:
         await asyncio.sleep(seconds)
-        malloc.trim()
+        await asyncio.to_thread(malloc.trim)
 
 
 class Tuning:

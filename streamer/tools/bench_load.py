@@ -69,6 +69,9 @@ class LoadConfig:
     #: the receiving process's glibc malloc tuned and trimmed every this many seconds, as
     #: the receiver daemon does (streamer.receiver.malloc); None: glibc's defaults
     trim_seconds: float | None = 2.0
+    #: the receiving process's budget for bytes received and not delivered, across its
+    #: sessions (streamer.net.budget), as the receiver daemon's --receive-budget
+    budget: int = 256 << 20
 
 
 FULL = LoadConfig()
@@ -468,6 +471,9 @@ async def _measure(cfg: LoadConfig, contexts: list[Context], children: list[_Sen
                    stop: asyncio.Event) -> dict[str, Any]:
     from streamer.net.session import StreamSession
 
+    from streamer.net.budget import set_process_budget
+
+    budget = set_process_budget(cfg.budget)
     # the profile once (receivers cache it per process), so the run measures steady state
     async with StreamSession("127.0.0.1", children[0].port, contexts[0].context_id, connect_timeout=30.0):
         pass
@@ -481,7 +487,7 @@ async def _measure(cfg: LoadConfig, contexts: list[Context], children: list[_Sen
         samples.append({"t": time.monotonic() - start, "receiver_rss": rx["rss"],
                         "sender_rss": sum(s["rss"] for s in tx), "receiver_peak": rx["peak"],
                         "sender_peak": sum(s["peak"] for s in tx), "fetches": stats.fetches,
-                        "errors": stats.error_count})
+                        "errors": stats.error_count, "budget_held": budget.total})
 
     async def sampler() -> None:
         while not stop.is_set():
@@ -519,7 +525,25 @@ async def _measure(cfg: LoadConfig, contexts: list[Context], children: list[_Sen
     wall = time.monotonic() - start
     await sample()
     sender_metrics = _merge_metrics(await asyncio.gather(*(child.ask("metrics") for child in children)))
-    return _result(cfg, contexts, stats, samples, wall, end_requests - start, sender_metrics)
+    out = _result(cfg, contexts, stats, samples, wall, end_requests - start, sender_metrics)
+    out["rss"]["receiver"].update(_against_budget(samples, cfg.budget, budget.peak))
+    out["checks"].append({"check": "receiver RSS at every sample <= (RSS before the first session + the "
+                                   "receive budget) + 10%",
+                          "measured": out["rss"]["receiver"]["worst_over_bound"],
+                          "ok": out["rss"]["receiver"]["worst_over_bound"] <= 0.10})
+    return out
+
+
+def _against_budget(samples: list[dict[str, Any]], limit: int, held_peak: int) -> dict[str, Any]:
+    """The receiver's RSS at every sample against its RSS before the first session plus
+    the receive budget: how far over that bound the worst sample went (a share of it;
+    negative: under), and the most the sessions held of the budget."""
+    before = samples[0]["receiver_rss"]
+    bound = before + limit
+    worst = max(s["receiver_rss"] for s in samples)
+    return {"before_first_session_mb": before / 1e6, "budget_mb": limit / 1e6, "bound_mb": bound / 1e6,
+            "worst_sample_mb": worst / 1e6, "worst_over_bound": (worst - bound) / bound,
+            "budget_held_peak_mb": held_peak / 1e6}
 
 
 def _result(cfg: LoadConfig, contexts: list[Context], stats: _Stats, samples: list[dict[str, Any]],
@@ -557,7 +581,8 @@ def _result(cfg: LoadConfig, contexts: list[Context], stats: _Stats, samples: li
         "sender_metrics": sender_metrics,
         "samples": [{"t": round(s["t"], 2), "receiver_rss_mb": round(s["receiver_rss"] / 1e6, 1),
                      "senders_rss_mb": round(s["sender_rss"] / 1e6, 1), "fetches": s["fetches"],
-                     "errors": s["errors"]} for s in samples],
+                     "errors": s["errors"], "budget_held_mb": round(s["budget_held"] / 1e6, 1)}
+                    for s in samples],
     }
     growths = [g["growth"] for g in (rx_growth, tx_growth)]
     checks = [{"check": "zero errors (exceptions, lost, duplicated, wrong data)", "measured": stats.error_count,
@@ -601,6 +626,10 @@ def render(out: dict[str, Any]) -> str:
         f"chunk latency: p50 {fmt(out['chunk_latency_ms']['p50'])} ms, p99 {fmt(out['chunk_latency_ms']['p99'])} ms; "
         f"fetch latency: p50 {fmt(out['fetch_latency_ms']['p50'])} ms, p99 {fmt(out['fetch_latency_ms']['p99'])} ms",
     ]
+    r = rss["receiver"]
+    lines.append(f"receiver RSS against its budget: before the first session {r['before_first_session_mb']:.1f} MB "
+                 f"+ budget {r['budget_mb']:.0f} MB = {r['bound_mb']:.1f} MB; worst sample {r['worst_sample_mb']:.1f} "
+                 f"MB ({r['worst_over_bound']:+.1%} of that); sessions held at most {r['budget_held_peak_mb']:.1f} MB")
     for who in ("senders", "receiver"):
         r = rss[who]
         growth, high = ("-" if r[k] is None else f"{r[k]:+.1%}" for k in ("growth", "max_growth"))
@@ -633,7 +662,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
     cfg = QUICK if args.quick else FULL
     seconds = args.seconds if args.seconds is not None else (math.inf if args.soak else cfg.seconds)
     changes: dict[str, Any] = {"seconds": seconds, "soak": args.soak, "decode": not args.no_decode}
-    for name in ("sessions", "sample_seconds", "max_growth", "store", "senders", "slo", "policy"):
+    for name in ("sessions", "sample_seconds", "max_growth", "store", "senders", "slo", "policy", "budget"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.trim_seconds is not None:
@@ -659,6 +688,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
     """Add ``kvwire bench load``."""
+    from streamer.tools.receive import parse_bytes
+
     b = bench_subparsers.add_parser(
         "load", help="load and soak: many concurrent sessions against N senders over one store",
         description="Put 2-8 MB contexts into a store, serve them from N sender processes on "
@@ -682,6 +713,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="this process's malloc tuned and trimmed every this many s, as the receiver "
                         "daemon does (default 2; 0: glibc's defaults, untrimmed)")
     b.add_argument("--no-decode", action="store_true", help="receivers skip the codec work (and its check)")
+    b.add_argument("--budget", type=parse_bytes,
+                   help="the receiving process's budget for bytes received and not delivered (default 256M)")
     b.add_argument("--quick", action="store_true", help="16 sessions for 3 s on small contexts (for tests)")
     b.add_argument("--json", action="store_true", help="print machine-readable JSON")
     b.set_defaults(handler=_cmd_load)

@@ -5,6 +5,7 @@ import argparse
 import os
 import re
 
+from streamer.net.budget import DEFAULT_BUDGET_BYTES
 from streamer.receiver.connections import DEFAULT_MAX_CONNECTIONS
 from streamer.receiver.daemon import API_TOKEN_ENV, DEFAULT_CACHE_BYTES, DEFAULT_PORT
 from streamer.receiver.fetcher import DEFAULT_MAX_FETCHES_PER_CLIENT
@@ -58,7 +59,8 @@ async def _receive(args: argparse.Namespace) -> int:
                             model=args.model, shutdown_grace=args.grace, session=session,
                             max_connections=args.max_connections, api_token=api_token(args),
                             allow_insecure=args.insecure_no_auth,
-                            max_fetches_per_client=args.max_fetches_per_client)
+                            max_fetches_per_client=args.max_fetches_per_client,
+                            receive_budget=args.receive_budget)
     model_errors: tuple[type[Exception], ...] = ()
     if args.model:
         from streamer.model.hf import ModelLoadError
@@ -120,7 +122,11 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                          help="keep finished contexts as safetensors files in DIR (kept across restarts); "
                               "default: in memory")
     receive.add_argument("--cache-bytes", type=parse_bytes, default=DEFAULT_CACHE_BYTES,
-                         help="cache budget, least recently used evicted first (default 4G)")
+                         help="cache budget, least recently used evicted first (default 4G); no context "
+                              "larger than it is fetched")
+    receive.add_argument("--receive-budget", type=parse_bytes, default=DEFAULT_BUDGET_BYTES,
+                         help="bytes received and not yet delivered that all fetches together may hold "
+                              "(default 512M): above it, a fetch holding more than its share stops reading")
     receive.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                          help="where to decode (cuda needs kvwire[cuda])")
     receive.add_argument("--model", metavar="PATH",

@@ -206,6 +206,12 @@ class Manifest:
         """Number of quality levels of the profile (stored or not)."""
         return len(self.level_distortion)
 
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of the whole context's KV once decoded: what a receiver that keeps it holds."""
+        itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[self.dtype]
+        return self.layers * 2 * self.tokens * self.heads * self.head_dim * itemsize
+
     # ------------------------------------------------------------ serialization
     def to_bytes(self) -> bytes:
         """UTF-8 JSON, keys sorted (the same manifest always gives the same bytes).
