@@ -21,7 +21,7 @@ for i in $(seq "$runs"); do
         cd "$clone"
         . .venv/bin/activate
         export NUMBA_CACHE_DIR="$clone/.numba-cache" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-        pip install -q torch==2.13.0 >/dev/null && pip install -q -e '.[test]' >/dev/null
+        pip install -q torch==2.13.0 >/dev/null 2>&1 && pip install -q -e '.[test]' >/dev/null 2>&1
         installed=$(date +%s)
         kvwire demo --json --out-dir "$clone/demo" "$@" > "$clone/demo.json"
         python3 - "$clone/demo.json" "$i" "$((installed - began))" "$(( $(date +%s) - installed ))" <<'EOF'
