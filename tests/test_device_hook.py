@@ -19,6 +19,14 @@ from streamer.net.delivery import OrderedDelivery
 from streamer.receiver.daemon import check_device
 
 
+class _Header:
+    """The one field of a blob header the delivery reads: a section's decoded size."""
+    raw_size = 64
+
+
+HEADER = _Header()
+
+
 def _gpu_missing() -> bool:
     from kvwire_kernels import devices as kernel_devices
 
@@ -61,7 +69,7 @@ async def test_ordered_delivery_submits_sections_to_a_stream_decoder() -> None:
                                on_text=None, observe=lambda event: None, executor=executor, decode=decoder)
     delivery.resolve(0, 1)
     for layer in range(3):
-        delivery.add_section(0, layer, None, None, b"x")
+        delivery.add_section(0, layer, HEADER, None, b"x")
     await asyncio.wait_for(delivery.run(), 5)
     executor.shutdown()
     assert decoder.submitted == [0, 1, 2]

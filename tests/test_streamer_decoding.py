@@ -20,6 +20,14 @@ from streamer.adapt.mpc import mpc, mpc_plan
 from streamer.fetch import events as ev
 from streamer.net.delivery import OrderedDelivery
 
+
+class _Header:
+    """The one field of a blob header the delivery reads: a section's decoded size."""
+    raw_size = 64
+
+
+HEADER = _Header()
+
 MB = 1_000_000
 
 
@@ -124,8 +132,8 @@ async def test_the_delivery_reports_each_section_handed_and_decoded_with_its_sec
         delivery = OrderedDelivery(chunks=1, layers=2, on_layer=None, on_text=None,
                                    observe=observed.append, executor=pool, decode=decode)
         delivery.resolve(0, 0)
-        delivery.add_section(0, 0, None, None, b"a")
-        delivery.add_section(0, 1, None, None, b"bb")
+        delivery.add_section(0, 0, HEADER, None, b"a")
+        delivery.add_section(0, 1, HEADER, None, b"bb")
         consumer = asyncio.create_task(delivery.run())
         while not any(isinstance(e, ev.SectionDecoded) for e in observed):
             await asyncio.sleep(0.001)

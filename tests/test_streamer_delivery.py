@@ -16,6 +16,14 @@ from streamer.net.delivery import TEXT, OrderedDelivery
 LAYERS = 3
 
 
+class _Header:
+    """The one field of a blob header the delivery reads: a section's decoded size."""
+    raw_size = 64
+
+
+HEADER = _Header()
+
+
 def _decoder(bad: set[tuple[int, int]]):
     """Decodes a section b'chunk,layer' to tensors holding those numbers; raises for ``bad``."""
     def decode(header, profile, layer, section):
@@ -45,11 +53,11 @@ async def test_layers_arrive_in_order_whatever_order_sections_land() -> None:
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(1, 0)
         for layer in reversed(range(LAYERS)):
-            delivery.add_section(1, layer, None, None, b"1,")
+            delivery.add_section(1, layer, HEADER, None, b"1,")
         delivery.resolve(0, 2)
         for layer in range(LAYERS):
-            delivery.add_section(0, layer, None, None, b"0,")
-            delivery.add_section(0, layer, None, None, b"0,")  # duplicates are ignored
+            delivery.add_section(0, layer, HEADER, None, b"0,")
+            delivery.add_section(0, layer, HEADER, None, b"0,")  # duplicates are ignored
         await consumer
     assert seen == [(c, l) for c in range(2) for l in range(LAYERS)]
 
@@ -66,7 +74,7 @@ async def test_corrupt_sections_are_replaced_by_one_refetch(bad: set) -> None:
         def on_corrupt(chunk: int, layer: int, exc: Exception) -> None:
             corrupt_calls.append(layer)
             for again in range(LAYERS):   # the refetched answer: clean this time
-                holder["delivery"].add_section(chunk, again, None, None, b"0,")
+                holder["delivery"].add_section(chunk, again, HEADER, None, b"0,")
 
         delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
                                    on_text=None, observe=_on_corrupt(on_corrupt), executor=pool,
@@ -75,7 +83,7 @@ async def test_corrupt_sections_are_replaced_by_one_refetch(bad: set) -> None:
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 0)
         for layer in range(LAYERS):
-            delivery.add_section(0, layer, None, None, b"0,")
+            delivery.add_section(0, layer, HEADER, None, b"0,")
         await consumer
     assert seen == [(0, l) for l in range(LAYERS)]
     assert corrupt_calls == [min(bad)[1]]
@@ -91,7 +99,7 @@ async def test_text_after_delivered_layers_supersedes_them() -> None:
                                    observe=lambda event: None, executor=pool, decode=_decoder(set()))
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 1)
-        delivery.add_section(0, 0, None, None, b"0,")
+        delivery.add_section(0, 0, HEADER, None, b"0,")
         while delivery.delivered_layers(0) < 1:
             await asyncio.sleep(0.001)
         delivery.resolve(0, TEXT)
@@ -121,7 +129,7 @@ async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
         holder["delivery"] = delivery
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 1)
-        delivery.add_section(0, 0, None, None, b"0,")
+        delivery.add_section(0, 0, HEADER, None, b"0,")
         await consumer
     assert texts == [(0, [1, 2, 3])]
 
@@ -158,7 +166,7 @@ async def test_a_plain_on_text_recomputes_off_the_event_loop() -> None:
         assert len(began) == 1 and before <= began[0].at <= time.monotonic()
         delivery.resolve(1, 0)   # the next chunk lands while chunk 0 is recomputed
         for layer in range(LAYERS):
-            delivery.add_section(1, layer, None, None, b"1,")
+            delivery.add_section(1, layer, HEADER, None, b"1,")
         flag.set()
         await consumer
     assert calls == [(0, True, True)]
@@ -258,3 +266,39 @@ async def test_a_stream_decoder_forgets_both_answers_of_a_refetched_chunk() -> N
         await consumer
     assert seen == [(0, l) for l in range(LAYERS)]
     assert fake.cancelled == [first, again]
+
+
+async def test_decoding_ahead_waits_for_the_budget_but_the_next_layer_never_does() -> None:
+    """With no room to decode ahead, a section waits coded until the consumer needs it;
+    the consumer still gets every layer in order, and what a started section holds is
+    counted with its decoded output until the consumer has it."""
+    seen: list[tuple[int, int]] = []
+    handed: list[tuple[int, int]] = []
+    room = {"bytes": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        def decode(header, profile, layer, section):
+            handed.append((int(bytes(section).split(b",")[0]), layer))
+            return _decoder(set())(header, profile, layer, section)
+
+        delivery = OrderedDelivery(chunks=2, layers=LAYERS, on_layer=lambda c, l, k, v: seen.append((c, l)),
+                                   on_text=None, observe=lambda event: None, executor=pool, decode=decode)
+        delivery.admit = lambda nbytes: nbytes <= room["bytes"]
+        delivery.resolve(1, 0)
+        for layer in range(LAYERS):
+            delivery.add_section(1, layer, HEADER, None, b"1,")
+        await asyncio.sleep(0.05)
+        assert handed == [] and delivery.waiting           # chunk 1 is not needed yet: it waits
+        assert delivery.backlog_bytes == LAYERS * len(b"1,")
+        delivery.resolve(0, 0)
+        delivery.add_section(0, 0, HEADER, None, b"0,")    # needed next: starts at once
+        assert delivery.backlog_bytes == LAYERS * len(b"1,") + len(b"0,") + HEADER.raw_size
+        consumer = asyncio.create_task(_run(delivery))
+        await asyncio.sleep(0.05)
+        assert seen == [(0, 0)] and handed == [(0, 0)]
+        room["bytes"] = HEADER.raw_size                      # room for one section ahead
+        delivery.pump()
+        for layer in range(1, LAYERS):
+            delivery.add_section(0, layer, HEADER, None, b"0,")
+        await consumer
+    assert seen == [(c, l) for c in range(2) for l in range(LAYERS)]
+    assert not delivery.waiting and delivery.backlog_bytes == 0

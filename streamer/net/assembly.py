@@ -15,7 +15,8 @@ import codec
 from streamer.adapt.base import Choice
 from streamer.wire.manifest import Manifest
 
-#: Bytes already cut are dropped from the buffer once more than this accumulated.
+#: Bytes already cut are dropped from the buffer once more than this accumulated (all of
+#: it as soon as nothing uncut remains).
 _COMPACT_BYTES = 1 << 20
 
 
@@ -36,8 +37,9 @@ class Assembly:
 
     @property
     def buffered(self) -> int:
-        """Bytes received and not yet cut into sections (the session's backpressure counts them)."""
-        return len(self._buffer) - self._consumed
+        """Bytes this answer holds in memory: those not yet cut into sections, and those
+        cut and not yet compacted away (the session's backpressure counts them)."""
+        return len(self._buffer)
 
     def add(self, data: bytes) -> list[tuple[int, bytes]]:
         """Take one part's bytes; the (layer, section bytes) now whole. CorruptBitstream
@@ -54,10 +56,15 @@ class Assembly:
             length = header.sections[self.sections][0]
             if len(self._buffer) - self._consumed < length:
                 break
-            out.append((self.sections, bytes(self._buffer[self._consumed:self._consumed + length])))
+            with memoryview(self._buffer) as view:   # one copy, not a slice and a copy
+                out.append((self.sections, bytes(view[self._consumed:self._consumed + length])))
             self._consumed += length
             self.sections += 1
-        if self._consumed > _COMPACT_BYTES:
+        if self._consumed == len(self._buffer):
+            # everything cut: let the buffer go (a whole chunk's bytes would otherwise stay
+            # held, outside the budget, for as long as the fetch runs)
+            self._buffer, self._consumed = bytearray(), 0
+        elif self._consumed > _COMPACT_BYTES:
             del self._buffer[:self._consumed]
             self._consumed = 0
         return out

@@ -1,5 +1,10 @@
 """One memory budget for the bytes every session of a process has received and not delivered.
 
+What a session holds: the coded bytes it received and has not decoded, and the decoded
+output of the sections it started decoding and has not delivered (a decoded layer is up
+to ~50x its coded size, so decoding ahead of the consumer is admitted against the budget
+too: ``streamer.net.delivery``).
+
 Each session already stops reading its socket above its own ``max_buffered_bytes``; a
 receiver running hundreds of sessions at once would still hold hundreds of those. The
 process's sessions share this budget too: while the total is over it, a session holding
@@ -11,8 +16,9 @@ and when the total drops back under the budget every paused session is told to l
 again.
 
 A session looks after each socket read, so the sessions together may go past the budget
-by what each reads before it looks (``READ_BYTES``, asyncio's and uvloop's largest read)
-and the chunk it is assembling: size the budget with that in mind when sessions are many.
+by what each reads before it looks (``READ_BYTES``, asyncio's and uvloop's largest read),
+the chunk it is assembling and the decoded layer its consumer needs next: size the budget
+with that in mind when sessions are many.
 
 Pure bookkeeping on one event loop (the driver updates its holding after each read and
 each delivery); no I/O, no threads.
@@ -34,8 +40,10 @@ class Share:
 
     def __init__(self, budget: "ReceiveBudget", wake: Callable[[], None]) -> None:
         self.budget, self.wake, self.held = budget, wake, 0
-        #: the session stopped reading (the budget wakes only those)
+        #: the session stopped reading, or has sections waiting to decode: the budget
+        #: wakes only those when it has room again
         self.paused = False
+        self.waiting = False
 
     def hold(self, nbytes: int) -> None:
         """This session now holds ``nbytes`` received and not delivered."""
@@ -77,7 +85,7 @@ class ReceiveBudget:
         share.held = nbytes
         self.peak = max(self.peak, self.total)
         if released and self.total <= self.limit:
-            for other in [s for s in self._shares if s.paused and s is not share]:
+            for other in [s for s in self._shares if (s.paused or s.waiting) and s is not share]:
                 other.wake()
 
     def _leave(self, share: Share) -> None:

@@ -1,8 +1,12 @@
 """Ordered, exactly-once delivery of decoded layers (and text chunks) to the consumer.
 
 The network side adds a chunk's layer sections as they land; each one starts
-decoding at once in a worker thread (the codec releases the GIL), so decoding
-overlaps with receiving. A single consumer task walks chunks 0..n-1 and, within a
+decoding in a worker thread (the codec releases the GIL), so decoding overlaps with
+receiving. A decoded layer is several times its coded size (up to ~50x at the lowest
+level), so decoding ahead of the consumer is admitted against the process's memory
+budget (``admit``): a section that does not fit waits, coded, until it does or until the
+consumer needs it next; the section the consumer needs next always starts, so the
+budget never deadlocks a fetch. A single consumer task walks chunks 0..n-1 and, within a
 chunk, layers 0..L-1, awaiting each decode in turn and calling ``on_layer`` — or
 ``on_text`` for a chunk the session resolved as text. Because only that task
 calls the callbacks, order and exactly-once hold by construction, whatever the
@@ -58,6 +62,16 @@ class StreamingDecoder(Protocol):
     def cancel(self, header: codec.BlobHeader) -> None: ...
 
 
+@dataclass
+class _Waiting:
+    """A received section not yet handed to the decoder."""
+
+    header: codec.BlobHeader
+    profile: codec.Profile
+    section: bytes | memoryview
+    arrived: float   # perf_counter: its decode time counts from here (waits included)
+
+
 class _Retarget:
     """Marker that wakes the consumer when a chunk switches to text before delivery."""
 
@@ -89,9 +103,17 @@ class OrderedDelivery:
         #: the decoder when it holds chunks between sections (None: a plain section decoder)
         self._stream = decode if isinstance(decode, StreamingDecoder) else None
         self._chunks = [_ChunkSlots(kind=self._loop.create_future()) for _ in range(chunks)]
-        #: encoded bytes of each section added and not yet delivered (decoding or decoded)
+        #: bytes each section added and not yet delivered holds: coded while it waits or
+        #: decodes, plus its decoded output from the start of its decode
         self._backlog: dict[tuple[int, int], int] = {}
         self.backlog_bytes = 0
+        #: sections received and not yet handed to the decoder, in arrival order
+        self._waiting: dict[tuple[int, int], _Waiting] = {}
+        #: the decode job of each section handed to the decoder and not finished
+        self._decoding: dict[tuple[int, int], asyncio.Future] = {}
+        #: whether ``nbytes`` more may be held to decode ahead of the consumer (the
+        #: session's budget); None: always
+        self.admit: Callable[[int], bool] | None = None
         self._position = 0   # the chunk the consumer is on
         #: called whenever the backlog shrinks or the consumer moves on (backpressure hook)
         self.on_progress: Callable[[], None] | None = None
@@ -101,8 +123,40 @@ class OrderedDelivery:
         keys = [(chunk, layer)] if layer is not None else [k for k in self._backlog if k[0] == chunk]
         for key in keys:
             self.backlog_bytes -= self._backlog.pop(key, 0)
+            self._decoding.pop(key, None)
+        if layer is None:   # the chunk was given up on or is done: its waiting sections too
+            for key in [k for k in self._waiting if k[0] == chunk]:
+                del self._waiting[key]
+        self.pump()
+
+    def _hold(self, key: tuple[int, int], nbytes: int) -> None:
+        self.backlog_bytes += nbytes - self._backlog.get(key, 0)
+        self._backlog[key] = nbytes
+
+    def pump(self) -> None:
+        """Hand waiting sections to the decoder: the one the consumer needs next, then the
+        others in arrival order while the budget admits their output. Called whenever
+        something is released here and when the process's budget has room again."""
+        if self._waiting:
+            needed = self._needed()
+            if needed in self._waiting:
+                self._start(needed)
+            for key in list(self._waiting):
+                if self.admit is not None and not self.admit(self._waiting[key].header.raw_size):
+                    break
+                self._start(key)
         if self.on_progress is not None:
             self.on_progress()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether sections wait for room in the budget to start decoding."""
+        return bool(self._waiting)
+
+    def _needed(self) -> tuple[int, int] | None:
+        if self._position >= len(self._chunks):
+            return None
+        return self._position, self._chunks[self._position].delivered
 
     def starved(self) -> bool:
         """True when the consumer waits for something not received yet: the receiver must
@@ -166,28 +220,48 @@ class OrderedDelivery:
         slot = self._slot(chunk, layer)
         if slot.done():
             return  # duplicate part (refetch overlap); the first copy wins
+        if (chunk, layer) in self._waiting:
+            return  # duplicate part of a section not decoding yet: the first copy wins
         if header is not state.header:
             self._cancel_decode(state)   # a refetch's new answer: the old one's rest never comes
+            for key in [k for k in self._waiting if k[0] == chunk]:
+                del self._waiting[key]
             state.header, state.submitted = header, 0
         state.submitted += 1
-        if self._stream is not None:   # groups upload and decode as sections land
-            job = asyncio.ensure_future(_submitted(self._stream.submit(header, profile, layer, section),
-                                                   time.perf_counter()))
-        else:
-            job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, header, profile,
-                                             layer, section, time.perf_counter())
-        slot.set_result(job)
-        size = len(section)
-        self._observe(ev.SectionHanded(chunk, layer, size, time.monotonic()))
-        job.add_done_callback(functools.partial(self._decoded, chunk, layer, size))
-        self.backlog_bytes += size - self._backlog.get((chunk, layer), 0)
-        self._backlog[(chunk, layer)] = size
+        self._observe(ev.SectionHanded(chunk, layer, len(section), time.monotonic()))
+        self._hold((chunk, layer), len(section))
+        self._waiting[(chunk, layer)] = _Waiting(header, profile, section, time.perf_counter())
+        if self._stream is not None:
+            self._start((chunk, layer))   # its output is on the device, not in this budget
+        self.pump()
 
-    def _decoded(self, chunk: int, layer: int, size: int, job: asyncio.Future) -> None:
+    def _start(self, key: tuple[int, int]) -> None:
+        chunk, layer = key
+        item = self._waiting.pop(key)
+        output = 0
+        if self._stream is not None:   # groups upload and decode as sections land
+            job = asyncio.ensure_future(_submitted(self._stream.submit(item.header, item.profile, layer,
+                                                                       item.section), item.arrived))
+        else:
+            output = item.header.raw_size
+            job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, item.header,
+                                             item.profile, layer, item.section, item.arrived)
+            self._hold(key, len(item.section) + output)
+        self._slot(chunk, layer).set_result(job)
+        self._decoding[key] = job
+        job.add_done_callback(functools.partial(self._decoded, key, len(item.section), output))
+
+    def _decoded(self, key: tuple[int, int], size: int, output: int, job: asyncio.Future) -> None:
         # a failed decode is the consumer's to raise (exception() only marks it seen: a
         # retargeted chunk's moot failure is not logged as unretrieved)
-        seconds = job.result()[2] if not job.cancelled() and job.exception() is None else None
-        self._observe(ev.SectionDecoded(chunk, layer, size, seconds, time.monotonic()))
+        ok = not job.cancelled() and job.exception() is None
+        seconds = job.result()[2] if ok else None
+        self._observe(ev.SectionDecoded(*key, size, seconds, time.monotonic()))
+        if self._decoding.get(key) is job:   # not released or replaced meanwhile
+            del self._decoding[key]
+            self._hold(key, output if ok else 0)   # the coded bytes are free now
+            if self.on_progress is not None:
+                self.on_progress()
 
     def add_text(self, chunk: int, token_ids: list[int]) -> None:
         state = self._chunks[chunk]
@@ -203,6 +277,8 @@ class OrderedDelivery:
         if state.failure is not None:
             return
         state.failure = exc
+        for key in [k for k in self._waiting if k[0] == chunk]:
+            del self._waiting[key]
         for fut in [state.kind, state.text, *[self._slot(chunk, l) for l in range(state.delivered, self._layers)]]:
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -217,6 +293,21 @@ class OrderedDelivery:
         if state.header is not None and self._stream is not None:
             self._stream.cancel(state.header)
         state.header = None
+
+    def close(self) -> None:
+        """Let go of what is held: the fetch is over, and a failed or cancelled one leaves
+        decoded layers, waiting sections and a stream decoder's chunks behind (a session's
+        objects refer to each other, so without this they would wait for the cyclic
+        garbage collector, decoded tensors and all)."""
+        for state in self._chunks:
+            if not state.done:
+                self._cancel_decode(state)
+            state.layers.clear()
+        self._waiting.clear()
+        self._decoding.clear()
+        self._backlog.clear()
+        self.backlog_bytes = 0
+        self.on_progress = self.admit = None
 
     # ------------------------------------------------------------- consumer side
     async def run(self) -> None:
@@ -293,12 +384,12 @@ class OrderedDelivery:
 
 
 def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: codec.Profile, layer: int,
-                  section: bytes | memoryview, submitted: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(k, v, seconds from submission): the decoder threads are the process's, so a
-    section's time includes its wait behind other sessions' sections, which is what the
-    fetch controller must plan with."""
+                  section: bytes | memoryview, arrived: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(k, v, seconds from the section's arrival): the decoder threads and the memory
+    budget are the process's, so a section's time includes its wait for the budget and
+    behind other sessions' sections, which is what the fetch controller must plan with."""
     k, v = decode(header, profile, layer, section)
-    return k, v, time.perf_counter() - submitted
+    return k, v, time.perf_counter() - arrived
 
 
 async def _submitted(future: concurrent.futures.Future, start: float) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -66,7 +66,8 @@ class FetchDriver:
                                         observe=self._observe, executor=session._executor,
                                         decode=session._decode)
         self.delivery.on_progress = self._on_progress
-        self.share = process_budget().join(self._maybe_resume)
+        self.delivery.admit = self._admit
+        self.share = process_budget().join(self.delivery.pump)
         self.assemblies: dict[int, Assembly] = {}
         self.wake = asyncio.Event()
         self.pending: collections.deque[ev.Reconnect | ev.Fail] = collections.deque()
@@ -106,6 +107,8 @@ class FetchDriver:
         finally:
             if not consumer.done():
                 consumer.cancel()
+            self.delivery.close()
+            self.assemblies.clear()
             self.share.close()
             self.s._on_data = None
             if self.s._client is not None:
@@ -283,9 +286,17 @@ class FetchDriver:
             self.controller.handle(ev.ReadingPaused(time.monotonic()))
 
     def _on_progress(self) -> None:
-        """The delivery's backlog shrank or its consumer moved on."""
+        """The delivery's backlog changed or its consumer moved on."""
         self.share.hold(self._buffered())
+        self.share.waiting = self.delivery.waiting
         self._maybe_resume()
+
+    def _admit(self, nbytes: int) -> bool:
+        """Whether the delivery may hold ``nbytes`` more of decoded output ahead of its
+        consumer: within this session's limit and the process's budget."""
+        budget = self.share.budget
+        return (self._buffered() + nbytes <= self.s.max_buffered_bytes
+                and budget.total + nbytes <= budget.limit)
 
     def _maybe_resume(self) -> None:
         if not self.paused:

@@ -125,8 +125,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                          help="cache budget, least recently used evicted first (default 4G); no context "
                               "larger than it is fetched")
     receive.add_argument("--receive-budget", type=parse_bytes, default=DEFAULT_BUDGET_BYTES,
-                         help="bytes received and not yet delivered that all fetches together may hold "
-                              "(default 512M): above it, a fetch holding more than its share stops reading")
+                         help="bytes received and not yet delivered, coded or decoded, that all fetches "
+                              "together may hold (default 512M): above it, a fetch holding more than its "
+                              "share stops reading and none decodes ahead of its consumer")
     receive.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                          help="where to decode (cuda needs kvwire[cuda])")
     receive.add_argument("--model", metavar="PATH",
