@@ -84,6 +84,32 @@ def test_a_small_section_claiming_a_gigabyte_is_refused_at_the_header(name: str)
         reject((blob, None))
 
 
+def test_a_rotary_blob_claiming_millions_of_tokens_builds_no_angle_table() -> None:
+    """The output bound comes before the RoPE angles: a hostile position and token count
+    cost no table, kept or not."""
+    from codec import rotary as rotary_module
+
+    blob, profile = HOSTILE["rotary_blob_claiming_2^21_tokens_at_2^30"][0]()
+    assert profile.rotary is not None
+    before = rotary_module._ANGLES.nbytes
+    computed = []
+    real = rotary_module._angles
+    rotary_module._angles = lambda *a: computed.append(a) or real(*a)
+    try:
+        with pytest.raises(codec.CorruptBitstream, match="per byte"):
+            codec.decode(blob, profile)
+    finally:
+        rotary_module._angles = real
+    assert computed == [] and rotary_module._ANGLES.nbytes == before
+
+
+def test_a_profile_claiming_a_gigabyte_it_does_not_hold_is_corrupt() -> None:
+    data = HOSTILE["profile_16kb_claiming_1gib_basis"][0]()
+    assert len(data) < 20_000
+    with pytest.raises(codec.CorruptBitstream, match="not a kvwire profile"):
+        codec.Profile.from_bytes(data)
+
+
 def test_the_lane_minimum_refuses_lanes_too_short_for_their_tokens(small_profile) -> None:
     """A section within the output-per-byte bound whose lanes hold fewer words than their
     values need (FORMAT.md, "Lane minimum"): refused by name before decoding."""

@@ -154,6 +154,30 @@ def _gigabyte_claim():
     return blob, None
 
 
+def _rotary_many_tokens():
+    """As ``_many_tokens`` with a RoPE profile, at position 2^30: a decoder that built its
+    angle tables before checking the output would make 2^21 x 2 floats of them."""
+    import codec
+
+    gen = torch.Generator().manual_seed(0)
+    profile = codec.calibrate([torch.randn(1, 2, 64, 1, 2, generator=gen)], sink_tokens=0,
+                              rotary=codec.Rotary(head_dim=2, dim=2, theta=10_000.0))
+    kept = (int(profile.kept[0, 0, 0]), int(profile.kept[0, 0, 1]))
+    lanes = sum(kept) * -(-(1 << 21) // _LONGEST_PIECE)
+    payload = lane_payload(lanes, 8, _LONGEST_PIECE, kept=kept, steps=tuple(map(float, profile.steps[0, 0])))
+    blob = hand_blob(tokens=1 << 21, heads=1, head_dim=2, sections=[payload], profile_id=profile.id, dtype=3,
+                     start=1 << 30)
+    return blob, profile
+
+
+def _profile_claiming_a_gigabyte() -> bytes:
+    """A 16 KB profile file whose safetensors header gives its basis 1 GiB of float32
+    (2 x 16384 x 8192), the data not there."""
+    header = json.dumps({"basis": {"dtype": "F32", "shape": [1, 2, 16384, 8192], "data_offsets": [0, 1 << 30]}})
+    header_bytes = header.encode() + b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header_bytes)) + header_bytes + bytes(16 * 1024)
+
+
 def _embedded_bomb(declare_size: bool):
     import zstandard
 
@@ -205,6 +229,8 @@ HOSTILE: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {
     "embedded_profile_unsized_zstd_bomb": (lambda: _embedded_bomb(False), _decode),
     "blob_with_65535x65535_channels": (_wide_channels, _decode),
     "profile_kept_past_channels": (_profile_kept_past_channels, _parse_profile),
+    "rotary_blob_claiming_2^21_tokens_at_2^30": (_rotary_many_tokens, _decode),
+    "profile_16kb_claiming_1gib_basis": (_profile_claiming_a_gigabyte, _parse_profile),
 }
 
 
