@@ -46,11 +46,12 @@ class Share:
         self.waiting = False
 
     def hold(self, nbytes: int) -> None:
-        """This session now holds ``nbytes`` received and not delivered."""
+        """The share's session now holds ``nbytes`` received and not delivered."""
         self.budget._update(self, nbytes)
 
     def over(self) -> bool:
-        """Whether this session should stop reading for the budget's sake."""
+        """Whether the share's session should stop reading for the budget's sake: the
+        process is over its budget and this share holds more than its fair part."""
         return self.budget.total > self.budget.limit and self.held > self.budget.fair_share()
 
     def close(self) -> None:

@@ -293,7 +293,7 @@ class FetchDriver:
 
     def _admit(self, nbytes: int) -> bool:
         """Whether the delivery may hold ``nbytes`` more of decoded output ahead of its
-        consumer: within this session's limit and the process's budget."""
+        consumer: within the session's own ``max_buffered_bytes`` and the process's budget."""
         budget = self.share.budget
         return (self._buffered() + nbytes <= self.s.max_buffered_bytes
                 and budget.total + nbytes <= budget.limit)
