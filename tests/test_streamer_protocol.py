@@ -21,8 +21,8 @@ from streamer.wire.protocol import (DEFAULT_MAX_FRAME, MAX_CONTROL_PAYLOAD, TRAN
                                     ChunkBegin, ChunkEnd, ChunkPart, Close, Connection,
                                     ConnectionClosed, Direction, Error, FrameType, GetProfile,
                                     Hello, LocalProtocolError, ManifestData, Open, Pending, ProfileData,
-                                    ProtocolError, RemoteProtocolError, Request, Role, State, Text,
-                                    Welcome)
+                                    ProtocolError, RemoteProtocolError, Request, Role, State,
+                                    SUPPORTED_VERSIONS, Text, Welcome)
 
 PID = "0123456789abcdef"
 FUZZ = settings(max_examples=300, deadline=None,
@@ -613,7 +613,7 @@ LOCAL_MISUSE = {
     "client open before welcome": (client_started, Open("x", None)),
     "client second hello": (client_ready, Hello((1,), "c")),
     "client hello with unsupported version": (lambda: Connection(Role.CLIENT),
-                                              Hello((1, 2), "c")),
+                                              Hello((1, max(SUPPORTED_VERSIONS) + 1), "c")),
     "client request before manifest": (client_ready, Request(0, 0)),
     "client duplicate request": (client_requested, Request(1, 1)),
     "client cancel unknown chunk": (client_requested, Cancel(9)),

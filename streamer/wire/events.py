@@ -186,25 +186,35 @@ class Request(Event):
     """REQUEST (client, frame 7): ask for ``chunk`` at ``level`` (int >= 0 or ``"text"``).
 
     Needs an open context. At most one request per chunk may be outstanding.
+    ``first_layer`` > 0 (protocol version 2, a KV level only) is a *continuation*: only the
+    blob's header and the sections of layers ``first_layer .. layers-1`` are wanted (the
+    rest of a chunk whose first layers came another way, e.g. at another level). It
+    must be below the open context's layer count (the sender checks: ERROR
+    "bad_request"). 0, the default, asks for the whole chunk.
     """
 
     chunk: int
     level: Level
+    first_layer: int = 0
 
 
 @dataclass(frozen=True)
 class ChunkBegin(Event):
     """CHUNK_BEGIN (server, frame 8): starts the answer to the oldest request.
 
-    ``total_bytes`` (wire key ``"bytes"``) is the sum of all part payloads; ``parts``
-    (>= 1) the number of CHUNK_PART frames that follow (part 0 = blob header, part
-    l+1 = layer l's section).
+    ``chunk``, ``level`` and ``first_layer`` repeat the request's. ``total_bytes`` (wire
+    key ``"bytes"``) is the sum of all part payloads; ``parts`` (>= 1) the number of
+    CHUNK_PART frames that follow. Their payloads, concatenated, are the blob's header
+    then the sections of layers ``first_layer .. layers-1`` (the whole blob when
+    ``first_layer`` is 0); the parts' boundaries carry no meaning (a receiver cuts
+    sections by the header's lengths).
     """
 
     chunk: int
     level: int
     total_bytes: int
     parts: int
+    first_layer: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,24 @@ Stateless apart from :class:`FrameBuffer`; knows nothing about connection state 
 is :mod:`streamer.wire.protocol`'s job). Wire format, all little-endian::
 
     frame   = header payload
-    header  = struct "<IHH": payload length (u32), frame type (u16), flags (u16, 0 in v1)
+    header  = struct "<IHH": payload length (u32), frame type (u16), flags (u16, always 0)
 
 Control frames (HELLO, WELCOME, AUTH, AUTH_OK, OPEN, GET_PROFILE, REQUEST, CHUNK_BEGIN,
 CHUNK_END, CANCEL, ERROR, CLOSE) carry one UTF-8 JSON object of at most ``MAX_CONTROL_PAYLOAD``
 bytes, checked key by key against :data:`SCHEMAS` (exact key set, exact JSON types --
-``true`` is not an int, ``1`` is not a bool --, ranges). No NaN/Infinity, no duplicate
-keys, no BOM. Data frames are binary:
+``true`` is not an int, ``1`` is not a bool --, ranges) and :data:`OPTIONAL_KEYS`. No
+NaN/Infinity, no duplicate keys, no BOM. Data frames are binary:
 
     MANIFEST    manifest bytes
     PROFILE     16 ascii lowercase-hex id bytes + profile bytes
     CHUNK_PART  struct "<IHH" chunk (u32), part index (u16), reserved (u16 = 0) + bytes
     TEXT        struct "<I" chunk + zstd token-id bytes
+
+An optional key is absent when its field has its default and, when present, never holds
+the default, so every event has exactly one encoding. The only ones are REQUEST's and
+CHUNK_BEGIN's ``first_layer`` (protocol version 2; default 0, present: 1 ..
+``MAX_FIRST_LAYER``): a version 1 peer, which knows no such key, never sees one, since
+the connection refuses a continuation on a version 1 connection (``streamer.wire.protocol``).
 
 Encoding errors raise ``LocalProtocolError``; decoding errors ``RemoteProtocolError``.
 """
@@ -36,8 +42,8 @@ from streamer.wire.events import (AUTH_NONE, AUTH_REQUIRED, ERROR_CODES, TEXT_LE
 __all__ = [
     "FrameType", "HEADER", "PART_HEADER", "TEXT_HEADER", "MAGIC", "MAX_CONTROL_PAYLOAD",
     "DEFAULT_MAX_FRAME", "MIN_MAX_FRAME", "MAX_U32", "MAX_PARTS", "MAX_VERSION",
-    "MAX_LEVEL", "MAX_NAME", "MAX_CONTEXT_ID", "MAX_MESSAGE", "CONTROL_TYPES",
-    "DATA_TYPES", "EVENT_TYPES", "SCHEMAS", "encode", "decode", "FrameBuffer",
+    "MAX_LEVEL", "MAX_FIRST_LAYER", "MAX_NAME", "MAX_CONTEXT_ID", "MAX_MESSAGE", "CONTROL_TYPES",
+    "DATA_TYPES", "EVENT_TYPES", "SCHEMAS", "OPTIONAL_KEYS", "encode", "decode", "FrameBuffer",
 ]
 
 HEADER = struct.Struct("<IHH")
@@ -52,6 +58,8 @@ MAX_U32 = 0xFFFF_FFFF
 MAX_PARTS = 0x1_0000                 # part index is a u16
 MAX_VERSION = 0xFFFF
 MAX_LEVEL = 0xFFFF
+#: a blob has at most 65535 layers (a u16, codec/FORMAT.md), so its last is 65534
+MAX_FIRST_LAYER = 0xFFFE
 MAX_TOTAL_BYTES = 1 << 53           # exact in a JSON double
 MAX_VERSIONS = 16
 MAX_NAME = 256                       # Hello.client / Welcome.server, characters
@@ -139,6 +147,7 @@ def _const(value: str) -> Callable[[Any], str]:
 _version = _int(1, MAX_VERSION)
 _u32 = _int(0, MAX_U32)
 _level_int = _int(0, MAX_LEVEL)
+_first_layer = _int(1, MAX_FIRST_LAYER)   # present only when not the default 0
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -222,24 +231,37 @@ SCHEMAS: Dict[FrameType, Dict[str, Callable[[Any], Any]]] = {
     FrameType.CLOSE: {},
 }
 
+#: Control frame type -> (optional JSON key -> checker). Absent means the field's
+#: default; present, the checker refuses the default (one encoding per event).
+OPTIONAL_KEYS: Dict[FrameType, Dict[str, Callable[[Any], Any]]] = {
+    FrameType.REQUEST: {"first_layer": _first_layer},
+    FrameType.CHUNK_BEGIN: {"first_layer": _first_layer},
+}
+
 
 def _check_object(ftype: FrameType, obj: Any) -> Dict[str, Any]:
     if type(obj) is not dict:
         raise _Invalid(f"{ftype.name} payload must be a JSON object, got {type(obj).__name__}")
-    schema = SCHEMAS[ftype]
+    schema, optional = SCHEMAS[ftype], OPTIONAL_KEYS.get(ftype, {})
     missing = schema.keys() - obj.keys()
     if missing:
         raise _Invalid(f"{ftype.name} is missing key(s) {sorted(missing)}")
-    unknown = obj.keys() - schema.keys()
+    unknown = obj.keys() - schema.keys() - optional.keys()
     if unknown:
         raise _Invalid(f"{ftype.name} has unknown key(s) {sorted(unknown)!r:.200}")
     out = {}
-    for key, check in schema.items():
+    for key, check in [*schema.items(), *((k, c) for k, c in optional.items() if k in obj)]:
         try:
             out[key] = check(obj[key])
         except _Invalid as e:
             raise _Invalid(f"{ftype.name}.{key}: {e}") from None
     return out
+
+
+def _first_layer_key(value: Any) -> Dict[str, Any]:
+    """The optional ``first_layer`` key: absent for the default 0 (an int, not False or
+    0.0: those are sent, and refused by the checker)."""
+    return {} if type(value) is int and value == 0 else {"first_layer": value}
 
 
 def _to_object(event: Event) -> Dict[str, Any]:
@@ -257,10 +279,10 @@ def _to_object(event: Event) -> Dict[str, Any]:
     if isinstance(event, GetProfile):
         return {"profile_id": event.profile_id}
     if isinstance(event, Request):
-        return {"chunk": event.chunk, "level": event.level}
+        return {"chunk": event.chunk, "level": event.level, **_first_layer_key(event.first_layer)}
     if isinstance(event, ChunkBegin):
         return {"chunk": event.chunk, "level": event.level, "bytes": event.total_bytes,
-                "parts": event.parts}
+                "parts": event.parts, **_first_layer_key(event.first_layer)}
     if isinstance(event, ChunkEnd):
         return {"chunk": event.chunk, "cancelled": event.cancelled}
     if isinstance(event, Cancel):
@@ -287,10 +309,10 @@ def _from_object(ftype: FrameType, o: Dict[str, Any]) -> Event:
     if ftype is FrameType.GET_PROFILE:
         return GetProfile(profile_id=o["profile_id"])
     if ftype is FrameType.REQUEST:
-        return Request(chunk=o["chunk"], level=o["level"])
+        return Request(chunk=o["chunk"], level=o["level"], first_layer=o.get("first_layer", 0))
     if ftype is FrameType.CHUNK_BEGIN:
         return ChunkBegin(chunk=o["chunk"], level=o["level"], total_bytes=o["bytes"],
-                          parts=o["parts"])
+                          parts=o["parts"], first_layer=o.get("first_layer", 0))
     if ftype is FrameType.CHUNK_END:
         return ChunkEnd(chunk=o["chunk"], cancelled=o["cancelled"])
     if ftype is FrameType.CANCEL:
@@ -454,7 +476,7 @@ class FrameBuffer:
             raise RemoteProtocolError(f"unknown frame type {raw_type}") from None
         if flags:
             raise RemoteProtocolError(f"{ftype.name} frame has flags {flags:#06x}; "
-                                      f"must be 0 in version 1")
+                                      f"must be 0")
         limit = MAX_CONTROL_PAYLOAD if ftype in CONTROL_TYPES else self.max_frame
         if length > limit:
             raise RemoteProtocolError(f"{ftype.name} frame announces {length} payload bytes "

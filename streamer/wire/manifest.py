@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from streamer.wire.events import TEXT_LEVEL
+
 MANIFEST_FORMAT = "kvwire-manifest"
 MANIFEST_VERSION = 2
 #: Manifest format versions this build reads (1: before ``vocab_size``).
@@ -205,6 +207,20 @@ class Manifest:
     def levels(self) -> int:
         """Number of quality levels of the profile (stored or not)."""
         return len(self.level_distortion)
+
+    def check_request(self, chunk: int, level: int | str, first_layer: int = 0) -> None:
+        """ValueError unless REQUEST(chunk, level, first_layer) names something this
+        context has: a chunk in range, ``"text"`` or a level in range, and a first layer
+        below ``layers`` (a continuation; text has none). What a sender answers with ERROR
+        "bad_request", and a receiver checks before asking."""
+        if not 0 <= chunk < len(self.chunks):
+            raise ValueError(f"chunk {chunk} out of range: context has {len(self.chunks)} chunks")
+        if level != TEXT_LEVEL and not 0 <= level < self.levels:   # type: ignore[operator]
+            raise ValueError(f"level {level} out of range: context has {self.levels} levels")
+        if level == TEXT_LEVEL and first_layer:
+            raise ValueError(f"chunk {chunk} as text from layer {first_layer}: text has no layers")
+        if not 0 <= first_layer < self.layers:
+            raise ValueError(f"first layer {first_layer} out of range: context has {self.layers} layers")
 
     @property
     def decoded_bytes(self) -> int:

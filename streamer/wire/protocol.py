@@ -20,6 +20,18 @@ both support (none in common: the server's ``receive_data`` raises
 ``RemoteProtocolError`` saying so; send ``error_frame(exc)``). Nothing else may be sent
 before the handshake except CLOSE or a fatal ERROR.
 
+Versions
+--------
+:data:`SUPPORTED_VERSIONS` are 1 and 2; a connection speaks the one WELCOME chose
+(:attr:`Connection.version`), so a peer that knows only version 1 keeps working
+exactly as before. Version 2 adds one thing, the *continuation*: REQUEST and
+CHUNK_BEGIN may carry ``first_layer`` (JSON key present only when > 0; see
+:mod:`streamer.wire.frames`), so a receiver can fetch the rest of a chunk -- its
+header and the sections of layers ``first_layer .. layers-1`` -- at a level of its
+choice (:attr:`Connection.continuations` says whether the connection may). On a
+version 1 connection a ``first_layer`` > 0 is refused: ``send`` raises
+``LocalProtocolError``, ``receive_data`` ``RemoteProtocolError``.
+
 Authentication
 --------------
 A connection built with ``auth_token`` authenticates its peer with an HMAC
@@ -52,10 +64,22 @@ request exactly once:
 
 * OPEN        -> MANIFEST, or a non-fatal ERROR;
 * GET_PROFILE -> PROFILE with the same id, or a non-fatal ERROR;
-* REQUEST     -> CHUNK_BEGIN (same chunk and level), CHUNK_PART 0..parts-1 in order,
-  CHUNK_END{cancelled: false} with the part bytes summing to CHUNK_BEGIN.bytes;
-  or TEXT if the level is ``"text"``; or a non-fatal ERROR (which also aborts a chunk in
-  progress); or, for a cancelled request, CHUNK_END{cancelled: true} (see below).
+* REQUEST     -> CHUNK_BEGIN (same chunk, level and first_layer), CHUNK_PART
+  0..parts-1 in order, CHUNK_END{cancelled: false} with the part bytes summing to
+  CHUNK_BEGIN.bytes; or TEXT if the level is ``"text"``; or a non-fatal ERROR (which
+  also aborts a chunk in progress); or, for a cancelled request, CHUNK_END{cancelled:
+  true} (see below).
+
+The parts of a chunk's answer are the stored blob's bytes (codec/FORMAT.md): its header,
+then the sections of layers ``first_layer`` .. ``layers-1`` in order, every byte
+unchanged, cut into parts wherever the sender likes. A section decodes from its blob's
+header and its own bytes alone, so a continuation's sections decode exactly like the
+same sections of a whole answer at that level. A section holds one layer (the codec
+groups none), so ``first_layer`` counts layers and sections alike. A text REQUEST has
+no layers: its ``first_layer`` must be 0, on any version. The state machine does not
+read manifests, so ``first_layer`` < the context's layers is the sender's check, like a
+chunk or level out of range: a non-fatal ERROR "bad_request" (see
+``Manifest.check_request``).
 
 While a chunk is in progress it is the oldest request, so only its CHUNK_PART /
 CHUNK_END, an ERROR or CLOSE may come from the server; the client may keep sending.
@@ -137,11 +161,13 @@ __all__ = [
     "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "AuthenticationError",
     # constants
     "FrameType", "TEXT_LEVEL", "ERROR_CODES", "AUTH_NONE", "AUTH_REQUIRED", "DEFAULT_MAX_FRAME", "MIN_MAX_FRAME",
-    "MAX_CONTROL_PAYLOAD", "HEADER", "SUPPORTED_VERSIONS",
+    "MAX_CONTROL_PAYLOAD", "HEADER", "SUPPORTED_VERSIONS", "CONTINUATION_VERSION",
 ]
 
 #: Protocol versions this implementation speaks.
-SUPPORTED_VERSIONS: Tuple[int, ...] = (1,)
+SUPPORTED_VERSIONS: Tuple[int, ...] = (1, 2)
+#: The first version whose REQUEST may name a ``first_layer`` (a continuation).
+CONTINUATION_VERSION = 2
 
 
 class Role(enum.Enum):
@@ -257,6 +283,7 @@ class ChunkProgress:
     parts: int
     parts_seen: int = 0
     bytes_seen: int = 0
+    first_layer: int = 0
 
 
 def _describe(p: Pending) -> str:
@@ -265,7 +292,9 @@ def _describe(p: Pending) -> str:
         return f"OPEN {r.context_id!r:.60}"
     if isinstance(r, GetProfile):
         return f"GET_PROFILE {r.profile_id}"
-    return f"REQUEST chunk {r.chunk} level {r.level!r}" + (" (cancelled)" if p.cancelled else "")
+    return (f"REQUEST chunk {r.chunk} level {r.level!r}"
+            + (f" from layer {r.first_layer}" if r.first_layer else "")
+            + (" (cancelled)" if p.cancelled else ""))
 
 
 # ----------------------------------------------------------------------------- connection
@@ -345,6 +374,12 @@ class Connection:
     def version(self) -> Optional[int]:
         """The negotiated protocol version once WELCOME is sent/received."""
         return self._version
+
+    @property
+    def continuations(self) -> bool:
+        """Whether REQUEST may name a ``first_layer`` here: the negotiated version is at
+        least :data:`CONTINUATION_VERSION` (False before the handshake)."""
+        return self._version is not None and self._version >= CONTINUATION_VERSION
 
     @property
     def send_limit(self) -> int:
@@ -631,6 +666,14 @@ class Connection:
         for p in self._queue:
             if isinstance(p.request, Request) and p.request.chunk == ev.chunk:
                 raise fail(f"REQUEST for chunk {ev.chunk} while {_describe(p)} is outstanding")
+        if ev.first_layer:
+            if ev.level == TEXT_LEVEL:
+                raise fail(f"REQUEST for chunk {ev.chunk} as text from layer {ev.first_layer}: "
+                           f"text has no layers (first_layer must be 0)")
+            if not self.continuations:
+                raise fail(f"REQUEST for chunk {ev.chunk} from layer {ev.first_layer} on a "
+                           f"version {self._version} connection: first_layer needs version "
+                           f"{CONTINUATION_VERSION}")
         return lambda: self._queue.append(Pending(ev))
 
     def _check_cancel(self, ev: Cancel, d, fail):
@@ -677,12 +720,14 @@ class Connection:
             return lambda: None
         return self._queue.popleft
 
-    def _answerable(self, what: str, chunk: int, level, d, fail) -> Pending:
+    def _answerable(self, what: str, chunk: int, level, first_layer: int, d, fail) -> Pending:
         self._no_progress(what, fail)
         head = self._head(what, fail)
         r = head.request
-        if not (isinstance(r, Request) and r.chunk == chunk and r.level == level):
-            raise fail(f"{what} for chunk {chunk} level {level!r} does not answer the "
+        if not (isinstance(r, Request) and r.chunk == chunk and r.level == level
+                and r.first_layer == first_layer):
+            begins = f" from layer {first_layer}" if first_layer else ""
+            raise fail(f"{what} for chunk {chunk} level {level!r}{begins} does not answer the "
                        f"oldest request, {_describe(head)}")
         if head.cancelled and d is Direction.SEND:
             raise fail(f"{what}: chunk {chunk} was cancelled before it began; answer it "
@@ -690,12 +735,12 @@ class Connection:
         return head
 
     def _check_chunkbegin(self, ev: ChunkBegin, d, fail):
-        self._answerable("CHUNK_BEGIN", ev.chunk, ev.level, d, fail)
-        return lambda: setattr(self, "_progress",
-                               ChunkProgress(ev.chunk, ev.level, ev.total_bytes, ev.parts))
+        self._answerable("CHUNK_BEGIN", ev.chunk, ev.level, ev.first_layer, d, fail)
+        return lambda: setattr(self, "_progress", ChunkProgress(
+            ev.chunk, ev.level, ev.total_bytes, ev.parts, first_layer=ev.first_layer))
 
     def _check_text(self, ev: Text, d, fail):
-        self._answerable("TEXT", ev.chunk, TEXT_LEVEL, d, fail)
+        self._answerable("TEXT", ev.chunk, TEXT_LEVEL, 0, d, fail)
         return self._queue.popleft
 
     def _check_chunkpart(self, ev: ChunkPart, d, fail):
