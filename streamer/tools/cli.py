@@ -14,7 +14,8 @@ import sys
 _COMMAND_MODULES = ("streamer.tools.demo", "streamer.tools.demo_llm", "streamer.tools.codec_cli",
                     "streamer.tools.put", "streamer.tools.serve_fetch", "streamer.tools.receive",
                     "streamer.tools.calibrate", "streamer.tools.bench_stream", "streamer.tools.bench_load",
-                    "streamer.tools.bench_policies", "streamer.tools.netsim_cli", "streamer.tools.fuzz")
+                    "streamer.tools.bench_policies", "streamer.tools.netsim_cli", "streamer.tools.fuzz",
+                    "streamer.tools.bench_report")
 
 
 def build_parser() -> argparse.ArgumentParser:
