@@ -451,8 +451,8 @@ async def test_one_corrupted_byte(ctx, reference, monkeypatch, times: int, sourc
 
     real_blob_parts = sender_module.blob_parts
 
-    def blob_parts(blob: bytes, limit: int):
-        parts = list(real_blob_parts(blob, limit))
+    def blob_parts(blob: bytes, limit: int, first_layer: int = 0):
+        parts = list(real_blob_parts(blob, limit, first_layer))
         if source != "wire" or blob != reference_blobs[2]:
             return iter(parts)
         data = damage(b"".join(parts))

@@ -14,7 +14,7 @@ from codec.container import section
 from streamer.net.assembly import Assembly
 from streamer_helpers import put_context_now, synthetic_kv
 
-LAYERS, HEADS, HEAD_DIM, TOKENS = 3, 2, 16, 64
+LAYERS, HEADS, HEAD_DIM, TOKENS = 3, 2, 16, 256
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,7 @@ def test_any_split_gives_the_blobs_sections_and_leaves_nothing_held(stored, cuts
     header = codec.parse_header(blob)
     bounds = sorted({0, len(blob), *(cut % len(blob) for cut in cuts)})
     sections: list[tuple[int, bytes]] = []
+    Assembly(manifest, 0, 0, len(blob)).add(blob)   # first-call caches are not what an answer holds
     tracemalloc.start()
     try:
         assembly = Assembly(manifest, 0, 0, len(blob))
@@ -55,3 +56,46 @@ def test_any_split_gives_the_blobs_sections_and_leaves_nothing_held(stored, cuts
         assert tracemalloc.get_traced_memory()[0] < len(blob) // 4
     finally:
         tracemalloc.stop()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first_layer=st.integers(min_value=1, max_value=LAYERS - 1),
+       cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=8))
+def test_a_continuation_gives_the_same_sections_from_its_first_layer(stored, first_layer: int,
+                                                                      cuts: list[int]) -> None:
+    """The header and the sections from ``first_layer`` on (protocol version 2), split
+    anywhere: the very sections of the whole blob, numbered by their layer."""
+    manifest, blob = stored
+    header = codec.parse_header(blob)
+    answer = blob[:header.size] + blob[header.section_offset(first_layer):]
+    bounds = sorted({0, len(answer), *(cut % len(answer) for cut in cuts)})
+    assembly = Assembly(manifest, 0, 0, len(answer), first_layer=first_layer)
+    assert assembly.sections == first_layer
+    sections = [s for start, end in zip(bounds, bounds[1:]) for s in assembly.add(answer[start:end])]
+    assert sections == [(layer, bytes(section(blob, header, layer))) for layer in range(first_layer, LAYERS)]
+    assert assembly.sections == LAYERS and assembly.buffered == 0
+
+
+def test_a_continuation_whose_header_disagrees_with_its_bytes_is_corrupt(stored) -> None:
+    """A header whose sections from the first layer do not add up to the answer's bytes,
+    or whose blob is not the manifest's size, is refused before any section is cut."""
+    manifest, blob = stored
+    header = codec.parse_header(blob)
+    answer = blob[:header.size] + blob[header.section_offset(1):]
+    assembly = Assembly(manifest, 0, 0, len(answer) - 1, first_layer=1)
+    with pytest.raises(codec.CorruptBitstream, match=f"{len(answer)} bytes from layer 1"):
+        assembly.add(answer)
+    assert assembly.discarded and assembly.add(answer) == []
+    whole = Assembly(manifest, 0, 0, len(blob) - 1)
+    with pytest.raises(codec.CorruptBitstream, match=f"the manifest says {len(blob)} bytes"):
+        whole.add(blob)
+
+
+@pytest.mark.parametrize("first_layer, expected, message", [
+    (LAYERS, 10, "first layer 3 out of range"), (1, None, "the whole blob has"), (-1, 10, "out of range")])
+def test_a_continuation_beyond_the_manifest_is_refused_before_anything_is_held(stored, first_layer: int,
+                                                                               expected: int | None,
+                                                                               message: str) -> None:
+    manifest, blob = stored
+    with pytest.raises(ValueError, match=message):
+        Assembly(manifest, 0, 0, len(blob) + 1 if expected is None else expected, first_layer=first_layer)

@@ -160,7 +160,7 @@ async def _fake_sender(handler) -> tuple[asyncio.base_events.Server, int]:
 async def test_receiver_refuses_a_frame_over_its_max_frame() -> None:
     """A sender announcing a 32 MiB MANIFEST to a receiver whose limit is 1 MiB."""
     async def handler(reader, writer):
-        conn = p.Connection(p.Role.SERVER)
+        conn = p.Connection(p.Role.SERVER, versions=(1,))
         conn.receive_data(await reader.read(65536))        # HELLO
         writer.write(conn.send(p.Welcome(1, "evil", p.DEFAULT_MAX_FRAME)))
         await reader.read(65536)                            # OPEN

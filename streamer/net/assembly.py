@@ -3,8 +3,12 @@
 Sections are cut by the header's lengths, not by part boundaries (a section may span
 parts), and handed on as soon as each is whole, so decoding starts while the rest of
 the chunk arrives. The header must describe the blob the manifest promises (profile,
-shape, tokens, the level asked for): a stored blob of another context or level is
-corruption, whatever its checksums say. Pure: bytes in, sections out.
+shape, tokens, the level asked for, and the blob's size), and its sections from the
+first layer asked for must add up to the answer's bytes: a stored blob of another
+context or level is corruption, whatever its checksums say. A continuation (protocol
+version 2, ``first_layer`` > 0) is the header and the sections of layers
+``first_layer`` on: cut the same way, its sections are the very bytes of the same
+sections of a whole answer. Pure: bytes in, sections out.
 """
 from __future__ import annotations
 
@@ -22,18 +26,31 @@ _COMPACT_BYTES = 1 << 20
 
 @dataclass
 class Assembly:
-    """The answer of one REQUEST for ``chunk`` at ``level`` (``expected`` bytes long)."""
+    """The answer of one REQUEST for ``chunk`` at ``level`` from ``first_layer``.
+
+    ``expected`` is the answer's length: the blob's size in the manifest for a whole
+    chunk; for a continuation its CHUNK_BEGIN's bytes, which may not exceed the blob's
+    size (ValueError otherwise, before anything is buffered).
+    """
 
     manifest: Manifest
     chunk: int
     level: Choice
     expected: int
+    first_layer: int = 0
     received: int = 0
     header: codec.BlobHeader | None = None
-    sections: int = 0              # sections cut so far
+    sections: int = 0              # the next layer to cut: first_layer before any
     discarded: bool = False        # a check failed: the rest of this answer is ignored
     _buffer: bytearray = field(default_factory=bytearray)
     _consumed: int = 0
+
+    def __post_init__(self) -> None:
+        self.manifest.check_request(self.chunk, self.level, self.first_layer)
+        if self.first_layer and self.expected > self.manifest.chunks[self.chunk].sizes[self.level]:   # type: ignore[index]
+            raise ValueError(f"a continuation of chunk {self.chunk} at level {self.level} of {self.expected} bytes: "
+                             f"the whole blob has {self.manifest.chunks[self.chunk].sizes[self.level]}")   # type: ignore[index]
+        self.sections = self.first_layer
 
     @property
     def buffered(self) -> int:
@@ -98,3 +115,9 @@ class Assembly:
             raise codec.CorruptBitstream(
                 f"chunk header says {header.tokens} tokens at level {header.level}; the manifest "
                 f"says {m.chunks[self.chunk].tokens} tokens and we asked for level {self.level}")
+        stated = m.chunks[self.chunk].sizes[self.level]   # type: ignore[index]
+        answer = header.size + header.total_size - header.section_offset(self.first_layer)
+        if header.total_size != stated or answer != self.expected:
+            raise codec.CorruptBitstream(
+                f"chunk header says a {header.total_size}-byte blob, {answer} bytes from layer "
+                f"{self.first_layer}; the manifest says {stated} bytes and the answer has {self.expected}")

@@ -12,9 +12,11 @@ import contextlib
 import ssl as _ssl
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from streamer.wire import auth, protocol as p
+from streamer.wire.events import Level
+from streamer.wire.manifest import Manifest
 
 CLIENT_NAME = "kvwire-receiver/1"
 #: Largest profile accepted from a sender (bytes, all its PROFILE frames together). A
@@ -130,15 +132,17 @@ class ClientConnection:
                       max_frame: int = p.DEFAULT_MAX_FRAME,
                       auth_token: Optional[auth.Token] = None,
                       ssl: Union[_ssl.SSLContext, bool, None] = None,
-                      server_hostname: Optional[str] = None) -> "ClientConnection":
+                      server_hostname: Optional[str] = None,
+                      versions: Iterable[int] = p.SUPPORTED_VERSIONS) -> "ClientConnection":
         """Connect (over TLS when ``ssl`` is a context or True) and complete the handshake,
-        authenticating with ``auth_token`` when given. The whole handshake must finish
-        within ``timeout`` seconds. AuthenticationFailed when authentication fails,
-        ServerError when the sender refuses us (e.g. "unavailable": at capacity),
-        ConnectionLost on any other failure."""
+        authenticating with ``auth_token`` when given and offering the protocol
+        ``versions`` (default: all this build speaks; the sender picks the highest it
+        shares). The whole handshake must finish within ``timeout`` seconds.
+        AuthenticationFailed when authentication fails, ServerError when the sender
+        refuses us (e.g. "unavailable": at capacity), ConnectionLost on any other failure."""
         loop = asyncio.get_running_loop()
         queue = ArrivalQueue()
-        conn = p.Connection(p.Role.CLIENT, max_frame=max_frame, auth_token=auth_token)
+        conn = p.Connection(p.Role.CLIENT, max_frame=max_frame, auth_token=auth_token, versions=versions)
         if ssl is True:
             ssl = _ssl.create_default_context()
         tls = {} if not ssl else {"ssl": ssl, "server_hostname": server_hostname or host,
@@ -158,7 +162,7 @@ class ClientConnection:
         try:
             start = time.monotonic()
             if conn.state is p.State.START:   # else the sender spoke first (a refusal)
-                client.send(p.Hello(versions=tuple(p.SUPPORTED_VERSIONS), client=CLIENT_NAME))
+                client.send(p.Hello(versions=conn.versions, client=CLIENT_NAME))
             arrival = await client.next(max(deadline - loop.time(), 0.0))
             client._expect_handshake(arrival.event, p.Welcome)
             client.rtt = arrival.at - start
@@ -205,6 +209,18 @@ class ClientConnection:
         if self.closed or self._transport.is_closing():
             raise ConnectionLost("connection is closed")
         self._transport.writelines(self.conn.send_parts(event))
+
+    def request(self, chunk: int, level: Level, first_layer: int = 0, *, manifest: Manifest | None = None) -> None:
+        """Send REQUEST for ``chunk`` at ``level``: the whole chunk, or with ``first_layer``
+        > 0 a continuation (the blob's header and the sections of layers ``first_layer``
+        on; needs ``conn.continuations``, i.e. a sender speaking protocol version 2).
+        Checked against ``manifest`` first when given (ValueError for a chunk, level or
+        first layer it has not, which the sender would refuse with ERROR "bad_request");
+        LocalProtocolError when the connection cannot carry it (a continuation on a
+        version 1 connection or of text, a second request for the chunk), nothing sent."""
+        if manifest is not None:
+            manifest.check_request(chunk, level, first_layer)
+        self.send(p.Request(chunk=chunk, level=level, first_layer=first_layer))
 
     async def next(self, timeout: float | None) -> Arrival:
         """The next event; ConnectionLost if none comes within ``timeout`` seconds."""

@@ -3,7 +3,9 @@
 A thin asyncio adapter around the sans-I/O ``protocol.Connection``: one reader
 task per connection turns bytes into events, one answer task answers requests in
 FIFO order (the protocol's rule). A chunk is sent as its blob header followed by
-its layer sections (split further only when a section exceeds the frame limit),
+its layer sections (all of them, or for a continuation those from the request's
+``first_layer`` on: slices of the stored blob, never re-encoded), cut into parts of at
+most ``_PART_BYTES``,
 draining the socket after every part: a slow receiver holds at most one part in
 our buffers and never makes us read more from the store (backpressure).
 The daemon itself is stateless (every answer comes from the store), so any number
@@ -33,7 +35,7 @@ import logging
 import socket
 import ssl as _ssl
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import codec
 
@@ -155,23 +157,28 @@ def check_exposure(host: Any, config: ServerConfig) -> None:
                 "reach this port can read every stored context", host or "all interfaces")
 
 
-def blob_parts(blob: bytes, limit: int) -> Iterator[memoryview]:
-    """The blob header, then each layer section, each cut to at most ``limit`` bytes.
+def blob_parts(blob: bytes, limit: int, first_layer: int = 0) -> list[memoryview]:
+    """The blob header, then the sections of layers ``first_layer`` .. ``layers-1``, each
+    cut to at most ``limit`` bytes: views of ``blob``, nothing copied or re-encoded.
 
     Receivers cut sections by the header's lengths, not by part boundaries, so a
-    section may span parts when it exceeds the frame limit.
+    section may span parts when it exceeds the frame limit. StoredDataInvalid when the
+    header is corrupt, disagrees with the blob's length, or has no layer ``first_layer``.
     """
     view = memoryview(blob)
     try:
         header = codec.parse_header(view)
     except codec.CorruptBitstream as exc:
         raise StoredDataInvalid(f"stored chunk is corrupt: {exc}") from exc
-    bounds = [0, header.size] + [header.section_offset(l + 1) for l in range(header.layers)]
-    if bounds[-1] != len(blob):
-        raise StoredDataInvalid(f"stored chunk is corrupt: it is {len(blob)} bytes, its header says {bounds[-1]}")
-    for start, end in zip(bounds, bounds[1:]):
-        for piece in range(start, end, limit):
-            yield view[piece:min(end, piece + limit)]
+    if header.total_size != len(blob):
+        raise StoredDataInvalid(f"stored chunk is corrupt: it is {len(blob)} bytes, its header says "
+                                f"{header.total_size}")
+    if not 0 <= first_layer < header.layers:
+        raise StoredDataInvalid(f"stored chunk is corrupt: its header has {header.layers} layers, "
+                                f"the manifest has a layer {first_layer}")
+    spans = [(0, header.size)] + [(header.section_offset(layer), header.section_offset(layer + 1))
+                                  for layer in range(first_layer, header.layers)]
+    return [view[piece:min(end, piece + limit)] for start, end in spans for piece in range(start, end, limit)]
 
 
 def _check_size(size: int, stated: int, what: str) -> None:
@@ -440,8 +447,7 @@ class _ConnectionHandler:
             return
         manifest = self.manifest
         assert manifest is not None  # the protocol refuses REQUEST before MANIFEST
-        if chunk >= len(manifest.chunks):
-            raise ValueError(f"chunk {chunk} out of range: context has {len(manifest.chunks)} chunks")
+        manifest.check_request(chunk, level, request.first_layer)   # ValueError: bad_request
         # each item's size before reading it (an oversize one is refused without being
         # loaded), then what was read, should the item have changed in between
         if level == p.TEXT_LEVEL:
@@ -454,15 +460,13 @@ class _ConnectionHandler:
                 self.metrics.chunks.labels(level="text").inc()
                 self.metrics.text_fallbacks.inc()
             return
-        if level >= len(manifest.level_distortion):
-            raise ValueError(f"level {level} out of range: context has {len(manifest.level_distortion)} levels")
         stated, what = manifest.chunks[chunk].sizes[level], f"chunk {chunk} at level {level}"
         _check_size(await self.store.chunk_size(manifest.context_id, manifest.version, chunk, level), stated, what)
         blob = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
         _check_size(len(blob), stated, what)
-        parts = list(blob_parts(blob, min(self.conn.send_limit - PART_HEADER.size, _PART_BYTES)))
-        await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=len(blob),
-                                                      parts=len(parts))))
+        parts = list(blob_parts(blob, min(self.conn.send_limit - PART_HEADER.size, _PART_BYTES), request.first_layer))
+        await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=sum(map(len, parts)),
+                                                      parts=len(parts), first_layer=request.first_layer)))
         for index, part in enumerate(parts):
             if self.conn.head_cancelled(chunk):
                 await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
