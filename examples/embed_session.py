@@ -1,11 +1,13 @@
 """Embed StreamSession in an asyncio HTTP server (aiohttp): fetch a context's KV under a
 deadline per request, decoding layer by layer while the rest is still on the wire.
 
-    pip install aiohttp
-    kvwire put --store /tmp/kvstore --context doc1 --kv kv.safetensors --tokens ids.txt
-    kvwire serve --store /tmp/kvstore --listen 127.0.0.1:7410 &
-    python examples/embed_session.py --sender 127.0.0.1:7410 &
+    kvwire put --store kvstore --context doc1 --kv doc1.safetensors --tokens doc1.ids
+    kvwire serve --store kvstore --listen 127.0.0.1:7410 &
+    python examples/embed_session.py --sender 127.0.0.1:7410 --port 8080 &
     curl -s -X POST localhost:8080/prefill -d '{"context": "doc1", "slo": 1.0}'
+
+(the README's tour, steps 2, 3 and 5, runs these). A sender off loopback requires
+its auth token: ``--auth-token-file FILE``, or ``$KVWIRE_AUTH_TOKEN``.
 
 A real serving process would copy each layer into its paged KV cache in ``on_layer``
 (layer 0 can start attention while later layers arrive) and recompute the chunks
@@ -19,9 +21,10 @@ from aiohttp import web
 
 import streamer
 from streamer.tools.serve_fetch import parse_address
+from streamer.wire.auth import load_token
 
 
-def make_app(sender: tuple[str, int]) -> web.Application:
+def make_app(sender: tuple[str, int], auth_token: bytes | None = None) -> web.Application:
     async def prefill(request: web.Request) -> web.Response:
         body = await request.json()
         layers_received = 0
@@ -37,7 +40,8 @@ def make_app(sender: tuple[str, int]) -> web.Application:
 
         try:
             async with streamer.StreamSession(*sender, body["context"], slo=float(body.get("slo", 1.0)),
-                                              on_layer=on_layer, on_text=on_text) as session:
+                                              auth_token=auth_token, on_layer=on_layer,
+                                              on_text=on_text) as session:
                 report = await session.fetch()
         except streamer.ServerError as exc:
             raise web.HTTPNotFound(text=str(exc)) if exc.code == "not_found" else web.HTTPBadGateway(text=str(exc))
@@ -55,6 +59,9 @@ def make_app(sender: tuple[str, int]) -> web.Application:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--sender", type=parse_address, default=("127.0.0.1", 7410))
+    parser.add_argument("--auth-token-file", metavar="FILE",
+                        help="file holding the sender's auth token (default: $KVWIRE_AUTH_TOKEN)")
+    parser.add_argument("--host", default="127.0.0.1", help="address of this HTTP server (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080)
     args = parser.parse_args()
-    web.run_app(make_app(args.sender), port=args.port)
+    web.run_app(make_app(args.sender, load_token(args.auth_token_file)), host=args.host, port=args.port)

@@ -1,7 +1,9 @@
 """A serving process asking its node's receiver daemon (``kvwire receive``) for a context.
 
-    kvwire receive --listen 127.0.0.1:7420 --servers hostA:7410 --api-token-file /etc/kvwire/receiver.token &
-    python examples/receiver_client.py --token-file /etc/kvwire/receiver.token --context doc1 --slo 1.0
+    kvwire receive --listen 127.0.0.1:7420 --servers 127.0.0.1:7410 --api-token-file receiver.token &
+    python examples/receiver_client.py --token-file receiver.token --context doc1 --slo 1.0
+
+(examples/receiver.md runs exactly these.)
 
 Every request carries ``Authorization: Bearer <token>``, the token read from
 ``--token-file`` or ``$KVWIRE_RECEIVER_TOKEN`` (a daemon started without one, on
