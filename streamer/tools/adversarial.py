@@ -13,9 +13,13 @@ exceed its channels, impossible shapes), and hostile HTTP requests to the receiv
 daemon (``streamer.tools.adversarial_http``: oversized request line and headers, a
 huge Content-Length, chunked and gzip bodies past the limit, JSON too deep, invalid
 UTF-8 in the path, slowloris, a flood of connections past the cap, a flood of
-malformed requests). Each runs in a fresh subprocess, after the codec's
-kernels (and the daemon) are warm, and reports the error, the seconds and the growth
-of peak RSS while it was rejected (and for HTTP whether the daemon still answers).
+malformed requests), and hostile continuations of the wire protocol
+(``streamer.tools.adversarial_wire``: a first layer out of range or on a text request
+or a version 1 connection, sent to a sender; a sender's answer to a continuation that
+does not repeat its first layer, claims more than the whole blob, or whose header does
+not add up). Each runs in a fresh subprocess, after the codec's kernels (and the
+daemon or sender) are warm, and reports the error, the seconds and the growth of peak
+RSS while it was rejected (and whether the daemon or sender still answers).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from streamer.tools import adversarial_http
+from streamer.tools import adversarial_http, adversarial_wire
 
 KINDS = ("random_walk", "cauchy", "huge", "constant")
 
@@ -259,6 +263,9 @@ def run_one(name: str) -> dict:
 
     if name in adversarial_http.NAMES:
         return adversarial_http.run_one(name, _reset_peak_rss, _peak_rss_kib)
+    if name in adversarial_wire.NAMES:
+        codec.warm_up()
+        return adversarial_wire.run_one(name, _reset_peak_rss, _peak_rss_kib)
     codec.warm_up()
     build, reject = HOSTILE[name]
     data = build()
@@ -299,6 +306,8 @@ def _handler(args: argparse.Namespace) -> int:
         report["hostile"] = hostile_rows()
     if args.what in ("http", "all"):
         report["http"] = hostile_rows(adversarial_http.NAMES)
+    if args.what in ("wire", "all"):
+        report["wire"] = hostile_rows(adversarial_wire.NAMES)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -306,17 +315,19 @@ def _handler(args: argparse.Namespace) -> int:
         print(f"{row['kind']:12s} {row['profile']:10s} L{row['level']}  {row['blob_bytes']:8d} B  "
               f"{row['ratio_fp16']:.3f}x fp16  header {row['header_bytes']:6d} B  raw layers {row['raw_layers']}"
               + ("  OVER BOUND" if row["over_bound"] else ""))
-    for row in report.get("hostile", []) + report.get("http", []):
+    for row in report.get("hostile", []) + report.get("http", []) + report.get("wire", []):
         up = "" if "daemon_up" not in row else "  daemon up" if row["daemon_up"] else "  DAEMON DOWN"
         print(f"{row['input']:38s} {row['seconds']} s  peak RSS +{row['peak_rss_growth_mb']} MB{up}  {row['error']}")
     return 0
 
 
 def register(bench_subparsers) -> None:
-    bench = bench_subparsers.add_parser("adversarial", help="blob sizes on hostile data; cost of hostile blobs",
+    bench = bench_subparsers.add_parser("adversarial", help="blob sizes on hostile data; cost of hostile blobs, "
+                                                             "HTTP requests and continuations",
                                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_argument("what", nargs="?", choices=("sizes", "hostile", "http", "all"), default="all",
-                       help="blob sizes, the codec's hostile inputs, hostile HTTP requests, or all")
+    bench.add_argument("what", nargs="?", choices=("sizes", "hostile", "http", "wire", "all"), default="all",
+                       help="blob sizes, the codec's hostile inputs, hostile HTTP requests, hostile "
+                            "continuations of the wire protocol, or all")
     bench.add_argument("--tokens", type=int, default=256, help="tokens per adversarial tensor (default 256)")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.set_defaults(handler=_handler)
@@ -324,5 +335,6 @@ def register(bench_subparsers) -> None:
 
 if __name__ == "__main__":  # the per-input subprocess of hostile_rows
     parser = argparse.ArgumentParser()
-    parser.add_argument("--one", required=True, choices=sorted(HOSTILE) + list(adversarial_http.NAMES))
+    parser.add_argument("--one", required=True,
+                        choices=sorted(HOSTILE) + list(adversarial_http.NAMES) + list(adversarial_wire.NAMES))
     print(json.dumps(run_one(parser.parse_args().one)))

@@ -8,8 +8,9 @@ same code and any failure is reproduced by its bytes alone):
     ``RemoteProtocolError`` may come out.
 ``protocol``
     ``protocol.Connection.receive_data`` in one of several live states (server before
-    and after the handshake, with a context open, awaiting auth; client after the
-    handshake, with requests outstanding, in the middle of a chunk), fed in pieces:
+    and after the handshake, with a context open on the current version and on version
+    1, awaiting auth; client after the handshake, with requests outstanding, in the
+    middle of a chunk and of a continuation), fed in pieces:
     only ``RemoteProtocolError``, never one produced by the "internal error" safety
     net, and the connection must then be in ERROR.
 ``manifest``, ``text``
@@ -80,20 +81,22 @@ _PID = "0123456789abcdef"
 _TOKEN = "fuzz-token-0123456789"
 
 
-def _wired():
+def _wired(version: int | None = None):
+    """A client and a server after the handshake, on ``version`` (default: the highest)."""
     from streamer.wire.events import Hello, Welcome
-    from streamer.wire.protocol import Connection, Role
+    from streamer.wire.protocol import SUPPORTED_VERSIONS, Connection, Role
 
-    c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
-    s.receive_data(c.send(Hello(versions=(1,), client="fuzz")))
-    c.receive_data(s.send(Welcome(version=1, server="fuzz", max_frame=1 << 20)))
+    versions = SUPPORTED_VERSIONS if version is None else (version,)
+    c, s = Connection(Role.CLIENT, versions=versions), Connection(Role.SERVER, versions=versions)
+    s.receive_data(c.send(Hello(versions=versions, client="fuzz")))
+    c.receive_data(s.send(Welcome(version=max(versions), server="fuzz", max_frame=1 << 20)))
     return c, s
 
 
-def _opened():
+def _opened(version: int | None = None):
     from streamer.wire.events import ManifestData, Open
 
-    c, s = _wired()
+    c, s = _wired(version)
     s.receive_data(c.send(Open("ctx", None)))
     c.receive_data(s.send(ManifestData(b"M")))
     return c, s
@@ -108,9 +111,9 @@ def _server_ready():
     return _wired()[1]
 
 
-def _server_open():
+def _server_open(version: int | None = None):
     from streamer.wire.events import Request
-    c, s = _opened()
+    c, s = _opened(version)
     s.receive_data(c.send(Request(5, 1)))
     return s
 
@@ -122,8 +125,9 @@ def _server_awaiting_auth():
 
     c = Connection(Role.CLIENT, auth_token=_TOKEN)
     s = Connection(Role.SERVER, auth_token=_TOKEN)
-    s.receive_data(c.send(Hello(versions=(1,), client="fuzz")))
-    s.send(Welcome(1, "s", 1 << 20, auth="required", nonce=new_nonce()))
+    hello = Hello(versions=c.versions, client="fuzz")
+    s.receive_data(c.send(hello))
+    s.send(Welcome(max(hello.versions), "s", 1 << 20, auth="required", nonce=new_nonce()))
     return s
 
 
@@ -154,11 +158,25 @@ def _client_streaming():
     return c
 
 
+def _client_continuing():
+    """A client in the middle of a continuation: chunk 1 at level 2 from layer 3."""
+    from streamer.wire.events import ChunkBegin, ChunkPart, Request
+
+    c, s = _opened()
+    s.receive_data(c.send(Request(1, 2, first_layer=3)))
+    c.receive_data(s.send(ChunkBegin(1, 2, total_bytes=5, parts=3, first_layer=3)))
+    c.receive_data(s.send(ChunkPart(1, 0, b"ab")))
+    return c
+
+
+#: The states an input's first byte picks from (modulo their number); new ones go last,
+#: so a corpus unit whose first byte is below the older count keeps its state.
 PROTOCOL_STATES: tuple[tuple[str, Callable], ...] = (
     ("server fresh", _server_fresh), ("server awaiting auth", _server_awaiting_auth),
     ("server after handshake", _server_ready), ("server with context", _server_open),
     ("client after handshake", _client_ready), ("client with requests", _client_requested),
     ("client mid chunk", _client_streaming),
+    ("server with context, version 1", lambda: _server_open(1)), ("client mid continuation", _client_continuing),
 )
 
 
@@ -215,9 +233,9 @@ def _wire_seeds() -> tuple[list[bytes], list[bytes]]:
                                       Text, Welcome)
 
     mac = "ab" * 32
-    to_server = [Hello(versions=(1,), client="fuzz"), Auth(nonce=mac, mac=mac), Open("ctx", 2.5),
+    to_server = [Hello(versions=(1, 2), client="fuzz"), Auth(nonce=mac, mac=mac), Open("ctx", 2.5),
                  GetProfile(_PID), Request(5, 0), Request(6, "text"), Cancel(5), Close()]
-    to_client = [Welcome(1, "fuzz", 1 << 20), AuthOk(mac), ManifestData(fuzz_data.seed_manifest()),
+    to_client = [Welcome(2, "fuzz", 1 << 20), AuthOk(mac), ManifestData(fuzz_data.seed_manifest()),
                  ProfileData(_PID, b"profile", more=True), ChunkBegin(1, 0, total_bytes=5, parts=2),
                  ChunkPart(1, 0, b"abc"), ChunkPart(1, 1, b"de"), ChunkEnd(1), ChunkEnd(3, cancelled=True),
                  Text(2, fuzz_data.seed_texts()[0]), Error("not_found", "no such context", fatal=False),
@@ -225,17 +243,43 @@ def _wire_seeds() -> tuple[list[bytes], list[bytes]]:
     return [_frame(e) for e in to_server], [_frame(e) for e in to_client]
 
 
+def _control(ftype, obj: dict) -> bytes:
+    """A control frame of ``obj`` as JSON, whatever it holds (so it can be wrong)."""
+    payload = json.dumps(obj).encode()
+    return struct.pack("<IHH", len(payload), int(ftype), 0) + payload
+
+
+def continuation_seeds() -> tuple[list[bytes], list[bytes]]:
+    """(frames a server receives, frames a client receives) around protocol version 2's
+    ``first_layer``: a valid continuation and its answer, and each way the field can be
+    wrong (the default written out, past the largest, not an int, on a text request)."""
+    from streamer.wire.events import ChunkBegin, ChunkPart, ChunkEnd, Request
+    from streamer.wire.frames import MAX_FIRST_LAYER, FrameType
+
+    request, begin = {"chunk": 7, "level": 1}, {"chunk": 1, "level": 2, "bytes": 5, "parts": 3}
+    to_server = [_frame(Request(7, 1, first_layer=2))] + [
+        _control(FrameType.REQUEST, {**request, **extra}) for extra in (
+            {"first_layer": 0}, {"first_layer": MAX_FIRST_LAYER + 1}, {"first_layer": True},
+            {"level": "text", "first_layer": 1})]
+    # the rest of "client mid continuation"'s chunk, then answers that cannot be
+    to_client = [_frame(e) for e in (ChunkPart(1, 1, b"cd"), ChunkPart(1, 2, b"e"), ChunkEnd(1),
+                                     ChunkBegin(1, 2, total_bytes=5, parts=3, first_layer=3))] + [
+        _control(FrameType.CHUNK_BEGIN, {**begin, "first_layer": value}) for value in (0, 4, MAX_FIRST_LAYER + 1)]
+    return to_server, to_client
+
+
 def seed_inputs(target: str) -> list[bytes]:
     """Valid inputs of ``target`` that a coverage-guided run starts from (so it does not
     have to discover the JSON schemas and checksums byte by byte)."""
     if target in ("frames", "protocol"):
-        to_server, to_client = _wire_seeds()
+        (to_server, to_client), (more_server, more_client) = _wire_seeds(), continuation_seeds()
         if target == "frames":
-            return [b"\x00" + f for f in to_server + to_client] + [b"\x05" + b"".join(to_client)]
+            frames = to_server + to_client + more_server + more_client
+            return [b"\x00" + f for f in frames] + [b"\x05" + b"".join(to_client), b"\x05" + b"".join(more_client)]
         out = []
         for i, (name, _) in enumerate(PROTOCOL_STATES):
-            stream = to_server if name.startswith("server") else to_client
-            out += [bytes([i]) + f for f in stream] + [bytes([i]) + b"".join(stream)]
+            for stream in ((to_server, more_server) if name.startswith("server") else (to_client, more_client)):
+                out += [bytes([i]) + f for f in stream] + [bytes([i]) + b"".join(stream)]
         return out
     if target == "manifest":
         return [b"\x00" + fuzz_data.seed_manifest(), b"\x01"]
@@ -268,7 +312,8 @@ def strategy(target: str):
 
     from streamer.wire import frames
 
-    keys = sorted({k for schema in frames.SCHEMAS.values() for k in schema})
+    keys = sorted({k for schemas in (frames.SCHEMAS, frames.OPTIONAL_KEYS) for schema in schemas.values()
+                   for k in schema})
     scalar = st.one_of(st.none(), st.booleans(), st.integers(-2, 2 ** 33), st.floats(allow_nan=False),
                        st.text(max_size=12), st.sampled_from(["text", "kvwire", _PID, "internal", "none",
                                                               "required", "ab" * 32]))
