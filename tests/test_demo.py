@@ -10,7 +10,7 @@ import pytest
 import codec
 import streamer
 from netsim import Trace
-from streamer.tools.demo import LinkProcess, plot
+from streamer.tools.demo_common import LinkProcess, plot
 from streamer_helpers import put_context_now, synthetic_kv
 
 
@@ -62,7 +62,7 @@ def test_the_demo_fetch_times_the_profile_download_apart(store: str) -> None:
     import argparse
 
     from streamer.net import session as session_module
-    from streamer.tools.demo import _fetch
+    from streamer.tools.demo_common import _fetch
 
     session_module._profiles.clear()   # a receiver that has not seen this model's profile
     args = argparse.Namespace(context="demo", slo=10.0, policy="fixed:0", recompute_ms_per_token=0.05)

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Modules that contribute subcommands, in help order. Each has register(subparsers).
-_COMMAND_MODULES = ("streamer.tools.demo", "streamer.tools.demo_llm", "streamer.tools.codec_cli",
+_COMMAND_MODULES = ("streamer.tools.demo", "streamer.tools.codec_cli",
                     "streamer.tools.put", "streamer.tools.serve_fetch", "streamer.tools.receive",
                     "streamer.tools.calibrate", "streamer.tools.bench_stream", "streamer.tools.bench_load",
                     "streamer.tools.bench_policies", "streamer.tools.netsim_cli", "streamer.tools.fuzz",

