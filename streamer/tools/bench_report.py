@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -74,16 +75,22 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     return lines
 
 
+#: Beyond this many targets only the missed ones are listed, the rest folded away.
+MAX_TARGET_LINES = 10
+
+
 def targets_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
     """A benchmark's own targets, each met or MISSED with what it measured."""
     if not targets:
         return []
     met = sum(bool(t.get("met")) for t in targets)
     lines = [f"Targets the benchmark checks: {met} of {len(targets)} met."]
-    for t in targets:
-        lines.append(f"- {'met' if t.get('met') else '**MISSED**'}: {t.get('target')}: "
-                     f"measured {_measured(t.get('measured'))}")
-    return lines
+    items = [f"- {'met' if t.get('met') else '**MISSED**'}: {t.get('target')}: "
+             f"measured {_measured(t.get('measured'))}" for t in targets]
+    if len(targets) <= MAX_TARGET_LINES:
+        return lines + items
+    missed = [item for item, t in zip(items, targets) if not t.get("met")]
+    return lines + missed + ["", "<details><summary>Every target</summary>", ""] + items + ["", "</details>"]
 
 
 def _measured(value: Any) -> str:
@@ -186,7 +193,7 @@ def render_stream(data: Mapping[str, Any]) -> list[str]:
              f"sender and shaping proxies in a child process; {c['cpus']} CPUs, receiver loop {c['loop']}.", ""]
     body = [[link["link"], fmt(link["bytes"] / 1e6, ".1f"), fmt(link["transfer_seconds"], ".3f"),
              fmt(link["goodput_mbit"], ".0f"), fmt(link["total_seconds"], ".3f"),
-             fmt(link["first_layer_seconds"], ".3f"), fmt(link["decode_mbit"], ".0f"),
+             fmt(link["first_layer_seconds"], ".3f"), fmt(link["decode_mbit"], ".3g"),
              fmt(link["receiver_cpu_seconds"], ".2f"), fmt(link["sender_cpu_seconds"], ".2f")]
             for link in data["links"]]
     lines += table(["link", "MB", "transfer s", "goodput Mbit/s", "total s", "first layer s",
@@ -247,35 +254,46 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-#: Demo keys not shown in its summary table: nested detail, paths, ids (token ids, the
-#: profile's content hash), and the per-method figures the methods table shows.
-_DEMO_SKIP = frozenset({"fetch", "quality", "methods", "plot", "answer_fetched_ids", "answer_recompute_ids",
-                        "profile_id"})
+#: Demo keys not shown: paths, ids (token ids, the profile's content hash) and the fetch
+#: report (its per-chunk rows are shown apart).
+_DEMO_SKIP = frozenset({"fetch", "plot", "answer_fetched_ids", "answer_recompute_ids", "profile_id"})
 
 
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            if not prefix:   # one level deep; deeper detail stays in the JSON
-                yield from _flatten(value, f"{name}.")
-        elif isinstance(value, (list, tuple)):
-            if len(value) <= 32 and all(not isinstance(v, (Mapping, list, tuple)) for v in value):
-                yield name, value
-        else:
-            yield name, value
+def _scalar(value: Any) -> bool:
+    return not isinstance(value, (Mapping, list, tuple))
+
+
+def _short_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) <= 32 and all(map(_scalar, value))
+
+
+def _rows_table(title: str, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A titled table of records, one column per key holding a scalar in any of them."""
+    columns = list(dict.fromkeys(k for r in rows for k, v in r.items() if _scalar(v)))
+    return ["", f"{title}:", ""] + table(columns, [[_clip(fmt(r.get(k)), 120) for k in columns] for r in rows])
 
 
 def render_demo(data: Mapping[str, Any]) -> list[str]:
-    """Whatever the demo's JSON holds: its scalar figures, then its methods, if any."""
-    summary = [[name, _clip(fmt(value), 160)] for name, value in
-               _flatten({k: v for k, v in data.items() if k not in _DEMO_SKIP})]
-    lines = table(["figure", "value"], summary)
-    methods = data.get("methods")
-    if isinstance(methods, list) and methods and all(isinstance(m, Mapping) for m in methods):
-        columns = list(dict.fromkeys(k for m in methods for k in m))
-        lines += ["", "Per method:", ""] + table(columns, [[fmt(m.get(k)) for k in columns] for m in methods])
-    return lines
+    """Whatever the demo's JSON holds: its scalar figures (and those one dict deep) in one
+    table, then a table per list of records (or dict of records), then the fetch's chunks."""
+    summary: list[list[str]] = []
+    tables: list[list[str]] = []
+    for key, value in data.items():
+        if key in _DEMO_SKIP:
+            continue
+        if _scalar(value) or _short_list(value):
+            summary.append([key, _clip(fmt(value), 160)])
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):
+            tables.append(_rows_table(key, value))
+        elif isinstance(value, Mapping) and value and all(isinstance(v, Mapping) for v in value.values()):
+            tables.append(_rows_table(key, [{key: name, **row} for name, row in value.items()]))
+        elif isinstance(value, Mapping):
+            summary += [[f"{key}.{k}", _clip(fmt(v), 160)] for k, v in value.items() if _scalar(v) or _short_list(v)]
+    fetch = data.get("fetch")
+    chunks = fetch.get("chunks") if isinstance(fetch, Mapping) else None
+    if isinstance(chunks, list) and chunks and all(isinstance(c, Mapping) for c in chunks):
+        tables.append(_rows_table("fetch.chunks (the fetch report, chunk by chunk)", chunks))
+    return table(["figure", "value"], summary) + [line for t in tables for line in t]
 
 
 def render_ttft(data: Mapping[str, Any]) -> list[str]:
@@ -313,39 +331,43 @@ class Section:
         return "kvwire " + " ".join(a.replace(TMP, "$TMP") for a in self.args)
 
 
+#: The measured sections, in order. Each timeout only guards against a hang: it is several
+#: times the command's wall time on a quiet machine, as a shared one runs them 3-4x slower.
 SECTIONS: tuple[Section, ...] = (
     Section("codec", "Codec", ("bench", "codec", "--quick", "--json", "--no-plot"), render_codec,
             "Real all-MiniLM-L6-v2 KV of GPL-3 text, the profile calibrated on other texts. Warm: each "
             "speed is the best of 3 timings, so the first call's numba compile (or cache load) is not in "
             "it. Bits/el and distortion do not depend on the machine; MB/s do, and move with its load. "
             "`--quick` leaves out the transform and anchor/delta comparisons (see the full-scale runs).",
-            1200),
-    Section("policies", "Adaptation", ("bench", "policies", "--workers", "2", "--json"), render_policies,
+            3600),
+    Section("policies", "Adaptation", ("bench", "policies", "--json"), render_policies,
             "The session's own decision code on a virtual clock over both committed trace sets: a "
             "deterministic simulation, so the machine changes only its wall time. Chunk sizes are "
             "bits/el measured by `kvwire bench codec` (its committed JSON) times a Llama-3-8B-shaped "
-            "context; recompute and GPU decode costs are modelled (see Modelled, not measured).",
-            1200),
+            "context; recompute and GPU decode costs are modelled (see Modelled, not measured). "
+            "It runs on one process per core (at most 8).",
+            3600),
     Section("stream", "Streaming", ("bench", "stream", "--quick", "--json"), render_stream,
             "`--quick` shapes (small synthetic KV). Warm: each session compiles or loads the codec's "
             "kernels before its fetch is timed. Real sockets and a real shaping proxy on this "
-            "machine's loopback, so the figures move with its load.", 600),
+            "machine's loopback, so the figures move with its load.", 1200),
     Section("netsim", "netsim", ("bench", "netsim", "--json"), render_netsim,
             "How closely the user-space shaping proxy and the kernel's tbf (network namespaces, "
-            "root only) hold and follow a rate.", 600),
+            "root only) hold and follow a rate.", 1200),
     Section("hostile", "Security: hostile inputs", ("bench", "adversarial", "hostile", "--json"), render_hostile,
             "Hand-made hostile blobs and profiles (codec/FORMAT.md's limits), each rejected in a fresh "
             "process after `codec.warm_up()` (warm): the error, the seconds and the growth of peak RSS "
-            "while rejecting it.", 900),
+            "while rejecting it.", 1800),
     Section("demo", "Demo", ("demo", "--json", "--out-dir", TMP + "/demo"), render_demo,
             "The whole path end to end on a real model: put, serve, fetch through the shaping proxy "
             "under the SLO. The demo reports whether its start was cold (codec kernels compiled) or "
-            "warm (loaded from numba's cache); `$TMP` is a temporary directory.", 1200),
+            "warm (loaded from numba's cache); `$TMP` is a temporary directory.", 3600),
 )
 #: Run with the measured sections, rendered after the full-scale runs.
 MODELLED = Section("ttft", "Time to first token", ("bench", "policies", "--ttft-only", "--json"), render_ttft,
                    "Modelled: only bits/el are measured (`kvwire bench codec`'s committed JSON); every "
-                   "other input is an assumption listed below.", 300)
+                   "other input is an assumption listed below. Compare the GPU decode rate it assumes with "
+                   "the one measured under Full-scale runs.", 300)
 
 
 # ------------------------------------------------------------------------ running
@@ -359,6 +381,9 @@ class Outcome:
     returncode: int | None          # None: stopped at its timeout
     data: Any = None
     error: str | None = None
+    #: user + system CPU seconds of the command and the processes it waited for: on a
+    #: shared machine a steadier measure of its cost than the wall time
+    cpu_seconds: float | None = None
 
 
 def parse_json_output(text: str) -> Any:
@@ -383,10 +408,15 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_section(section: Section, workdir: Path) -> Outcome:
     """Run one benchmark's command in ``workdir``; never raises for the benchmark's failures."""
     args = [a.replace(TMP, str(workdir)) for a in section.args]
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _children_cpu()
     try:
         done = subprocess.run([sys.executable, "-m", "streamer.tools.cli", *args], cwd=workdir,
                               capture_output=True, text=True, timeout=section.timeout_s)
@@ -395,16 +425,17 @@ def run_section(section: Section, workdir: Path) -> Outcome:
         text = output.decode(errors="replace") if isinstance(output, bytes) else output
         return Outcome(section.key, section.command, time.monotonic() - start, None,
                        error=f"stopped after its {section.timeout_s:g} s timeout\n{_tail(text)}")
-    seconds = time.monotonic() - start
+    seconds, cpu = time.monotonic() - start, _children_cpu() - cpu
     if done.returncode != 0:
         return Outcome(section.key, section.command, seconds, done.returncode,
-                       error=f"exit status {done.returncode}\n{_tail(done.stderr or done.stdout)}")
+                       error=f"exit status {done.returncode}\n{_tail(done.stderr or done.stdout)}",
+                       cpu_seconds=cpu)
     try:
         data = parse_json_output(done.stdout)
     except ValueError as exc:
         return Outcome(section.key, section.command, seconds, 0,
-                       error=f"{exc}\n{_tail(done.stdout + done.stderr)}")
-    return Outcome(section.key, section.command, seconds, 0, data=data)
+                       error=f"{exc}\n{_tail(done.stdout + done.stderr)}", cpu_seconds=cpu)
+    return Outcome(section.key, section.command, seconds, 0, data=data, cpu_seconds=cpu)
 
 
 # ------------------------------------------------------------------------- header
@@ -505,9 +536,18 @@ def failed_section(outcome: Outcome | None, reason: str | None = None) -> list[s
     return lines
 
 
+def _cost(outcome: Outcome | None) -> str:
+    """`` (W s)``, or `` (W s wall, C s CPU)`` where the CPU time was measured."""
+    if outcome is None:
+        return ""
+    if outcome.cpu_seconds is None:
+        return f" ({outcome.seconds:.0f} s)"
+    return f" ({outcome.seconds:.0f} s wall, {outcome.cpu_seconds:.0f} s CPU)"
+
+
 def render_section(section: Section, outcome: Outcome | None, level: str = "##") -> list[str]:
-    lines = [f"{level} {section.title}", "", f"`{section.command}`"
-             + ("" if outcome is None else f" ({outcome.seconds:.0f} s)"), "", section.about, ""]
+    command = section.command if outcome is None else outcome.command   # what ran, even in a --load
+    lines = [f"{level} {section.title}", "", f"`{command}`" + _cost(outcome), "", section.about, ""]
     if outcome is None or outcome.data is None:
         return lines + failed_section(outcome) + [""]
     try:
@@ -539,7 +579,8 @@ def render_full_scale(doc: Mapping[str, Any]) -> list[str]:
             if t.get("title"):
                 lines += [t["title"], ""]
             lines += table(t["columns"], t["rows"]) + [""]
-        lines += [f"- {note}" for note in run.get("notes", [])]
+        if run.get("notes"):
+            lines += [f"- {note}" for note in run["notes"]] + [""]
         lines += [f"**What it shows:** {run['shows']}", ""]
     return lines
 
@@ -558,7 +599,8 @@ def render(head: Mapping[str, Any], outcomes: Mapping[str, Outcome], full_scale:
              f"- Software: Python {m['python']}, torch {m['torch']}",
              f"- Load: {head['load_start']:.1f} (1-minute load average at the start) to "
              f"{fmt(head.get('load_end'), '.1f')} at the end; the benchmarks ran one after another",
-             f"- Wall time: {fmt(head.get('seconds'), '.0f')} s for the whole report", ""]
+             f"- Wall time: {fmt(head.get('seconds'), '.0f')} s for the whole report, "
+             f"{fmt(head.get('cpu_seconds'), '.0f')} s of CPU time (user + system, all processes)", ""]
     for section in SECTIONS:
         lines += render_section(section, outcomes.get(section.key))
     if full_scale is not None:
@@ -587,6 +629,7 @@ def run_all(sections: Sequence[Section] = (*SECTIONS, MODELLED)) -> tuple[dict[s
             print(f"  {state} in {outcome.seconds:.0f} s", file=sys.stderr, flush=True)
             outcomes[section.key] = outcome
     head["seconds"] = time.monotonic() - start
+    head["cpu_seconds"] = sum(o.cpu_seconds or 0.0 for o in outcomes.values())
     head["load_end"] = os.getloadavg()[0]
     return head, outcomes
 
