@@ -302,3 +302,35 @@ async def test_decoding_ahead_waits_for_the_budget_but_the_next_layer_never_does
         await consumer
     assert seen == [(c, l) for c in range(2) for l in range(LAYERS)]
     assert not delivery.waiting and delivery.backlog_bytes == 0
+
+
+
+async def test_a_section_reports_its_own_decode_time_not_its_wait_behind_the_others() -> None:
+    """Sections handed at once to one decode thread wait behind each other; each reports
+    the seconds its own decode took (the controller queues them itself, as the simulator
+    does), so a chunk's sum is its decode, not the backlog counted once per section. Layer
+    0's decode is held until every section is handed; the others, queued behind it,
+    decode at once and report less than it."""
+    import threading
+
+    release = threading.Event()
+
+    def decode(header, profile, layer, section):
+        if layer == 0:
+            release.wait(5.0)
+        return torch.zeros(1), torch.zeros(1)
+
+    observed: list = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda *a: None, on_text=None,
+                                   observe=observed.append, executor=pool, decode=decode)
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 0)
+        for layer in range(LAYERS):
+            delivery.add_section(0, layer, HEADER, None, b"0,")
+        await asyncio.sleep(0.2)
+        release.set()
+        await consumer
+    seconds = {e.layer: e.seconds for e in observed if isinstance(e, ev.SectionDecoded)}
+    assert sorted(seconds) == list(range(LAYERS))
+    assert all(seconds[layer] < seconds[0] for layer in range(1, LAYERS))

@@ -69,7 +69,7 @@ class _Waiting:
     header: codec.BlobHeader
     profile: codec.Profile
     section: bytes | memoryview
-    arrived: float   # perf_counter: its decode time counts from here (waits included)
+    arrived: float   # perf_counter: a stream decoder's time counts from here (waits included)
 
 
 class _Retarget:
@@ -245,7 +245,7 @@ class OrderedDelivery:
         else:
             output = item.header.raw_size
             job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, item.header,
-                                             item.profile, layer, item.section, item.arrived)
+                                             item.profile, layer, item.section)
             self._hold(key, len(item.section) + output)
         self._slot(chunk, layer).set_result(job)
         self._decoding[key] = job
@@ -384,12 +384,16 @@ class OrderedDelivery:
 
 
 def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: codec.Profile, layer: int,
-                  section: bytes | memoryview, arrived: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(k, v, seconds from the section's arrival): the decoder threads and the memory
-    budget are the process's, so a section's time includes its wait for the budget and
-    behind other sessions' sections, which is what the fetch controller must plan with."""
+                  section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(k, v, seconds the decode itself took, on cores shared with whatever else runs).
+    The fetch controller queues the sections it is owed behind one another itself
+    (``adapt.decoding``: the decode backlog, the pipeline behind the link), as the
+    simulator's decoder does, so a section's cost is its own decode. Timed from its
+    arrival instead, each of a chunk's sections would carry its wait behind the ones
+    before it, and their sum would count the backlog once per section."""
+    began = time.perf_counter()
     k, v = decode(header, profile, layer, section)
-    return k, v, time.perf_counter() - arrived
+    return k, v, time.perf_counter() - began
 
 
 async def _submitted(future: concurrent.futures.Future, start: float) -> tuple[torch.Tensor, torch.Tensor, float]:
