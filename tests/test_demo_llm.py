@@ -26,7 +26,7 @@ SHARED_KEYS = {"slo", "recompute_ms_per_token", "deadline_met", "total_seconds",
                "start", "warmup_seconds", "warmup", "profile_id", "trace", "trace_offset_seconds", "fetch", "plot"}
 LLM_KEYS = {"model", "text", "tokens", "shape", "chunk_tokens", "max_new_tokens", "profile_source", "answers",
             "identical", "questions", "ttft_fetched_seconds", "ttft_full_seconds", "speedup_median",
-            "speedup_min", "bytes_fp16", "compression", "baselines", "seconds"}
+            "speedup_min", "bytes_fp16", "compression", "baselines", "seconds", "step_seconds"}
 ANSWER_KEYS = {"question", "suffix_tokens", "answer_fetched", "answer_full", "answer_fetched_ids", "answer_full_ids",
                "identical", "first_difference", "ttft_fetched_seconds", "question_prefill_seconds",
                "ttft_full_seconds", "speedup"}
@@ -171,14 +171,14 @@ def test_the_demo_defaults_to_smollm2() -> None:
 
 def test_the_shipped_profile_loads_and_has_smollm2s_shape() -> None:
     """The profile file the demo ships: small, the codec's own format, SmolLM2's KV shape
-    (30 layers x 3 KV heads x 64), RoPE removed, sensitivity weights, and the transform
-    ``write_profile`` calibrates with."""
+    (30 layers x 3 KV heads x 64), RoPE removed, sensitivity weights, and the transform and
+    levels ``write_profile`` calibrates with."""
     assert demo_llm.PROFILE.stat().st_size < 4_000_000
     profile = codec.Profile.load(demo_llm.PROFILE)
     assert (profile.layers, profile.heads, profile.head_dim) == (30, 3, 64)
     assert profile.rotary is not None and profile.rotary.head_dim == 64
     assert profile.weights is not None and profile.transform == demo_llm.PROFILE_TRANSFORM
-    assert len(profile.levels) == len(codec.DEFAULT_TARGETS)
+    assert profile.targets == pytest.approx(demo_llm.PROFILE_TARGETS)
     blob = codec.encode(torch.randn(30, 2, 40, 3, 64, dtype=torch.float16), codec.DEFAULT_LEVEL, profile)
     assert codec.decode(blob, profile).shape == (30, 2, 40, 3, 64)
 

@@ -475,37 +475,75 @@ def demo_profile(args: argparse.Namespace, model, tokenizer, calibration_tokens:
     return profile
 
 
+class _CountingStore:
+    """A store as ``put_context`` sees it, whose writers advance ``bar`` by one per chunk
+    staged (``put_context`` stages a chunk's text once its blobs are encoded): a progress
+    bar over the encoding without a hook in the store's code."""
+
+    def __init__(self, store, bar) -> None:
+        self._store, self._bar = store, bar
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def writer(self, context_id: str) -> "_CountingWriter":
+        return _CountingWriter(self._store.writer(context_id), self._bar)
+
+
+class _CountingWriter:
+    def __init__(self, writer, bar) -> None:
+        self._writer, self._bar = writer, bar
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+    async def __aenter__(self) -> "_CountingWriter":
+        await self._writer.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return await self._writer.__aexit__(*exc)
+
+    async def put_text(self, chunk: int, data: Any) -> None:
+        await self._writer.put_text(chunk, data)
+        self._bar.update()
+
+
 def put_demo_context(args: argparse.Namespace, store_url: str, kv, ids: list[int], profile, model,
                      chunk_tokens: int, say: Console):
     """Step 2: encode the context in chunks at every level into the store (not with
-    ``--server``: that sender holds the context already). The manifest, or None."""
+    ``--server``: that sender holds the context already), a bar counting the chunks.
+    The manifest, or None."""
     from streamer.model import hf
     from streamer.store.put import put_context
 
     if args.server:
         return None
 
-    async def put() -> object:
+    async def put(bar) -> object:
         import streamer
 
         store = await streamer.open_store(store_url)
         try:
-            return await put_context(store, args.context, kv, ids, profile=profile, chunk_tokens=chunk_tokens,
-                                     vocab_size=hf.vocab_size(model))
+            return await put_context(_CountingStore(store, bar), args.context, kv, ids, profile=profile,
+                                     chunk_tokens=chunk_tokens, vocab_size=hf.vocab_size(model))
         finally:
             await store.close()
 
-    manifest = asyncio.run(put())
+    began = time.monotonic()
+    with say.bar(-(-len(ids) // chunk_tokens), f"encoding at {len(profile.levels)} levels", unit="chunk") as bar:
+        manifest = asyncio.run(put(bar))
     sizes = [sum(c.sizes[level] for c in manifest.chunks) for level in range(len(profile.levels))]
     say(f"2. encoded {len(manifest.chunks)} chunks of {chunk_tokens} tokens at {len(sizes)} levels into "
-        f"{store_url}: " + ", ".join(f"L{i} {s / 1e6:.1f} MB" for i, s in enumerate(sizes)))
+        f"{store_url} in {time.monotonic() - began:.1f} s: "
+        + ", ".join(f"L{i} {s / 1e6:.1f} MB" for i, s in enumerate(sizes)))
     return manifest
 
 
-def stream(args: argparse.Namespace, store_url: str, trace, profile, on_layer, on_text, say: Console,
+def stream(args: argparse.Namespace, link: LinkProcess, trace, profile, on_layer, on_text, say: Console,
            on_open: Callable[[Any], None] | None = None) -> Fetched:
-    """Steps 3-4: the sender and the shaping proxy in a child process, and the fetch under
-    the SLO through them (progress printed unless ``--json``)."""
+    """Steps 3-4: the fetch under the SLO through ``link`` (the sender and the shaping proxy
+    in a child process, started by the caller), progress printed unless ``--json``."""
     from streamer.tools.serve_fetch import run_async
 
     say(f"3. sender on loopback behind the shaping proxy, trace {trace.name or args.trace} "
@@ -513,9 +551,14 @@ def stream(args: argparse.Namespace, store_url: str, trace, profile, on_layer, o
     say(f"4. StreamSession fetch, SLO {args.slo:g} s, policy {args.policy}; opening the context first "
         f"downloads the {len(profile.to_bytes()) / 1e6:.1f} MB codec profile (once per model; not in the fetch's "
         "bytes or seconds):")
-    with LinkProcess(store_url, args.server, trace, args.delay_ms) as link:
-        return run_async(lambda: _fetch(args, link.port, link.start_trace, on_layer, on_text, not args.json,
-                                        on_open))
+    return run_async(lambda: _fetch(args, link.port, link.start_trace, on_layer, on_text, not args.json, on_open))
+
+
+def start_link(args: argparse.Namespace, store_url: str, trace) -> LinkProcess:
+    """The sender (or ``--server``) behind the shaping proxy, in a child process: started
+    before the context is put (the sender reads the store when asked), so its start-up
+    overlaps the encoding."""
+    return LinkProcess(store_url, args.server, trace, args.delay_ms)
 
 
 def transfer_rows(kv, trace, rtt: float) -> list[tuple[str, int, float, Any]]:

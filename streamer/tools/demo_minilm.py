@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from streamer.tools.demo_common import (Console, WarmStart, demo_profile, fetch_summary, measure_recompute, plot,
-                                        print_open_and_fetch, put_demo_context, stream, transfer_rows,
+                                        print_open_and_fetch, put_demo_context, start_link, stream, transfer_rows,
                                         warm_start)
 
 #: MiniLM sees at most 512 positions: chunks aligned to its windows recompute exactly.
@@ -85,7 +85,6 @@ def run(args: argparse.Namespace, loaded: tuple[Any, Any] | None = None, warm: W
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     store_url = args.store or str(out_dir / "store")
-    put_demo_context(args, store_url, kv, ids, profile, model, CHUNK_TOKENS, say)
     trace = Trace.load(args.trace) if args.trace else default_trace()
     fetched = torch.full_like(kv, float("nan"))
     text_chunks: list[int] = []
@@ -103,7 +102,9 @@ def run(args: argparse.Namespace, loaded: tuple[Any, Any] | None = None, warm: W
         fetched[:, :, start:start + len(token_ids)] = recomputed.to(torch.float16)
         text_chunks.append(chunk)
 
-    fetched_run = stream(args, store_url, trace, profile, on_layer, on_text, say)
+    with start_link(args, store_url, trace) as link:
+        put_demo_context(args, store_url, kv, ids, profile, model, CHUNK_TOKENS, say)
+        fetched_run = stream(args, link, trace, profile, on_layer, on_text, say)
     report, trace_offset = fetched_run.report, fetched_run.trace_offset
 
     def cosine(candidate: torch.Tensor) -> float:
