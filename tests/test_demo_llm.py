@@ -125,6 +125,20 @@ def test_the_llm_demo_runs_end_to_end_on_a_causal_lm_path(llama_dir, tmp_path, c
 
 
 @pytest.mark.slow
+def test_the_llm_demo_prints_each_answer_both_ways(llama_dir, tmp_path, capsys) -> None:
+    """Without --json: the progress (bars on stderr, ticked by forward hooks that must leave
+    the model's outputs alone), each question's two answers and the summary lines."""
+    assert main(["demo", "--model", llama_dir, "--tokens", "300", "--questions", "2", "--max-new-tokens", "3",
+                 "--slo", "10", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("fetched KV   (TTFT") == 2 and out.count("full prefill (TTFT") == 2
+    assert out.count("IDENTICAL") + out.count("DIFFERENT from token") == 2
+    for line in ("answers identical to full prefill's on", "time to first token on this CPU", "bytes moved",
+                 "raw fp16 over the same trace", "demo took"):
+        assert line in out
+
+
+@pytest.mark.slow
 def test_the_fetched_kv_is_the_decoded_kv(llama_dir, tmp_path, capsys) -> None:
     model, tokenizer = hf.load_model(llama_dir)
     args = build_parser().parse_args(["demo", "--model", llama_dir, "--json", "--tokens", "700",

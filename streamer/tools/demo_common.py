@@ -468,8 +468,11 @@ def demo_profile(args: argparse.Namespace, model, tokenizer, calibration_tokens:
         say(f"   profile {profile.id} loaded from {args.profile}")
         return profile
     cal_ids = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:calibration_tokens]
+    say(f"   calibrating a codec profile on {len(cal_ids)} tokens of other text (the model's KV of them, "
+        "then the fit: seconds to minutes) ...")
+    began = time.monotonic()
     profile = quality.calibrate_profile(model, tokenizer, cal_ids)
-    say(f"   profile {profile.id} calibrated on {len(cal_ids)} tokens of other text")
+    say(f"   profile {profile.id} calibrated in {time.monotonic() - began:.1f} s")
     if args.profile:
         profile.save(args.profile)
     return profile
