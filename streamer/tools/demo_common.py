@@ -272,10 +272,11 @@ def _slower_of_two(model, tokenizer, ids: list[int], hf) -> float:
     return slowest / max(len(ids), 1)
 
 
-def recompute_seconds_per_token(model, tokenizer, ids: list[int], hf,
-                                decode_load: Callable[[], object]) -> tuple[float, float]:
+def recompute_seconds_per_token(model, tokenizer, ids: list[int], hf, decode_load: Callable[[], object],
+                                alone: bool = True) -> tuple[float | None, float]:
     """Seconds per token the demo's ``on_text`` spends recomputing a chunk, (alone, beside
-    the decoder), measured outside the fetch after a short warm-up call.
+    the decoder), measured outside the fetch after a short warm-up call (alone: None
+    unless ``alone``; only the rate beside the decoder is planned with).
 
     During the fetch a text chunk is recomputed while the later chunks' sections decode
     on the same cores (that overlap is the point), so the rate the policy plans with is
@@ -283,7 +284,7 @@ def recompute_seconds_per_token(model, tokenizer, ids: list[int], hf,
     on idle cores would plan text chunks as cheaper than they are when it matters.
     """
     hf.capture_kv(model, tokenizer, ids[:16])
-    alone = _slower_of_two(model, tokenizer, ids, hf)
+    idle = _slower_of_two(model, tokenizer, ids, hf) if alone else None
     stop = threading.Event()
 
     def load() -> None:
@@ -297,7 +298,7 @@ def recompute_seconds_per_token(model, tokenizer, ids: list[int], hf,
     finally:
         stop.set()
         worker.join()
-    return alone, beside
+    return idle, beside
 
 
 async def _fetch(args, port: int, start_trace: Callable[[], float], on_layer, on_text,
@@ -436,10 +437,11 @@ def measure_decode(args: argparse.Namespace, ids: list[int], kv, profile, say: C
 
 
 def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int], kv, profile,
-                      say: Console) -> None:
+                      say: Console, alone: bool = True) -> None:
     """Set ``args.decode_prior`` (``measure_decode``) and ``args.recompute_ms_per_token``
     (unless given) to this model's text cost measured beside the codec decoding a chunk
-    of ``kv`` (``recompute_seconds_per_token``)."""
+    of ``kv`` (``recompute_seconds_per_token``; ``alone``: its rate on idle cores too, for
+    the record)."""
     import codec
 
     from streamer.model import hf
@@ -449,11 +451,12 @@ def measure_recompute(args: argparse.Namespace, model, tokenizer, ids: list[int]
         say(f"   recomputing a chunk from text costs {args.recompute_ms_per_token:.2f} ms/token (given): "
             "the policy weighs text chunks at that")
         return
-    alone, beside = recompute_seconds_per_token(model, tokenizer, ids, hf, lambda: codec.decode(blob, profile))
+    idle, beside = recompute_seconds_per_token(model, tokenizer, ids, hf, lambda: codec.decode(blob, profile),
+                                               alone)
     args.recompute_ms_per_token = 1e3 * beside
     say(f"   recomputing a chunk from text costs {1e3 * beside:.2f} ms/token with this model while the "
-        f"codec decodes beside it, as during the fetch ({1e3 * alone:.2f} alone): the policy weighs "
-        "text chunks at that, and the session at its on_text calls' rate when slower")
+        "codec decodes beside it, as during the fetch" + ("" if idle is None else f" ({1e3 * idle:.2f} alone)")
+        + ": the policy weighs text chunks at that, and the session at its on_text calls' rate when slower")
 
 
 def demo_profile(args: argparse.Namespace, model, tokenizer, calibration_tokens: int, say: Console):
