@@ -139,14 +139,16 @@ def test_the_llm_demo_prints_each_answer_both_ways(llama_dir, tmp_path, capsys) 
 
 
 @pytest.mark.slow
-def test_the_fetched_kv_is_the_decoded_kv(llama_dir, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("policy, expect", [("fixed:1", {1}), ("text", {"text"})])
+def test_the_fetched_kv_is_the_decoded_kv(llama_dir, tmp_path, capsys, policy, expect) -> None:
+    """Every chunk at one level (decoded blobs) or as text (recomputed over the KV before it)."""
     model, tokenizer = hf.load_model(llama_dir)
     args = build_parser().parse_args(["demo", "--model", llama_dir, "--json", "--tokens", "700",
-                                      "--question", "Why?", "--max-new-tokens", "4", "--slo", "0.05",
-                                      "--out-dir", str(tmp_path)])
+                                      "--question", "Why?", "--max-new-tokens", "4", "--slo", "10",
+                                      "--policy", policy, "--out-dir", str(tmp_path)])
     result = demo_llm.run(args, model, tokenizer)
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result.summary))
-    assert result.prompt.questions == ("Why?",)
+    assert result.prompt.questions == ("Why?",) and set(result.summary["levels"]) == expect
     _fetched_kv_is_the_decoded_kv(model, str(tmp_path / "store-llm"), result)
 
 
