@@ -82,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--server", type=parse_address, help="use this running sender (context already put) "
                                                          "instead of starting one")
     p.add_argument("--context", default="demo", help="context id (default demo)")
-    p.add_argument("--trace", help="trace CSV (seconds, mbit_per_s); default: a causal LM's 300 -> 100 -> 300 "
+    p.add_argument("--trace", help="trace CSV (seconds, mbit_per_s); default: a causal LM's 400 -> 100 -> 400 "
                                    "Mbit/s, MiniLM's 200 -> 25 -> 200 Mbit/s")
     p.add_argument("--delay-ms", type=float, default=2.0, help="one-way delay added by the proxy (default 2)")
     p.add_argument("--slo", type=float, help=f"deadline in seconds (default: a causal LM's {demo_llm.DEFAULT_SLO:g}, "

@@ -90,11 +90,11 @@ _MARK = "<<kvwire-question>>"
 
 
 def default_trace():
-    """300 Mbit/s, a drop to 100 Mbit/s after 0.15 s, back to 300 Mbit/s after 0.3 s: the
+    """400 Mbit/s, a drop to 100 Mbit/s after 0.15 s, back to 400 Mbit/s after 0.3 s: the
     drop lands in the middle of the fetch."""
     from netsim import generators
 
-    return generators.steps([300.0, 100.0, 300.0], hold=0.15, step=0.05, name="demo-llm-drop")
+    return generators.steps([400.0, 100.0, 400.0], hold=0.15, step=0.05, name="demo-llm-drop")
 
 
 @dataclass(frozen=True)
