@@ -99,8 +99,14 @@ TTFT = {"ttft_model": ["GPU KV decode at 100 GB/s: assumed"],
         "ttft": [{"tokens": 8192, "link_gbit": 1.0, "raw fp16": 8.6, "kvwire L1": 1.8, "prefill recompute": 0.38,
                   "speedup": {"raw fp16": 4.78, "prefill recompute": 0.21}}]}
 
+WIRE = {"wire": [
+    {"input": "continuation_first_layer_65535", "error": "fatal ERROR protocol: malformed REQUEST frame",
+     "seconds": 0.002, "peak_rss_growth_mb": 0.0, "daemon_up": True},
+    {"input": "continuation_on_version_1", "error": None, "seconds": 0.003, "peak_rss_growth_mb": 0.0,
+     "daemon_up": True}]}
+
 DATA = {"codec": CODEC, "policies": POLICIES, "stream": STREAM, "netsim": NETSIM, "hostile": HOSTILE,
-        "demo": DEMO, "ttft": TTFT}
+        "wire": WIRE, "demo": DEMO, "ttft": TTFT}
 
 
 def _head() -> dict:
@@ -127,7 +133,8 @@ def _section(text: str, title: str) -> str:
 def test_every_section_renders_from_its_json() -> None:
     text = br.render(_head(), _outcomes(), br.load_full_scale())
     titles = re.findall(r"^## (.+)$", text, flags=re.MULTILINE)
-    assert titles == ["Codec", "Adaptation", "Streaming", "netsim", "Security: hostile inputs", "Demo",
+    assert titles == ["Codec", "Adaptation", "Streaming", "netsim", "Security: hostile inputs",
+                      "Security: hostile continuations", "Demo",
                       "Full-scale runs (not run by this command)", "Modelled, not measured"]
     assert "Not measured" not in text
     for section in (*br.SECTIONS, br.MODELLED):
@@ -150,6 +157,10 @@ def test_hostile_inputs_say_which_were_rejected() -> None:
     assert "1 of 2 hostile inputs rejected" in section
     assert "| blob_claiming_2^21_tokens | CorruptBitstream | too many tokens | 0.0012 | 0.1 |" in section
     assert "| profile_16kb_claiming_1gib_basis | **accepted** |" in section
+    wire = _section(br.render(_head(), _outcomes(), None), "Security: hostile continuations")
+    assert "1 of 2 hostile inputs rejected" in wire
+    assert "| continuation_first_layer_65535 | fatal ERROR protocol | malformed REQUEST frame | 0.0020 | 0.0 |" in wire
+    assert "| continuation_on_version_1 | **accepted** |" in wire
 
 
 def test_demo_renders_whatever_its_json_holds() -> None:
@@ -263,7 +274,9 @@ def test_full_scale_file_loads_and_renders() -> None:
         for t in run["tables"]:
             assert "| " + " | ".join(t["columns"]) + " |" in text
             assert all(len(row) == len(t["columns"]) for row in t["rows"])
-    assert "kvwire bench load --store redis+cluster://" in text and "| L1 | 3.47 | 37.3 | 5.3 |" in text
+            for row in t["rows"]:
+                assert "| " + " | ".join(row) + " |" in text
+    assert "kvwire bench load --store redis+cluster://" in text
 
 
 def test_a_broken_full_scale_file_is_reported_not_raised(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import math
@@ -233,8 +234,9 @@ def _ms(seconds: float | None) -> str:
     return "never" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-def render_hostile(data: Mapping[str, Any]) -> list[str]:
-    rows = data["hostile"]
+def render_rejections(key: str, data: Mapping[str, Any]) -> list[str]:
+    """``kvwire bench adversarial KEY``'s rows: each hostile input, what refused it, how fast."""
+    rows = data[key]
     rejected = [r for r in rows if r.get("error")]
     seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
     growth = [r["peak_rss_growth_mb"] for r in rows if r.get("peak_rss_growth_mb") is not None]
@@ -354,10 +356,18 @@ SECTIONS: tuple[Section, ...] = (
     Section("netsim", "netsim", ("bench", "netsim", "--json"), render_netsim,
             "How closely the user-space shaping proxy and the kernel's tbf (network namespaces, "
             "root only) hold and follow a rate.", 1200),
-    Section("hostile", "Security: hostile inputs", ("bench", "adversarial", "hostile", "--json"), render_hostile,
+    Section("hostile", "Security: hostile inputs", ("bench", "adversarial", "hostile", "--json"),
+            functools.partial(render_rejections, "hostile"),
             "Hand-made hostile blobs and profiles (codec/FORMAT.md's limits), each rejected in a fresh "
             "process after `codec.warm_up()` (warm): the error, the seconds and the growth of peak RSS "
             "while rejecting it.", 1800),
+    Section("wire", "Security: hostile continuations", ("bench", "adversarial", "wire", "--json"),
+            functools.partial(render_rejections, "wire"),
+            "Hostile uses of protocol 2's continuation (a REQUEST's first layer) against a real sender on "
+            "loopback, and hostile continuation answers against the receiver's parsing: what refused each, "
+            "in how long, with how much peak-RSS growth, and whether the sender stayed up. The repeated "
+            "last-layer continuation row measures how much more the sender reads from its store than it "
+            "sends (the store reads whole blobs).", 600),
     Section("demo", "Demo", ("demo", "--json", "--out-dir", TMP + "/demo"), render_demo,
             "The whole path end to end on a real model: put, serve, fetch through the shaping proxy "
             "under the SLO. The demo reports whether its start was cold (codec kernels compiled) or "
