@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import torch
 
@@ -48,3 +49,13 @@ def arrived_bytes(log: list) -> int:
         elif isinstance(item, ev.TextArrived):
             answer[item.chunk] = item.nbytes
     return total + sum(answer.values())
+
+
+def held_decode(held_layer: int, release: threading.Event):
+    """A stand-in section decoder for OrderedDelivery: ``held_layer``'s decode waits for
+    ``release`` (at most 5 s), every other returns at once; the output is a dummy tensor pair."""
+    def decode(header, profile, layer, section):
+        if layer == held_layer:
+            release.wait(5.0)
+        return torch.zeros(1), torch.zeros(1)
+    return decode

@@ -9,16 +9,16 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, strategies as st
 
 from streamer.adapt.base import TEXT, Observation, PlanInput, link_seconds, pipeline_budget, predicted_seconds
-from streamer.adapt.cancel import InFlight, Switch, reconsider
+from streamer.adapt.cancel import InFlight, reconsider
 from streamer.adapt.decoding import (PER_TOKEN_SHARE, RECENT_SECTIONS, DecodeCost, measure, measure_whole,
                                      prior_sections)
 from streamer.adapt.mpc import mpc, mpc_plan
 from streamer.fetch import events as ev
 from streamer.net.delivery import OrderedDelivery
+from streamer_helpers import held_decode
 
 
 class _Header:
@@ -121,12 +121,7 @@ def test_the_cancel_rule_counts_the_decode_of_what_is_still_to_arrive() -> None:
 # ------------------------------------------------------------------ the delivery's record
 async def test_the_delivery_reports_each_section_handed_and_decoded_with_its_seconds() -> None:
     release = threading.Event()
-
-    def decode(header, profile, layer, section):
-        if layer == 1:
-            release.wait(5)
-        return torch.zeros(1), torch.zeros(1)
-
+    decode = held_decode(1, release)
     observed: list = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = OrderedDelivery(chunks=1, layers=2, on_layer=None, on_text=None,

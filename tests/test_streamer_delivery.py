@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import codec
 from streamer.fetch import events as ev
 from streamer.net.delivery import TEXT, OrderedDelivery
+from streamer_helpers import held_decode
 
 LAYERS = 3
 
@@ -311,15 +313,8 @@ async def test_a_section_reports_its_own_decode_time_not_its_wait_behind_the_oth
     does), so a chunk's sum is its decode, not the backlog counted once per section. Layer
     0's decode is held until every section is handed; the others, queued behind it,
     decode at once and report less than it."""
-    import threading
-
     release = threading.Event()
-
-    def decode(header, profile, layer, section):
-        if layer == 0:
-            release.wait(5.0)
-        return torch.zeros(1), torch.zeros(1)
-
+    decode = held_decode(0, release)
     observed: list = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=lambda *a: None, on_text=None,
