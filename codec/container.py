@@ -172,6 +172,11 @@ def header_length(prefix: bytes | memoryview) -> int | None:
     return _table_offset(version) + SECTION_ENTRY.size * layers + embedded_len + CRC.size
 
 
+def plain_header_size(layers: int) -> int:
+    """Bytes of a current-version blob header with no embedded profile, for ``layers`` layers."""
+    return _table_offset(FORMAT_VERSION) + SECTION_ENTRY.size * layers + CRC.size
+
+
 def _table_offset(version: int) -> int:
     """Where the section table starts: after the fixed header (and, from version 3, the start)."""
     return FIXED.size + (START.size if version >= 3 else 0)

@@ -437,11 +437,17 @@ async def test_one_corrupted_byte(ctx, reference, monkeypatch, times: int, sourc
     real_get_chunk = store.get_chunk
     served: list[int] = []
 
-    def damage(blob: bytes) -> bytes:
+    def damage(blob: bytes, first_layer: int = 0) -> bytes:
+        """``blob``, or a continuation of it from ``first_layer`` (its header, then the
+        sections from there), with the byte DAMAGE names flipped."""
         if len(served) >= times:
             return blob
+        header = codec.parse_header(blob)
+        offset = DAMAGE[where](header)
+        if offset >= header.size:   # in a section: where it lies in this answer
+            offset -= header.section_offset(first_layer) - header.section_offset(0)
         damaged = bytearray(blob)
-        damaged[DAMAGE[where](codec.parse_header(blob))] ^= 0x01
+        damaged[offset] ^= 0x01
         served.append(2)
         return bytes(damaged)
 
@@ -455,7 +461,7 @@ async def test_one_corrupted_byte(ctx, reference, monkeypatch, times: int, sourc
         parts = list(real_blob_parts(blob, limit, first_layer))
         if source != "wire" or blob != reference_blobs[2]:
             return iter(parts)
-        data = damage(b"".join(parts))
+        data = damage(b"".join(parts), first_layer)
         return iter(memoryview(data)[start:start + len(part)]
                     for start, part in zip(itertools.accumulate((len(q) for q in parts), initial=0), parts))
 

@@ -151,10 +151,11 @@ def _switch_once(choice, abort=False, escalate_after=0.2):
     return reconsider
 
 
-def test_a_layer_delivering_is_never_switched_to_another_level(monkeypatch) -> None:
-    """The rule gives chunk 0 up for level 1; before the CANCEL's answer, the consumer's
-    (async) on_layer starts on its layer 0: a level switch would clear the layer it holds,
-    so the chunk is re-requested as text, which supersedes it."""
+def test_without_continuations_a_chunk_with_a_layer_out_goes_to_text(monkeypatch) -> None:
+    """On a version 1 connection: the rule gives chunk 0 up for level 1; before the
+    CANCEL's answer, the consumer's (async) on_layer starts on its layer 0: the whole chunk
+    at level 1 would deliver that layer twice, so the chunk is re-requested as text, which
+    supersedes it."""
     monkeypatch.setattr(controller_module.cancel, "reconsider", _switch_once(1))
     ctl = controller([[1_000_000, 500_000]] * 2, policy="mpc", beliefs=Beliefs(prior_bps=1e6))
     feed(ctl, ev.Started(0.01, 0.04, 0.0))
@@ -163,6 +164,54 @@ def test_a_layer_delivering_is_never_switched_to_another_level(monkeypatch) -> N
     feed(ctl, ev.SectionHanded(0, 0, 250_000, 0.2), ev.LayerDelivering(0, 0, 0.21))
     assert feed(ctl, ev.AnswerEnded(0, True, 0.35))[0] == ev.SendRequest(0, TEXT)
     assert ctl.chunk_report(0).cancelled_levels == [0]
+
+
+def test_with_continuations_the_layers_not_delivered_continue_at_the_lower_level(monkeypatch) -> None:
+    """The same switch on a connection that takes continuations: the chunk is re-requested
+    at level 1 from the first layer not delivered when the request goes out (layer 2: two
+    went out while the CANCEL drained), its answer's size is the sender's (the manifest
+    keeps no per-layer sizes), and the report lists both runs."""
+    monkeypatch.setattr(controller_module.cancel, "reconsider", _switch_once(1))
+    ctl = controller([[1_000_000, 500_000]] * 2, policy="mpc", beliefs=Beliefs(prior_bps=1e6))
+    feed(ctl, ev.Started(0.01, 0.04, 0.0, continuations=True))
+    assert feed(ctl, ev.AnswerBegan(0, 1_000_000, 0.01), ev.PartArrived(0, 300_000, 1, 0.2)) == [ev.SendCancel(0)]
+    feed(ctl, ev.SectionHanded(0, 0, 250_000, 0.2), ev.LayerDelivering(0, 0, 0.21),
+         ev.PartArrived(0, 520_000, 2, 0.3), ev.SectionHanded(0, 1, 250_000, 0.3), ev.LayerDelivering(0, 1, 0.31))
+    assert feed(ctl, ev.AnswerEnded(0, True, 0.35))[0] == ev.SendRequest(0, 1, first_layer=2)
+    # an estimate until CHUNK_BEGIN: the header and half the sections
+    assert ctl.chunks[0].expected == ctl.manifest.answer_bytes(0, 1, 2) < 500_000
+    assert feed(ctl, ev.AnswerBegan(0, 251_000, 0.4)) == []           # the sender's count stands
+    feed(ctl, ev.PartArrived(0, 251_000, 4, 0.6), ev.AnswerEnded(0, False, 0.6),
+         ev.LayerDelivering(0, 2, 0.61), ev.LayerDelivering(0, 3, 0.62), ev.ChunkDone(0, 0.62))
+    report = ctl.finish(0.7).chunks[0]
+    assert report.level == 1 and report.layer_levels == [(0, 0), (2, 1)] and report.superseded_layers == 0
+    assert report.cancelled_levels == [0] and "continued at level 1 from layer 2" in report.reason
+
+
+def test_a_continuation_larger_than_its_blob_is_refused() -> None:
+    """A CHUNK_BEGIN for a continuation names its own size, but never more than the whole
+    blob's: a sender that claims more is not believed (the connection is dropped)."""
+    ctl = controller([[400_000]])
+    feed(ctl, ev.Started(0.01, 0.04, 0.0, continuations=True), ev.AnswerBegan(0, 400_000, 0.01),
+         ev.PartArrived(0, 100_000, 1, 0.02), ev.SectionHanded(0, 0, 100_000, 0.02), ev.LayerDelivering(0, 0, 0.03),
+         ev.Corrupt(0, 1, "checksum", 0.04))
+    # the refetch resumes past the delivered layer, at the same level
+    assert feed(ctl, ev.PartArrived(0, 400_000, 4, 0.05), ev.AnswerEnded(0, False, 0.05)) == [
+        ev.ChunkFinished(0), ev.SendRequest(0, 0, first_layer=1)]
+    actions = feed(ctl, ev.AnswerBegan(0, 400_001, 0.1))
+    assert len(actions) == 1 and isinstance(actions[0], ev.Reconnect) and "whole blob 400000" in actions[0].reason
+    assert ctl.chunks[0].runs == [(0, 0)]   # a refetch at the same level is one run
+
+
+def test_a_cancelled_answer_with_every_layer_in_is_whole(monkeypatch) -> None:
+    """The CANCEL stopped the answer only after its last section was cut: nothing is left
+    to re-request, the chunk completes at its level."""
+    monkeypatch.setattr(controller_module.cancel, "reconsider", _switch_once(TEXT))
+    ctl = controller([[1_000_000, 500_000]], policy="mpc", beliefs=Beliefs(prior_bps=1e6))
+    feed(ctl, ev.Started(0.01, 0.04, 0.0, continuations=True))
+    assert feed(ctl, ev.AnswerBegan(0, 1_000_000, 0.01), ev.PartArrived(0, 300_000, 1, 0.2)) == [ev.SendCancel(0)]
+    actions = feed(ctl, ev.PartArrived(0, 1_000_000, 4, 0.3), ev.AnswerEnded(0, True, 0.3))
+    assert actions == [ev.ChunkFinished(0)] and ctl.chunks[0].choice == 0
 
 
 def test_every_cancelled_chunk_escalates_not_only_the_head(monkeypatch) -> None:

@@ -80,7 +80,8 @@ async def test_a_recorded_fetch_replays_to_the_same_actions(context, trace: Trac
     sim = Simulator(context["manifest"], rtt=world.rtt, reconnect_seconds=world.connect_seconds,
                     recompute_seconds_per_token=RECOMPUTE)
     replayed = sim.run("mpc", None, slo=slo, prior_bps=PRIOR, link=world.link(), decode_time=world.decode_time,
-                       recompute_time=world.recompute_time, wakes=world.wakes, connects=world.connects)
+                       recompute_time=world.recompute_time, wakes=world.wakes, connects=world.connects,
+                       continuations=world.continuations)
     assert replayed.actions == world.actions
     assert replayed.choices == [c.level for c in report.chunks]
     assert len({c for c in replayed.choices}) >= 2, "a fetch of one choice would prove little"

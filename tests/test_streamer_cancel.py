@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 import netsim
 import streamer
@@ -309,14 +310,17 @@ async def test_a_session_drops_a_connection_whose_cancel_a_stall_holds_up(tmp_pa
     assert report.reconnects == (0 if escalate_after < 1.0 else 1)
 
 
-async def test_a_switch_while_an_async_on_layer_runs_supersedes_its_layer_with_text(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("continuations", [False, True], ids=["text", "continuation"])
+async def test_a_switch_while_an_async_on_layer_runs_keeps_its_layer(tmp_path, monkeypatch, continuations) -> None:
     """The consumer's on_layer is async and still awaiting on chunk 0's first layer when
     the cancel rule (here made to ask for level 2 once a layer of the chunk is out) gives
-    the chunk up. The layer counts as delivered from the call, so the chunk is not switched
-    to another level (which cleared the layer the running call held: a KeyError from the
-    consumer) but to text: chunk 0's layers in order, each once (those already committed
-    to the path keep coming until the CANCEL takes effect), then its text, and the report
-    says how many layers the text superseded."""
+    the chunk up. The layer counts as delivered from the call, so the running call keeps
+    it (clearing it raised a KeyError in the consumer). Without continuations the chunk
+    goes to text: its layers in order, each once (those already committed to the path keep
+    coming until the CANCEL takes effect), then its text, and the report says how many
+    layers the text superseded. With them (protocol version 2) the layers not delivered
+    come at level 2: every layer exactly once, in order, no text, and the report lists the
+    two runs."""
     import codec
     from streamer.adapt import cancel
     from streamer_helpers import synthetic_kv
@@ -338,17 +342,22 @@ async def test_a_switch_while_an_async_on_layer_runs_supersedes_its_layer_with_t
 
     monkeypatch.setattr(cancel, "reconsider", give_up_once_a_layer_is_out)
     seen: list[tuple] = []
+    decoded: dict[int, torch.Tensor] = {}
 
     async def on_layer(chunk: int, layer: int, k, v) -> None:
         seen.append((chunk, layer))
+        if chunk == 0:
+            decoded[layer] = k.clone()
         if (chunk, layer) == (0, 0):
             await asyncio.wait_for(switched.wait(), 10.0)   # the switch is decided meanwhile
 
+    manifest = await store.get_manifest("ctx")
+    blobs = {level: await store.get_chunk("ctx", manifest.version, 0, level) for level in (0, 2)}
     sender = await streamer.serve(store)
     try:
         async with netsim.ShapingProxy(upstream=("127.0.0.1", sender.port), delay_ms=1.0) as proxy:
             async with streamer.StreamSession("127.0.0.1", proxy.port, "ctx", slo=30.0, policy="mpc",
-                                              prior_bps=1e6, on_layer=on_layer,
+                                              prior_bps=1e6, on_layer=on_layer, continuations=continuations,
                                               on_text=lambda c, ids: seen.append((c, TEXT))) as session:
                 proxy.set_trace(8.0)   # ~0.7 s per layer section: chunk 0 is still arriving when layer 0 is out
                 report = await session.fetch()
@@ -357,10 +366,22 @@ async def test_a_switch_while_an_async_on_layer_runs_supersedes_its_layer_with_t
         await store.close()
     assert asked_with == [1]
     first = [layer for chunk, layer in seen if chunk == 0]
-    superseded = first.index(TEXT)
-    assert superseded >= 1 and first == [*range(superseded), TEXT]
-    assert report.chunks[0].level == TEXT and report.chunks[0].superseded_layers == superseded
-    assert report.chunks[0].cancelled_levels == [0] and report.cancels == 1
+    chunk0 = report.chunks[0]
+    assert chunk0.cancelled_levels == [0] and report.cancels == 1
+    if not continuations:
+        superseded = first.index(TEXT)
+        assert superseded >= 1 and first == [*range(superseded), TEXT]
+        assert chunk0.level == TEXT and chunk0.superseded_layers == superseded and chunk0.layer_levels == []
+        return
+    assert first == list(range(layers))   # each layer once, in order, nothing superseded
+    assert chunk0.level == 2 and chunk0.superseded_layers == 0
+    (start, level0), (continued_from, level2) = chunk0.layer_levels
+    assert (start, level0, level2) == (0, 0, 2) and 1 <= continued_from < layers
+    # the layers came at the levels the report says: each as that level's stored blob decodes it
+    for layer, k in decoded.items():
+        level = 0 if layer < continued_from else 2
+        _, want, _ = list(codec.decode_layers(blobs[level], profile))[layer]
+        assert torch.equal(k, want), f"layer {layer} is not level {level}'s"
 
 
 async def test_a_cancel_that_crosses_a_chunks_end_does_not_cancel_its_next_request(tmp_path, monkeypatch) -> None:

@@ -115,6 +115,44 @@ async def test_text_after_delivered_layers_supersedes_them() -> None:
     assert delivery.delivered_layers(0) == 1 and delivery.delivered_layers(1) == 0
 
 
+async def test_a_continuation_delivers_the_rest_of_a_chunk_at_its_level_each_layer_once() -> None:
+    """Layer 0 of chunk 0 went out at level 0 and layer 1's level-0 section is decoded but
+    not delivered when the chunk continues at level 2 from layer 1: that section is
+    dropped, layers 1.. come from the continuation's answer (its own header), each once.
+    A continuation from anywhere but the layers delivered is refused (a layer would come
+    twice, or never)."""
+    events: list[tuple] = []
+
+    class Header2(_Header):
+        pass
+
+    continuation_header = Header2()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        gate = asyncio.Event()
+
+        async def on_layer(c, l, k, v):
+            events.append((c, l, int(k.item())))
+            if (c, l) == (0, 0):
+                await gate.wait()
+
+        delivery = OrderedDelivery(chunks=1, layers=LAYERS, on_layer=on_layer, on_text=None,
+                                   observe=lambda event: None, executor=pool, decode=_decoder(set()))
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 0)
+        delivery.add_section(0, 0, HEADER, None, b"0,")
+        delivery.add_section(0, 1, HEADER, None, b"0,")   # decodes, then waits behind layer 0's call
+        while delivery.delivered_layers(0) < 1:
+            await asyncio.sleep(0.001)
+        with pytest.raises(RuntimeError, match="continue from layer 1"):
+            delivery.resolve(0, 2, first_layer=2)
+        delivery.resolve(0, 2, first_layer=1)
+        gate.set()
+        for layer in range(1, LAYERS):   # sections tagged "5": the continuation's
+            delivery.add_section(0, layer, continuation_header, None, b"5,")
+        await consumer
+    assert events == [(0, 0, 0), (0, 1, 5), (0, 2, 5)]
+
+
 async def test_switch_to_text_from_the_corrupt_callback_does_not_hang() -> None:
     """Regression: the session may give up on a chunk's layers inside on_corrupt."""
     texts: list[tuple] = []

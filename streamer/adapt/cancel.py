@@ -15,9 +15,13 @@ transfer, not its decode, is what holds the pipeline, a CANCEL stops nothing (th
 arrives whole), so none is sent. When those bytes would take longer than opening a new connection
 (measured when the session connected), the session aborts the connection instead,
 which discards them, and re-requests on a fresh one (``Switch.abort``), as video
-players abort a segment download. A lower level is offered only while none of the chunk's layers
-has been delivered (a chunk is delivered at one level); text is always possible (it
-supersedes delivered layers: the caller recomputes the whole chunk).
+players abort a segment download. A lower level re-requests the layers not delivered yet:
+the whole chunk while none went out, else, where the connection takes continuations
+(``InFlight.continuable``), the rest of them (``InFlight.remaining_share`` of its bytes and
+decode), so a chunk that turns slow halfway finishes at a cheaper level instead of costing
+the whole chunk as text; without continuations only text can follow a delivered layer.
+Text is always possible (it supersedes delivered layers: the caller recomputes the whole
+chunk).
 
 A drop is not given up at once. Links shared with other traffic fade for tens to
 hundreds of milliseconds and come back, and a chunk given up is a text chunk for sure
@@ -159,6 +163,15 @@ class InFlight:
     delivered_layers: int
     #: decoding its sections not received yet will take (``adapt.decoding``)
     remaining_decode_seconds: float = 0.0
+    #: the chunk's layers, and whether those not delivered may continue at a lower level
+    #: once some went out (the connection takes continuations: protocol version 2)
+    layers: int = 1
+    continuable: bool = False
+
+    @property
+    def remaining_share(self) -> float:
+        """The share of the chunk's layers not delivered: what a continuation carries."""
+        return (self.layers - self.delivered_layers) / self.layers
 
 
 def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
@@ -186,7 +199,7 @@ def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,
         return None   # everything left is on its way already: a CANCEL would stop nothing
     timing = _Timing(plan, head, rate, restart=(reconnect_seconds if abort else drain) + rtt)
     options: list[Choice] = [TEXT]
-    if head.delivered_layers == 0:
+    if head.delivered_layers == 0 or head.continuable:
         options += range(head.level + 1, plan.levels)
     choice = _judge(timing, options, shortfall)
     if choice is None:
@@ -221,7 +234,8 @@ class _Timing:
         plan = self.plan
         if option == TEXT:
             return self.finish(self.restart + plan.text_bytes[0] / at, float(plan.text_seconds[0]))
-        return self.finish(self.restart + predicted_seconds(plan, option, at))
+        # a level re-requests the layers not delivered: all of them, or a continuation's share
+        return self.finish(self.restart + self.head.remaining_share * predicted_seconds(plan, option, at))
 
 
 def _judge(timing: _Timing, options: list[Choice], shortfall: float) -> Choice | None:
@@ -249,7 +263,8 @@ def _judge(timing: _Timing, options: list[Choice], shortfall: float) -> Choice |
         return None   # only text is left, and it can still be had later: a fade may end
     if fitting:
         return TEXT
-    cost = {option: timing.restart + predicted_seconds(plan, option, rate) for option in options}
+    cost = {option: timing.restart + (1.0 if option == TEXT else timing.head.remaining_share)
+            * predicted_seconds(plan, option, rate) for option in options}
     choice = min(options, key=lambda option: cost[option])
     return choice if cost[choice] <= (1 - MIN_GAIN) * keep else None
 

@@ -29,16 +29,21 @@ What it decides, and why:
   at it on arrivals (at most every ``MIN_LOOK_S``) and every ``RECONSIDER_S``. On a switch
   the chunk and every KV chunk queued behind it are cancelled and re-requested when their
   answers end (the abandoned one at the rule's choice, the others decided afresh); if the
-  CANCEL is not answered in time the connection is dropped instead.
+  CANCEL is not answered in time the connection is dropped instead. A chunk some of whose
+  layers went out can switch to text, or, on a connection that takes continuations
+  (protocol version 2), have its other layers continue at a lower level.
 * **Faults.** A corrupt section refetches its chunk (delivered layers are skipped), twice
   at most, then the chunk goes to text. A broken connection, or no data for
   ``stall_timeout`` while answers are due, reconnects (``max_reconnects`` per fetch) and
   re-requests what was in flight.
 
 The delivery contract it keeps: a layer counts as delivered from the moment its
-``on_layer`` is called. Once a chunk has delivered a layer it completes at its level
-(a refetch resumes past the delivered layers) or is superseded by text as a whole; it is
-never switched to another level, so no running ``on_layer`` loses its layer.
+``on_layer`` is called, and each layer is delivered once. Once a chunk has delivered a
+layer, what follows it is a continuation (the layers not delivered yet, at the same
+level or a lower one: ``first_layer`` is the count delivered when the request goes out,
+so no running ``on_layer`` loses its layer and none comes twice) or text, which
+supersedes the chunk as a whole. A continued chunk's report lists its runs of layers
+and their levels (``ChunkReport.layer_levels``).
 """
 from __future__ import annotations
 
@@ -78,6 +83,9 @@ class FetchSettings:
     max_reconnects: int = 4
     #: chunks can be delivered as text (the consumer has ``on_text``, or consumes nothing)
     text_consumable: bool = True
+    #: a chunk some layers of which went out may continue at a lower level, where the
+    #: connection takes it (protocol version 2); False: only text can follow them
+    continuations: bool = True
 
 
 @dataclass(frozen=True)
@@ -134,9 +142,10 @@ class _Chunk:
     requested_at: float = 0.0
     begin_at: float | None = None
     expected: int = 0
+    first_layer: int = 0        # the current answer's first layer (a continuation's > 0)
     received: int = 0           # bytes of the current answer in whole parts
     partial: int = 0            # bytes of the frame still arriving
-    sections: int = 0           # sections of the current answer handed to the decoder
+    sections: int = 0           # the next layer of the current answer to be cut (first_layer before any)
     corrupt_retries: int = 0
     refetch: bool = False       # re-request when the current answer ends
     cancelling: bool = False    # CANCEL sent; re-requested when its answer ends
@@ -147,6 +156,8 @@ class _Chunk:
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     report: ChunkReport | None = None
     delivered: int = 0          # layers whose on_layer was called
+    #: (first layer, level) of each run of layers requested at one level, in layer order
+    runs: list[tuple[int, int]] = field(default_factory=list)
     done: bool = False
     recompute_began: float | None = None
     recompute_seconds: float = 0.0
@@ -186,6 +197,7 @@ class FetchController:
         self._owed: dict[tuple[int, int], int] = {}   # sections in the decoder: bytes
         self.rtt = self.connect_seconds = 0.0
         self.connected, self.paused = False, False
+        self.continuations = False   # the connection takes REQUESTs from a first layer
         self.pending_sample: Observation | None = None
         self.response_latency = 0.0
         self.last_end: float | None = None
@@ -275,6 +287,7 @@ class FetchController:
                 chunk.report.decode_seconds = chunk.decode_seconds
                 chunk.report.recompute_seconds = chunk.recompute_seconds
                 chunk.report.superseded_layers = chunk.delivered if chunk.choice == TEXT else 0
+                chunk.report.layer_levels = [] if chunk.choice == TEXT else list(chunk.runs)
         return report
 
     def memory(self) -> LinkMemory | None:
@@ -284,6 +297,7 @@ class FetchController:
     # ------------------------------------------------------------------ network inputs
     def _started(self, event: ev.Started) -> bool:
         self.rtt, self.connect_seconds, self.connected = event.rtt, event.connect_seconds, True
+        self.continuations = self.settings.continuations and event.continuations
         self.start = self.last_activity = event.at
         self.deadline = event.at + self.settings.slo
         return True
@@ -305,7 +319,15 @@ class FetchController:
         self.last_activity = chunk.begin_at = event.at
         if event.chunk == 0 and chunk.corrupt_retries == 0:
             self.response_latency = event.at - chunk.requested_at
-        if event.total_bytes != chunk.expected:
+        if chunk.first_layer:
+            # a continuation's size was an estimate: the sender's count stands, up to the blob's
+            whole = self.manifest.chunks[event.chunk].sizes[chunk.choice]   # type: ignore[index]
+            if not 0 < event.total_bytes <= whole:
+                self._reconnect(f"chunk {event.chunk} from layer {chunk.first_layer} is {event.total_bytes} "
+                                f"bytes, the whole blob {whole}")
+                return False
+            chunk.expected = event.total_bytes
+        elif event.total_bytes != chunk.expected:
             self._reconnect(f"chunk {event.chunk} is {event.total_bytes} bytes, the manifest says {chunk.expected}")
             return False
         return True
@@ -337,7 +359,8 @@ class FetchController:
         self.last_activity = at
         if event.chunk in self.inflight:
             self.inflight.remove(event.chunk)
-        if event.cancelled:
+        # a cancelled answer that had every layer in is whole: the switch is moot
+        if event.cancelled and not (chunk.choice != TEXT and chunk.sections >= self.manifest.layers):
             self._cancelled(chunk, at)
         else:
             # a CANCEL that crossed the end on the wire is moot: the chunk is whole
@@ -386,13 +409,17 @@ class FetchController:
         self._send_request(chunk, choice, at)
 
     def _apply_switch(self, chunk: _Chunk) -> Choice:
-        """The cancel rule's choice for an abandoned chunk, recorded in its report: text
-        instead of another level if a layer went out meanwhile (the delivery contract)."""
+        """The cancel rule's choice for an abandoned chunk, recorded in its report: if a
+        layer went out meanwhile, another level continues past it, or, on a connection
+        that takes no continuations, text replaces it (the delivery contract)."""
         report, abandoned, choice = chunk.report, chunk.choice, chunk.switch_to
         assert report is not None and choice is not None
-        if choice != TEXT and chunk.delivered:
+        if choice != TEXT and chunk.delivered and not self.continuations:
             choice = TEXT
         report.level, report.reason = choice, f"cancelled at level {abandoned}: predicted to miss the deadline"
+        if choice != TEXT and chunk.delivered:
+            report.reason = (f"continued at level {choice} from layer {chunk.delivered}: level {abandoned} "
+                             "was predicted to miss the deadline")
         report.cancelled_levels.append(abandoned)  # type: ignore[arg-type]
         return choice
 
@@ -422,6 +449,7 @@ class FetchController:
         out is decided afresh; an abandoned one goes out at the cancel rule's choice)."""
         at, abort = event.at, self._aborting
         self.rtt, self.connect_seconds = event.rtt, event.connect_seconds
+        self.continuations = self.settings.continuations and event.continuations
         self.connected, self.paused, self._aborting = True, False, False
         self.last_activity, self.last_end, self.escalate_at = at, None, None
         pending = [i for i in sorted(self.inflight) if not self.chunks[i].done]   # a delivered chunk's end is moot
@@ -722,17 +750,25 @@ class FetchController:
                        "callback to recompute it from its token ids: pass on_text (e.g. "
                        "streamer.model.CacheAssembler's), or an slo the link can meet")
             return
-        info = self.manifest.chunks[chunk.index]
-        chunk.choice, chunk.requested_at, chunk.begin_at = choice, now, None
-        chunk.expected = info.text_bytes if choice == TEXT else info.sizes[choice]
-        chunk.received = chunk.partial = chunk.sections = 0
+        info, layers = self.manifest.chunks[chunk.index], self.manifest.layers
+        first = chunk.delivered if choice != TEXT and self.continuations and chunk.delivered < layers else 0
+        chunk.choice, chunk.requested_at, chunk.begin_at, chunk.first_layer = choice, now, None, first
+        if choice == TEXT:
+            chunk.expected = info.text_bytes
+        else:
+            chunk.expected = self.manifest.answer_bytes(chunk.index, choice, first)  # type: ignore[arg-type]
+            chunk.runs = [run for run in chunk.runs if run[0] < first]
+            if not chunk.runs or chunk.runs[-1][1] != choice:
+                chunk.runs.append((first, choice))  # type: ignore[arg-type]
+        chunk.received = chunk.partial = 0
+        chunk.sections = first
         chunk.marks, chunk.arrivals = [], []
         chunk.refetch = chunk.cancelling = False
         chunk.switch_to = None
         if not self.inflight:
             self.last_activity = now   # the stall timer runs from the request
         self.inflight.append(chunk.index)
-        self._actions.append(ev.SendRequest(chunk.index, choice))
+        self._actions.append(ev.SendRequest(chunk.index, choice, first))
 
     # ------------------------------------------------------------------ the cancel rule
     def _look(self, now: float) -> None:
@@ -785,7 +821,8 @@ class FetchController:
                           decode_busy=0.0 if cost is None else self._decoder_owed(cost))
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - head.progress,
-                                    delivered_layers=head.delivered,
+                                    delivered_layers=head.delivered, layers=self.manifest.layers,
+                                    continuable=self.continuations,
                                     remaining_decode_seconds=0.0 if cost is None
                                     else self._unarrived_decode(head, cost))
         switch = cancel.reconsider(plan, in_flight, rate=sample.bytes / sample.busy_seconds, rtt=self.rtt,

@@ -17,12 +17,14 @@ from streamer.adapt.base import Choice
 # ----------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)
 class Started:
-    """``fetch()`` began on a ready connection (its round trip, and what opening a
-    connection costs): the deadline runs from here; the first requests go out."""
+    """``fetch()`` began on a ready connection (its round trip, what opening a connection
+    costs, and whether its REQUESTs may name a first layer: protocol version 2): the
+    deadline runs from here; the first requests go out."""
 
     rtt: float
     connect_seconds: float
     at: float
+    continuations: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,13 @@ class ConnectionBroken:
 
 @dataclass(frozen=True)
 class Connected:
-    """A new connection is ready (after a ``Reconnect``): what it measured."""
+    """A new connection is ready (after a ``Reconnect``): what it measured, and whether
+    it takes continuations (the next sender may speak another protocol version)."""
 
     rtt: float
     connect_seconds: float
     at: float
+    continuations: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,11 +201,16 @@ Event = (Started | Tick | Activity | AnswerBegan | PartArrived | AnswerEnded | T
 # ----------------------------------------------------------------------------- actions
 @dataclass(frozen=True)
 class SendRequest:
-    """Request ``chunk`` as ``choice`` (a level, or text). A chunk requested again after
-    some of its layers went out resumes past them at the same level, or is text."""
+    """Request ``chunk`` as ``choice`` (a level, or text) from layer ``first_layer``.
+    A chunk requested again after some of its layers went out is text (superseding
+    them), or a continuation: its layers from the first not delivered, at the same
+    level or a lower one (``first_layer`` > 0 on a connection that takes it), or, where
+    the connection does not, the whole chunk again at the same level, whose delivered
+    layers the delivery skips."""
 
     chunk: int
     choice: Choice
+    first_layer: int = 0
 
 
 @dataclass(frozen=True)

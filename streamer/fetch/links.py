@@ -13,7 +13,8 @@ answers' bytes reach the receiver. Two models:
 * :class:`RecordedLink` -- the answers' arrival timeline of a real fetch, replayed: the
   k-th request gets the k-th recorded answer (and must ask for what it asked for).
 
-Answers are cut into ``layers`` equal sections (the header is not modelled); each
+Answers are cut into equal sections, one per layer they carry (``layers``, or
+``layers - first_layer`` for a continuation; the header is not modelled apart); each
 section goes to the decoder when its last byte is in.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ class LinkEvent:
 
 
 class Link(Protocol):
-    def request(self, at: float, chunk: int, choice: object, nbytes: int, text: bool) -> None: ...
+    def request(self, at: float, chunk: int, choice: object, nbytes: int, text: bool,
+                first_layer: int = 0) -> None: ...
     def cancel(self, at: float, chunk: int) -> None: ...
     def drop(self, at: float) -> None: ...
     def next_time(self) -> float: ...
@@ -104,6 +106,7 @@ class _Answer:
     nbytes: int
     text: bool
     arrives: float                    # sender clock: its REQUEST reaches the sender
+    first_layer: int                  # the first layer it carries (a continuation's > 0)
     cancel_at: float | None = None    # sender clock: its CANCEL reaches the sender
     start: float | None = None        # sender clock: its first byte leaves
     limit: int = 0                    # bytes it carries (less than nbytes once cut)
@@ -122,8 +125,9 @@ class TraceLink:
         self.answers: deque[_Answer] = deque()
         self.free = 0.0   # sender clock: when the path is free
 
-    def request(self, at: float, chunk: int, choice: object, nbytes: int, text: bool) -> None:
-        self.answers.append(_Answer(chunk, int(nbytes), text, at + self.owd))
+    def request(self, at: float, chunk: int, choice: object, nbytes: int, text: bool,
+                first_layer: int = 0) -> None:
+        self.answers.append(_Answer(chunk, int(nbytes), text, at + self.owd, first_layer))
         self._start_head()
 
     def cancel(self, at: float, chunk: int) -> None:
@@ -163,8 +167,8 @@ class TraceLink:
         if head.text or head.start is None or at < head.start + self.owd:
             return None
         carried = self._carried(head, at - self.owd)
-        return head.chunk, carried, int(np.searchsorted(section_bounds(head.nbytes, self.layers), carried,
-                                                         side="right"))
+        return head.chunk, carried, head.first_layer + int(np.searchsorted(self._bounds(head), carried,
+                                                                            side="right"))
 
     def when(self, chunk: int, received: int) -> float:
         """When ``received`` bytes of ``chunk``'s answer will be in (inf: not arriving, or never)."""
@@ -176,6 +180,9 @@ class TraceLink:
         return head.start + self._time_to_send(received, head.start) + self.owd
 
     # ------------------------------------------------------------------ internals
+    def _bounds(self, answer: _Answer) -> np.ndarray:
+        return section_bounds(answer.nbytes, self.layers - answer.first_layer)
+
     def _carried(self, answer: _Answer, sender_time: float) -> int:
         assert answer.start is not None
         if sender_time <= answer.start:
@@ -225,21 +232,21 @@ class TraceLink:
         assert start is not None
         if answer.text:
             return [LinkEvent(answer.end + owd, chunk, TEXT_END, answer.limit)]
-        bounds = section_bounds(answer.nbytes, self.layers)
+        bounds, first = self._bounds(answer), answer.first_layer
         whole = bounds[bounds <= answer.limit]
         times = start + self._vector.time_to_send(whole.astype(np.float64), np.full(whole.size, self.t0 + start))
         previous = np.concatenate(([0], whole[:-1]))
         events = [LinkEvent(start + owd, chunk, BEGIN, nbytes=answer.nbytes)]
-        events += [LinkEvent(float(t) + owd, chunk, SECTION, int(b), i + 1, layer=i, nbytes=int(b - p))
+        events += [LinkEvent(float(t) + owd, chunk, SECTION, int(b), first + i + 1, layer=first + i, nbytes=int(b - p))
                    for i, (t, b, p) in enumerate(zip(times, whole, previous))]
         # the trace's rate changes while it arrives: points of its arrival curve
         breaks = self.trace.times[(self.trace.times > self.t0 + start) & (self.trace.times < self.t0 + answer.end)]
         for moment in breaks:
             carried = self._carried(answer, float(moment) - self.t0)
             events.append(LinkEvent(float(moment) - self.t0 + owd, chunk, POINT, carried,
-                                    int(np.searchsorted(bounds, carried, side="right"))))
+                                    first + int(np.searchsorted(bounds, carried, side="right"))))
         events.sort(key=lambda e: e.at)
-        events.append(LinkEvent(answer.end + owd, chunk, END, answer.limit, len(whole),
+        events.append(LinkEvent(answer.end + owd, chunk, END, answer.limit, first + len(whole),
                                 cancelled=answer.limit < answer.nbytes))
         return events
 
@@ -252,6 +259,7 @@ class RecordedAnswer:
     chunk: int
     choice: object
     events: Sequence[LinkEvent]
+    first_layer: int = 0
 
 
 class Diverged(Exception):
@@ -266,14 +274,16 @@ class RecordedLink:
         self._pending: deque[list[LinkEvent]] = deque()
         self._requests = 0
 
-    def request(self, at: float, chunk: int, choice: object, nbytes: int, text: bool) -> None:
+    def request(self, at: float, chunk: int, choice: object, nbytes: int, text: bool,
+                first_layer: int = 0) -> None:
         self._requests += 1
         if not self._recorded:
             raise Diverged(f"request {self._requests} (chunk {chunk} as {choice!r}): the recorded fetch made fewer")
         answer = self._recorded.popleft()
-        if (answer.chunk, answer.choice) != (chunk, choice):
-            raise Diverged(f"request {self._requests} asks for chunk {chunk} as {choice!r}; the recorded fetch "
-                           f"asked for chunk {answer.chunk} as {answer.choice!r}")
+        if (answer.chunk, answer.choice, answer.first_layer) != (chunk, choice, first_layer):
+            raise Diverged(f"request {self._requests} asks for chunk {chunk} as {choice!r} from layer {first_layer}; "
+                           f"the recorded fetch asked for chunk {answer.chunk} as {answer.choice!r} from layer "
+                           f"{answer.first_layer}")
         self._pending.append([LinkEvent(**{**e.__dict__, "at": max(e.at, at)}) for e in answer.events])
 
     def cancel(self, at: float, chunk: int) -> None:

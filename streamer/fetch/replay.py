@@ -32,6 +32,8 @@ class Recording:
     recomputes: dict[int, deque[float]] = field(default_factory=dict)
     rtt: float = 0.0
     connect_seconds: float = 0.0
+    #: whether the recorded connections took continuations (protocol version 2)
+    continuations: bool = False
     #: the actions the recorded controller took, in order
     actions: list[ev.Action] = field(default_factory=list)
     #: when the recorded driver woke the controller with nothing arrived (its ``Tick``s)
@@ -60,7 +62,7 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
     if not log or not isinstance(log[0], ev.Started):
         raise ValueError("a fetch log starts with Started")
     start = log[0]
-    out = Recording([], rtt=start.rtt, connect_seconds=start.connect_seconds)
+    out = Recording([], rtt=start.rtt, connect_seconds=start.connect_seconds, continuations=start.continuations)
     events: dict[int, list[LinkEvent]] = {}   # chunk -> the events of its latest answer
     arriving: list[int] = []                  # chunks whose answers began and did not end, in order
     decodes: dict[tuple[int, int], deque[float]] = defaultdict(deque)
@@ -69,7 +71,8 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
         at = getattr(item, "at", 0.0) - start.at
         if isinstance(item, ev.SendRequest):
             events[item.chunk] = []
-            out.answers.append(RecordedAnswer(item.chunk, item.choice, events[item.chunk]))   # type: ignore[arg-type]
+            out.answers.append(RecordedAnswer(item.chunk, item.choice, events[item.chunk],   # type: ignore[arg-type]
+                                              item.first_layer))
         if isinstance(item, ev.Reconnect):
             arriving.clear()   # the answers still arriving are gone with the connection
         if isinstance(item, (ev.SendRequest, ev.SendCancel, ev.Reconnect, ev.ChunkFinished, ev.FailChunk, ev.Fail)):

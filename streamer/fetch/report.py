@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass, field
 class ChunkReport:
     """One chunk of a fetch.
 
-    ``level`` is the quality level delivered through ``on_layer``, or ``"text"`` when
-    the chunk went to ``on_text`` (the caller recomputes it). ``seconds`` runs from the
+    ``level`` is the quality level delivered through ``on_layer`` (of its last layers, if
+    it was continued at a lower level: ``layer_levels``), or ``"text"`` when the chunk
+    went to ``on_text`` (the caller recomputes it). ``seconds`` runs from the
     request leaving to the last byte arriving; ``busy_seconds`` is the part of it the
     link spent on this chunk (idle and queueing excluded), and ``throughput_bps``
     (bits per second) is measured over that busy time only.
@@ -38,6 +39,11 @@ class ChunkReport:
     #: stayed corrupt, or it was cancelled to meet the deadline): the consumer got on_text
     #: for the chunk as well and recomputes all of it
     superseded_layers: int = 0
+    #: (first layer, level) of each run of layers delivered at one level, in layer order:
+    #: [(0, level)] for a chunk delivered at one level, [(0, 1), (12, 3)] for one whose
+    #: layers from 12 on were continued at level 3 when level 1 turned slow (``level`` is
+    #: then the last run's); empty for a text chunk
+    layer_levels: list[tuple[int, int]] = field(default_factory=list)
     #: levels this chunk was requested at and then cancelled (the cancel rule predicted
     #: a deadline miss, or it was queued behind such a chunk), in order
     cancelled_levels: list[int] = field(default_factory=list)

@@ -61,6 +61,10 @@ class SessionConfig:
     #: fresh connection, then a lower level or text: ``streamer.adapt.cancel``); None: on
     #: for mpc, off for greedy (CacheGen's rule), fixed:N and text, which promise a rule
     cancel: Optional[bool] = None
+    #: let the cancel rule continue a chunk some layers of which went out at a lower level
+    #: (its remaining layers only; needs a sender speaking protocol version 2), rather
+    #: than only give it up for text
+    continuations: bool = True
     #: throughput (bytes/s) assumed before the first measurement (None: the last fetch's
     #: estimate for the same sender, if any)
     prior_bps: Optional[float] = None
@@ -120,6 +124,8 @@ class SessionConfig:
             raise TypeError(f"{owner}.record must be a bool, got {self.record!r}")
         if self.cancel is not None and not isinstance(self.cancel, bool):
             raise TypeError(f"{owner}.cancel must be a bool or None, got {self.cancel!r}")
+        if not isinstance(self.continuations, bool):
+            raise TypeError(f"{owner}.continuations must be a bool, got {self.continuations!r}")
         for name in ("connect_timeout", "stall_timeout", "backoff", "max_backoff"):
             require_positive(owner, name, getattr(self, name))
         require_int(owner, "max_reconnects", self.max_reconnects, 0)

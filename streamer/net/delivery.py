@@ -15,11 +15,14 @@ plain-function ``on_text`` runs in a worker thread, so the later chunks keep arr
 while the caller recomputes (an async one must not block the loop either).
 
 A layer counts as delivered from the moment its ``on_layer`` is called: an async
-``on_layer`` may still be running when the session decides about its chunk, and the
-fetch controller never switches such a chunk to another level. It may switch it to text
-(its sections stayed corrupt, or finishing it would miss the deadline): the consumer
-then gets ``on_text`` for that chunk once the running call returns, and must recompute
-the whole chunk, the delivered layers included (``ChunkReport.superseded_layers``).
+``on_layer`` may still be running when the session decides about its chunk. A chunk
+some of whose layers went out may continue at another level from exactly the layers
+delivered (``resolve(chunk, level, first_layer)``: what was decoded of the old level
+past them is dropped, each layer still goes out once), so one chunk's layers may come
+at two or more levels (``ChunkReport.layer_levels``). It may also switch to text (its
+sections stayed corrupt, or finishing it would miss the deadline): the consumer then
+gets ``on_text`` for that chunk once the running call returns, and must recompute the
+whole chunk, the delivered layers included (``ChunkReport.superseded_layers``).
 
 What happens here is reported to ``observe`` as fetch-controller inputs
 (``streamer.fetch.events``): sections handed to the decoder and decoded (with the
@@ -180,18 +183,21 @@ class OrderedDelivery:
             slots[layer] = self._loop.create_future()
         return slots[layer]
 
-    def resolve(self, chunk: int, kind: int | str) -> None:
-        """Fix how a chunk will be delivered. Another level is allowed until a layer went
-        out; TEXT is allowed until the chunk is done (it supersedes delivered layers)."""
+    def resolve(self, chunk: int, kind: int | str, first_layer: int = 0) -> None:
+        """Fix how a chunk's layers from ``first_layer`` on will be delivered. Another level
+        is allowed for the whole chunk until a layer went out, and after that for a
+        continuation from exactly the layers delivered (``first_layer``: those already
+        out stay, the rest come at ``kind``); TEXT is allowed until the chunk is done (it
+        supersedes delivered layers)."""
         state = self._chunks[chunk]
         if state.kind.done():
             if state.kind.result() == kind:
                 return
             if state.done:
                 raise RuntimeError(f"chunk {chunk} was delivered already; it cannot change")
-            if state.delivered and kind != TEXT:
-                raise RuntimeError(f"chunk {chunk} already delivered {state.delivered} layers; "
-                                   "it can only complete at its level or switch to text")
+            if state.delivered and kind != TEXT and first_layer != state.delivered:
+                raise RuntimeError(f"chunk {chunk} already delivered {state.delivered} layers; another level "
+                                   f"can only continue from layer {state.delivered}, not {first_layer}")
             state.kind = self._loop.create_future()
             for fut in state.layers.values():
                 if not fut.done():

@@ -84,7 +84,8 @@ class FetchDriver:
         try:
             client = self.s._client
             assert client is not None
-            self._feed(ev.Started(client.rtt, self.s.connect_seconds, time.monotonic()))
+            self._feed(ev.Started(client.rtt, self.s.connect_seconds, time.monotonic(),
+                                  continuations=client.conn.continuations))
             # over once every chunk is delivered and the answers' ends are in (or a callback raised)
             while not (consumer.done() and (self.controller.done or consumer.cancelled()
                                             or consumer.exception() is not None)):
@@ -180,6 +181,9 @@ class FetchDriver:
             return   # the connection it came on is being replaced
         if isinstance(event, p.ChunkBegin):
             self._feed(ev.AnswerBegan(event.chunk, event.total_bytes, at))
+            if not self.pending:   # the controller found the answer's size as asked
+                self.assemblies[event.chunk] = Assembly(self.manifest, event.chunk, event.level, event.total_bytes,
+                                                        event.first_layer)
         elif isinstance(event, p.ChunkPart):
             self._on_part(event.chunk, event.data, at)
         elif isinstance(event, p.ChunkEnd):
@@ -225,12 +229,10 @@ class FetchDriver:
     # ------------------------------------------------------------------ actions
     def _perform(self, action: ev.Action) -> None:
         if isinstance(action, ev.SendRequest):
-            info = self.manifest.chunks[action.chunk]
-            expected = info.text_bytes if action.choice == TEXT else info.sizes[action.choice]  # type: ignore[index]
-            self.assemblies[action.chunk] = Assembly(self.manifest, action.chunk, action.choice, expected)
+            self.assemblies.pop(action.chunk, None)   # its answer's CHUNK_BEGIN makes the next
             self.s.levels[action.chunk] = action.choice
-            self.delivery.resolve(action.chunk, action.choice)
-            self._send(p.Request(chunk=action.chunk, level=action.choice))
+            self.delivery.resolve(action.chunk, action.choice, action.first_layer)
+            self._send(p.Request(chunk=action.chunk, level=action.choice, first_layer=action.first_layer))
         elif isinstance(action, ev.SendCancel):
             self._send(p.Cancel(chunk=action.chunk))
         elif isinstance(action, ev.ChunkFinished):
@@ -261,7 +263,8 @@ class FetchDriver:
         client = session._client
         assert client is not None
         client.set_on_data(self._on_bytes)
-        self._feed(ev.Connected(client.rtt, session.connect_seconds, time.monotonic()))
+        self._feed(ev.Connected(client.rtt, session.connect_seconds, time.monotonic(),
+                                continuations=client.conn.continuations))
 
     # ------------------------------------------------------------------ backpressure
     def _buffered(self) -> int:

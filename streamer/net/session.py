@@ -310,6 +310,7 @@ class StreamSession:
         return FetchSettings(slo=config.slo, policy=config.policy, cancels=config.cancels,
                              recompute_seconds_per_token=config.recompute_seconds_per_token,
                              stall_timeout=config.stall_timeout, max_reconnects=config.max_reconnects,
+                             continuations=config.continuations,
                              text_consumable=self._on_text is not None or self._on_layer is None)
 
     def _beliefs(self) -> Beliefs:

@@ -810,7 +810,7 @@ def _compare(sim: Simulator, report, log, trace: Trace, policy: str, slo: float,
     try:
         replayed = replay_sim.run(policy, None, slo=slo, prior_bps=prior, link=world.link(),
                                   decode_time=world.decode_time, recompute_time=world.recompute_time,
-                                  wakes=world.wakes, connects=world.connects)
+                                  wakes=world.wakes, connects=world.connects, continuations=world.continuations)
         replay_same = replayed.actions == world.actions
     except Diverged:   # the replay asked for an answer the fetch never got
         replay_same = False

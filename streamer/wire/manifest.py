@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from codec.container import plain_header_size
 from streamer.wire.events import TEXT_LEVEL
 
 MANIFEST_FORMAT = "kvwire-manifest"
@@ -221,6 +222,17 @@ class Manifest:
             raise ValueError(f"chunk {chunk} as text from layer {first_layer}: text has no layers")
         if not 0 <= first_layer < self.layers:
             raise ValueError(f"first layer {first_layer} out of range: context has {self.layers} layers")
+
+    def answer_bytes(self, chunk: int, level: int, first_layer: int = 0) -> int:
+        """Bytes of the answer to REQUEST(chunk, level, first_layer): the blob's size for a
+        whole chunk; for a continuation an estimate, until its CHUNK_BEGIN says: the header
+        and ``layers - first_layer`` equal shares of the sections (the manifest keeps no
+        per-layer sizes)."""
+        size = self.chunks[chunk].sizes[level]
+        if not first_layer:
+            return size
+        header = min(plain_header_size(self.layers), size)
+        return header + math.ceil((size - header) * (self.layers - first_layer) / self.layers)
 
     @property
     def decoded_bytes(self) -> int:
