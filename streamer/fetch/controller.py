@@ -287,7 +287,6 @@ class FetchController:
                 chunk.report.decode_seconds = chunk.decode_seconds
                 chunk.report.recompute_seconds = chunk.recompute_seconds
                 chunk.report.superseded_layers = chunk.delivered if chunk.choice == TEXT else 0
-                chunk.report.layer_levels = [] if chunk.choice == TEXT else list(chunk.runs)
         return report
 
     def memory(self) -> LinkMemory | None:
@@ -762,6 +761,8 @@ class FetchController:
                 chunk.runs.append((first, choice))  # type: ignore[arg-type]
         chunk.received = chunk.partial = 0
         chunk.sections = first
+        assert chunk.report is not None   # made when the chunk was first decided
+        chunk.report.layer_levels = [] if choice == TEXT else list(chunk.runs)
         chunk.marks, chunk.arrivals = [], []
         chunk.refetch = chunk.cancelling = False
         chunk.switch_to = None

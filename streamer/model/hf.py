@@ -574,7 +574,9 @@ class CacheAssembler:
 
     Pass ``on_layer`` and ``on_text`` to ``StreamSession`` (or ``set_callbacks``).
     Layers are copied into ``kv`` ([layers, 2, tokens, heads, head_dim], float32)
-    at their chunk's token range; a chunk that arrives as text is recomputed with
+    at their chunk's token range, each once, whatever its level (a chunk continued at a
+    lower level mid-chunk has its layers at two: ``ChunkReport.layer_levels``); a chunk
+    that arrives as text is recomputed with
     the model (``recompute_chunk``). Chunks are delivered in order, so when a text
     chunk comes every earlier chunk is complete and a decoder recomputes it over
     their (possibly lossy) KV. ``cache()`` gives the result as a ``DynamicCache``

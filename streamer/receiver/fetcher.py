@@ -16,7 +16,9 @@ requester went away, since that is how long it occupies the senders.
 
 Each fetch keeps its events (``start``, ``manifest``, ``layer``, ``chunk``, ``text``,
 then ``done`` or ``error``) so a late subscriber replays them before following live.
-``layer`` events come in (chunk, layer) order, as ``StreamSession`` delivers them.
+``layer`` events come in (chunk, layer) order, as ``StreamSession`` delivers them, each
+with the level it came at (a chunk continued at a lower level mid-chunk has its later
+layers at that level; its ``chunk`` event's ``layer_levels`` lists the runs).
 """
 from __future__ import annotations
 
@@ -448,7 +450,7 @@ class Fetcher:
         self.metrics.chunks.labels(str(report.level)).inc()
         job.emit("chunk", chunk=report.index, level=report.level, bytes=report.bytes,
                  seconds=round(report.seconds, 6), throughput_bps=round(report.throughput_bps, 1),
-                 reason=report.reason)
+                 reason=report.reason, layer_levels=[list(run) for run in report.layer_levels])
 
     def _assembler(self, job: FetchJob, manifest: Any) -> Any:
         if self.model is None:
