@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 
 from streamer.adapt.base import TEXT, Observation, PlanInput, link_seconds, pipeline_budget, predicted_seconds
 from streamer.adapt.cancel import InFlight, reconsider
-from streamer.adapt.decoding import (PER_TOKEN_SHARE, RECENT_SECTIONS, DecodeCost, measure, measure_whole,
+from streamer.adapt.decoding import (PER_TOKEN_SHARE, RECENT_SECTIONS, STALL_FACTOR, DecodeCost, measure, measure_whole,
                                      prior_sections)
 from streamer.adapt.mpc import mpc, mpc_plan
 from streamer.fetch import events as ev
@@ -66,10 +66,24 @@ def test_negative_seconds_are_refused() -> None:
 @given(st.lists(st.tuples(st.integers(1, 10_000), st.integers(1, 10**6), st.floats(0, 10)),
                 min_size=1, max_size=40))
 def test_the_recent_sections_together_cost_what_they_took(sections) -> None:
+    """...each counted at most STALL_FACTOR times the median section's seconds per token."""
     recent = sections[-RECENT_SECTIONS:]
     cost = measure(sections)
     total = cost.seconds(sum(t for t, _, _ in recent), sum(b for _, b, _ in recent))
-    assert total == pytest.approx(sum(s for _, _, s in recent), rel=1e-9, abs=1e-12)
+    median = sorted(s / t for t, _, s in recent)[len(recent) // 2]
+    assert total == pytest.approx(sum(min(s, STALL_FACTOR * median * t) for t, _, s in recent),
+                                  rel=1e-9, abs=1e-12)
+    assert total <= sum(s for _, _, s in recent) * (1 + 1e-9) + 1e-12
+
+
+def test_one_stalled_section_is_not_the_decoders_rate_but_a_slow_decoder_is() -> None:
+    """A 2 s stall among 5 ms sections counts as a slow section, not as 2 s (it would price
+    every later chunk as text); when most sections slow down, the cost follows."""
+    steady = [(512, 20_000, 0.005)] * 11
+    stalled = measure(steady + [(512, 20_000, 2.0)])
+    assert stalled.seconds(512, 20_000) == pytest.approx((11 * 0.005 + STALL_FACTOR * 0.005) / 12)
+    loaded = measure(steady[:4] + [(512, 20_000, 0.05)] * 8)
+    assert loaded.seconds(512, 20_000) == pytest.approx((4 * 0.005 + 8 * 0.05) / 12)   # nothing clipped
 
 
 # ------------------------------------------------------------------ the planners' view

@@ -18,7 +18,11 @@ overprices the better levels; a per-token figure alone makes every level look al
 where the decoder is the bottleneck, so the plan keeps the best level and its decode runs
 late. So the *scale* is measured (the mean over the recent sections, which follows the
 load) and the *split* is fixed: ``PER_TOKEN_SHARE`` of a section's time at the measured
-sections' bytes per token is per token, the rest scales with its bytes.
+sections' bytes per token is per token, the rest scales with its bytes. One section that
+stalls (a page fault into a cold decoder, the interpreter held by a model loading beside
+the fetch) is not the load of the moment: each section counts at most ``STALL_FACTOR``
+times the median section's seconds per token, so a single 2 s stall among 5 ms sections
+does not price every later chunk as text.
 
 Before a session has decoded anything the plan has no figure, and its first chunks would
 be timed by the link alone. A caller that has timed the decoder (a chunk decoded before
@@ -41,6 +45,9 @@ RECENT_SECTIONS = 24
 #: measured (the rest scales with its coded bytes): on an idle decoder about half of a
 #: mid-level chunk's time is per token.
 PER_TOKEN_SHARE = 0.5
+#: A section counts at most this many times the median recent section's seconds per
+#: token (a stall is not a rate; a load that slows most sections moves the median too).
+STALL_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,10 @@ def measure(sections: Sequence[tuple[int, int, float]]) -> DecodeCost | None:
     if not recent:
         return None
     tokens = sum(t for t, _, _ in recent)
-    return DecodeCost(sum(s for _, _, s in recent) / tokens, sum(b for _, b, _ in recent) / tokens)
+    rates = sorted(s / t for t, _, s in recent)
+    cap = STALL_FACTOR * rates[len(rates) // 2]
+    seconds = sum(min(s, cap * t) for t, _, s in recent)
+    return DecodeCost(seconds / tokens, sum(b for _, b, _ in recent) / tokens)
 
 
 def measure_whole(tokens: int, layers: int, coded_bytes: int, seconds: Sequence[float]) -> DecodeCost:
