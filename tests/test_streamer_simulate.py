@@ -27,13 +27,15 @@ from streamer.fetch.simulate import Simulator, oracle
 TARGETS = (2.5e-4, 1e-3, 4.2e-3, 1.3e-2, 3.5e-2)
 
 
-def make_manifest(sizes: list[list[int]], tokens: list[int], text_bytes: int = 3000) -> Manifest:
+def make_manifest(sizes: list[list[int]], tokens: list[int], text_bytes: int = 3000, layers: int = 4,
+                  distortion: tuple[float, ...] | None = None) -> Manifest:
     levels = len(sizes[0])
     chunks, start = [], 0
     for i, (row, n) in enumerate(zip(sizes, tokens)):
         chunks.append(ChunkInfo(i, start, start + n, tuple(int(s) for s in row), text_bytes, 0))
         start += n
-    return Manifest("ctx", "v1", 4, 2, 8, "float16", start, "prof", TARGETS[:levels], tuple(chunks), 0.0)
+    return Manifest("ctx", "v1", layers, 2, 8, "float16", start, "prof",
+                    TARGETS[:levels] if distortion is None else distortion, tuple(chunks), 0.0)
 
 
 # ------------------------------------------------------------------ strategies
@@ -76,16 +78,24 @@ POLICIES = ["greedy", "mpc", "text", "fixed:0", "fixed:1", "fixed:2", "fixed:3"]
 
 
 # ---------------------------------------------------------------------- oracle
-def _oracle_timing(sim: Simulator, trace: Trace, choices, start: float) -> float:
+def _oracle_timing(sim: Simulator, trace: Trace, choices, start: float, layer_levels=None) -> float:
     """Completion of a schedule under the oracle's timing, by scalar Trace calls: the link
     with no gaps, each text chunk recomputed once it is in and the chunk before it is
-    delivered (overlapping later transfers), only the last chunk's decode tail."""
+    delivered (overlapping later transfers), only the last chunk's decode tail. A chunk
+    whose ``layer_levels`` entry is ``((0, a), (k, b))`` carries k/layers of level a's
+    bytes and the rest of level b's."""
     owd = sim.rtt / 2
     t = owd
     done = 0.0
     last = len(choices) - 1
+    layers = sim.manifest.layers
     for j, c in enumerate(choices):
-        size = sim.text_bytes[j] if c == TEXT else sim.sizes[j][c]
+        runs = layer_levels[j] if layer_levels else ()
+        if runs:
+            (_, a), (k, b) = runs
+            size = (k * sim.sizes[j][a] + (layers - k) * sim.sizes[j][b]) / layers
+        else:
+            size = sim.text_bytes[j] if c == TEXT else sim.sizes[j][c]
         t += trace.time_to_send(8.0 * size, start + t)
         if c == TEXT:
             done = max(done, t + owd) + sim.recompute * sim.tokens[j]
@@ -105,28 +115,117 @@ def test_oracle_is_the_exact_optimum_by_brute_force(s) -> None:
         if _oracle_timing(sim, s["trace"], combo, s["start"]) <= s["slo"] + 1e-9:
             cost = sim.cost_of(combo)
             best = cost if best is None else min(best, cost)
-    o = sim.oracle(s["trace"], slo=s["slo"], start=s["start"])
+    o = sim.oracle(s["trace"], slo=s["slo"], start=s["start"], splits=False)
     assert o.feasible == (best is not None)
+    assert o.layer_levels == [()] * len(sim.sizes)
     if best is not None:
         assert o.cost == pytest.approx(best, rel=1e-9, abs=1e-12)
         assert _oracle_timing(sim, s["trace"], o.choices, s["start"]) <= s["slo"] + 1e-6
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_oracle_bounds_every_policy_that_meets_the_deadline(s) -> None:
+@st.composite
+def split_scenarios(draw):
+    """Few chunks, levels and layers (every one-switch split of every chunk is tried),
+    and distortions drawn apart from the sizes, so that a chunk's hull of (bytes,
+    distortion) can skip levels and splits of levels not adjacent on it can matter."""
+    s = draw(scenarios())
+    m = s["manifest"]
+    levels, chunks = min(m.levels, 3), m.chunks[:3]
+    distortion = tuple(sorted(draw(st.lists(st.floats(1e-4, 0.4), min_size=levels, max_size=levels,
+                                            unique=True))))
+    s["manifest"] = make_manifest([list(c.sizes[:levels]) for c in chunks], [c.tokens for c in chunks],
+                                  chunks[0].text_bytes, draw(st.integers(2, 5)), distortion)
+    return s
+
+
+def _every_option(sim: Simulator, chunk: int):
+    """(choice, runs, cost) of every way to send a chunk: text, a level, or layers
+    [0, k) at level a and the rest at a lower level b, at every k."""
+    d, layers, levels = sim.manifest.level_distortion, sim.manifest.layers, sim.manifest.levels
+    yield TEXT, (), 1.0
+    for a in range(levels):
+        yield a, (), d[a]
+    for a, b in itertools.combinations(range(levels), 2):
+        for k in range(1, layers):
+            yield b, ((0, a), (k, b)), (k * d[a] + (layers - k) * d[b]) / layers
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(split_scenarios())
+def test_split_oracle_is_the_exact_optimum_over_every_one_switch_split(s) -> None:
+    """By brute force over every choice of every chunk, splits of every pair of levels at
+    every layer included (not only those the oracle keeps): the oracle's cost is the
+    optimum, its plan meets the deadline under its timing and costs what it says, and
+    replaying its ``choices`` (a split chunk at its last level) is no slower."""
     sim = _sim(s)
+    n = len(sim.sizes)
+    best = None
+    for combo in itertools.product(*(list(_every_option(sim, j)) for j in range(n))):
+        choices, runs = [c for c, _, _ in combo], [r for _, r, _ in combo]
+        if _oracle_timing(sim, s["trace"], choices, s["start"], runs) <= s["slo"] + 1e-9:
+            cost = sum(c for *_, c in combo)
+            best = cost if best is None else min(best, cost)
     o = sim.oracle(s["trace"], slo=s["slo"], start=s["start"])
-    for name in POLICIES:
-        if name.startswith("fixed:") and int(name[6:]) >= s["manifest"].levels:
-            continue
-        r = sim.run(name, s["trace"], slo=s["slo"], start=s["start"], prior_bps=s["prior"])
-        assert len(r.choices) == len(s["manifest"].chunks)
-        if r.met:
-            assert o.feasible, (name, r.choices)
-            assert o.cost <= r.cost + 1e-12, (name, r.choices, o.choices)
-        # the oracle's timing of any schedule is never later than the simulator's
-        assert _oracle_timing(sim, s["trace"], r.choices, s["start"]) <= r.completion + 1e-9
+    assert o.feasible == (best is not None)
+    assert len(o.layer_levels) == n
+    if best is None:
+        return
+    assert o.cost == pytest.approx(best, rel=1e-9, abs=1e-12)
+    layers, d = sim.manifest.layers, sim.manifest.level_distortion
+    cost = 0.0
+    for c, runs in zip(o.choices, o.layer_levels):
+        if runs:
+            (zero, a), (k, b) = runs
+            assert zero == 0 and 0 < k < layers and a < b == c
+            cost += (k * d[a] + (layers - k) * d[b]) / layers
+        else:
+            cost += 1.0 if c == TEXT else d[c]
+    assert o.cost == pytest.approx(cost, rel=1e-12, abs=1e-15)
+    planned = _oracle_timing(sim, s["trace"], o.choices, s["start"], o.layer_levels)
+    assert planned <= s["slo"] + 1e-6
+    assert _oracle_timing(sim, s["trace"], o.choices, s["start"]) <= planned + 1e-9
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_splits_never_raise_the_oracle_cost_nor_change_what_is_feasible(s) -> None:
+    sim = _sim(s)
+    whole = sim.oracle(s["trace"], slo=s["slo"], start=s["start"], splits=False)
+    split = sim.oracle(s["trace"], slo=s["slo"], start=s["start"], splits=True)
+    assert split.feasible == whole.feasible
+    if whole.feasible:
+        assert split.cost <= whole.cost + 1e-12
+    else:   # no split is faster than its smaller level: the fastest schedule is unsplit
+        assert split.choices == whole.choices and split.layer_levels == [()] * len(sim.sizes)
+
+
+@pytest.mark.parametrize("sizes, distortion, slo, runs", [
+    # between two levels: level 0 takes 0.32 s, level 1 0.16 s, each layer of level 0
+    # instead of 1 adds 0.04 s: two layers of each take 0.24 s
+    ([4_000_000, 2_000_000], TARGETS[:2], 0.25, ((0, 0), (2, 1))),
+    # levels not adjacent in the ladder: level 1 lies above the chord from 0 to 2, and
+    # two layers of level 0 then two of level 2 (0.24 s) beat any mix with level 1
+    ([4_000_000, 3_000_000, 2_000_000], (1e-3, 0.05, 0.06), 0.25, ((0, 0), (2, 2))),
+    # levels adjacent in the ladder but not on the hull (level 1 above the chord from 0
+    # to 2): at layer granularity only three layers of 0 then one of 1 (0.3192 s) fit
+    # between level 1 (0.3168 s) and level 0 (0.32 s), and no mix of 0 and 2 comes near
+    ([4_000_000, 3_960_000, 2_000_000], (0.1, 0.105, 0.3), 0.3196, ((0, 0), (3, 1))),
+])
+def test_a_split_is_chosen_where_it_is_strictly_cheapest(sizes, distortion, slo, runs) -> None:
+    """One 4-layer chunk at 100 Mbit/s (12.5 MB/s), text late (0.5 s of recompute): the
+    deadline admits one split that costs less than every single level and every other
+    split, and the oracle picks it; without splits it pays a whole level."""
+    m = make_manifest([sizes], [512], distortion=distortion)
+    trace = Trace.constant(100.0, 10.0)
+    d = m.level_distortion
+    (_, a), (k, b) = runs
+    o = Simulator(m, rtt=0.0, recompute_seconds_per_token=1e-3).oracle(trace, slo=slo)
+    assert o.feasible and o.layer_levels == [runs] and o.choices == [b]
+    assert o.cost == pytest.approx((k * d[a] + (4 - k) * d[b]) / 4, rel=1e-12)
+    assert o.completion == pytest.approx((k * sizes[a] + (4 - k) * sizes[b]) / 4 / 12.5e6, rel=1e-9)
+    whole = oracle(m, trace, slo=slo, rtt=0.0, recompute_seconds_per_token=1e-3, splits=False)
+    assert whole.feasible and whole.layer_levels == [()] and whole.choices != [TEXT]
+    assert o.cost < whole.cost
 
 
 def test_vectorised_link_matches_trace_time_to_send() -> None:
