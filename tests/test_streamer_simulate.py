@@ -436,3 +436,35 @@ def test_a_decode_prior_ten_times_off_costs_at_most_the_first_chunk(scale: float
         monkeypatch.setattr(controller_module.FetchController, "_decoder_untimed", lambda self: False)
         poisoned = sim.run("mpc", trace, slo=1.0, prior_bps=25e6, decode_prior=off)
         assert poisoned.choices == [TEXT] * 12 and not poisoned.met
+
+
+@pytest.mark.parametrize("continuations", [True, False], ids=["continued", "text"])
+def test_a_simulated_chunk_continues_its_remaining_layers_at_a_lower_level(monkeypatch, continuations) -> None:
+    """The cancel rule (made to ask for level 2 once a layer of chunk 0 is out) on a
+    sender that takes continuations: the simulated link answers with the layers not
+    delivered only (sections numbered from there), and the result lists both runs and
+    costs them by their layers. Without continuations the chunk goes to text."""
+    asked: list[int] = []
+
+    def switch_once_a_layer_is_out(plan, head, **_):
+        if head.delivered_layers and not asked:
+            asked.append(head.delivered_layers)
+            return cancel.Switch(2, abort=False, escalate_after=1.0)
+        return None
+
+    monkeypatch.setattr(controller_module.cancel, "reconsider", switch_once_a_layer_is_out)
+    m = make_manifest([[400_000, 250_000, 100_000]] * 2, [256, 256], layers=8)
+    sim = Simulator(m, rtt=0.004, decode_seconds=0.0)
+    r = sim.run("mpc", Trace([0.0], [8.0]), slo=5.0, prior_bps=1e6, continuations=continuations)
+    assert asked and r.cancels == 1
+    requests = [a for a in r.actions if isinstance(a, ev.SendRequest) and a.chunk == 0]
+    if not continuations:
+        assert r.choices[0] == TEXT and r.layer_levels[0] == ()
+        return
+    first = requests[-1].first_layer
+    assert requests[-1].choice == 2 and 1 <= first < 8
+    assert r.choices[0] == 2 and r.layer_levels[0] == ((0, 0), (first, 2))
+    d = m.level_distortion
+    assert r.cost == pytest.approx((first * d[0] + (8 - first) * d[2]) / 8 + d[r.choices[1]])
+    # the continuation carried about its share of level 2's bytes, not the whole blob
+    assert m.answer_bytes(0, 2, first) < 100_000 * (8 - first + 1) / 8

@@ -47,6 +47,8 @@ from streamer.wire.manifest import Manifest
 #: Bound on simulation steps per chunk: a safety net against a bug, not a schedule.
 _MAX_STEPS_PER_CHUNK = 50_000
 
+#: (first layer, level) of each run of a chunk's layers delivered at one level (``ChunkReport.layer_levels``)
+LayerLevels = Sequence[tuple[int, int]]
 #: (chunk, layer, coded bytes) -> decoder seconds; (chunk, tokens) -> recompute seconds
 DecodeTime = Callable[[int, int, int], float]
 RecomputeTime = Callable[[int, int], float]
@@ -87,6 +89,8 @@ class SimResult:
     actions: list[ev.Action] = field(default_factory=list)
     #: why the controller gave up, if it did (the fetch never completed)
     failure: str | None = None
+    #: per chunk, its runs of layers at one level (``ChunkReport.layer_levels``; () for text)
+    layer_levels: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
 
     @property
     def cancels(self) -> int:
@@ -222,8 +226,9 @@ class _Run:
 
     def __init__(self, sim: "Simulator", controller: FetchController, link: Link, receiver: _Receiver,
                  wakes: Sequence[float] | None = None,
-                 connects: Sequence[tuple[float, float, float]] | None = None) -> None:
+                 connects: Sequence[tuple[float, float, float]] | None = None, continuations: bool = True) -> None:
         self.sim, self.ctl, self.link, self.receiver = sim, controller, link, receiver
+        self.continuations = continuations   # the sender takes REQUESTs from a first layer
         #: a recorded driver's wake-ups, in place of the controller's timers, and its new
         #: connections (ready at, rtt, seconds taken), in place of the reconnect model (a replay)
         self.wakes = None if wakes is None else deque(wakes)
@@ -249,9 +254,10 @@ class _Run:
         now, sim = self.now, self.sim
         if isinstance(action, ev.SendRequest):
             text = action.choice == TEXT
-            nbytes = sim.text_bytes[action.chunk] if text else sim.sizes[action.chunk][action.choice]
+            nbytes = sim.text_bytes[action.chunk] if text else \
+                sim.manifest.answer_bytes(action.chunk, action.choice, action.first_layer)  # type: ignore[arg-type]
             self.fed[action.chunk] = 0
-            self.link.request(now, action.chunk, action.choice, nbytes, text)
+            self.link.request(now, action.chunk, action.choice, nbytes, text, action.first_layer)
             self.receiver.resolve(action.chunk, action.choice, now)
         elif isinstance(action, ev.SendCancel):
             self.link.cancel(now, action.chunk)
@@ -312,7 +318,7 @@ class _Run:
             self.feed(*self._taken())
         elif source == 2:
             self.connect_at = None
-            self.feed(ev.Connected(*self.connection, self.now))
+            self.feed(ev.Connected(*self.connection, self.now, continuations=self.continuations))
         else:
             if self.wakes:
                 self.wakes.popleft()
@@ -381,18 +387,31 @@ class Simulator:
                       until_deadline=until_deadline, decode_cost=decode_cost, decode_busy=decode_busy,
                       previous=previous)
 
-    def cost_of(self, choices: Sequence[Choice]) -> float:
-        """The policies' objective for a whole schedule."""
-        d = self.manifest.level_distortion
-        return float(sum(TEXT_PENALTY if c == TEXT else d[c] for c in choices))
+    def cost_of(self, choices: Sequence[Choice], layer_levels: Sequence[LayerLevels] | None = None) -> float:
+        """The policies' objective for a whole schedule: each level's distortion, or for a
+        chunk delivered at several levels (``layer_levels``: its runs, as
+        ``ChunkReport.layer_levels``) theirs weighted by their layers; TEXT_PENALTY per text chunk."""
+        runs = layer_levels if layer_levels is not None else [()] * len(choices)
+        return float(sum(TEXT_PENALTY if c == TEXT else self._distortion(self.manifest.level_distortion, c, r)
+                         for c, r in zip(choices, runs, strict=True)))
 
-    def kv_distortion_of(self, choices: Sequence[Choice]) -> float:
+    def kv_distortion_of(self, choices: Sequence[Choice], layer_levels: Sequence[LayerLevels] | None = None) -> float:
         """Token-weighted mean distortion of the chunks fetched as KV (nan if none was)."""
         kv = [j for j, c in enumerate(choices) if c != TEXT]
         if not kv:
             return math.nan
+        runs = layer_levels if layer_levels is not None else [()] * len(choices)
         w = self.tokens[kv]
-        return float(sum(self.distortion[choices[j]] * wj for j, wj in zip(kv, w)) / w.sum())
+        return float(sum(self._distortion(self.distortion, choices[j], runs[j]) * wj for j, wj in zip(kv, w))
+                     / w.sum())
+
+    def _distortion(self, per_level: Sequence[float], level: Choice, runs: LayerLevels) -> float:
+        """A KV chunk's distortion: its level's, or its runs' weighted by their layers."""
+        if len(runs) < 2:
+            return per_level[level]   # type: ignore[index]
+        layers = self.manifest.layers
+        ends = [first for first, _ in runs[1:]] + [layers]
+        return sum((end - first) * per_level[run_level] for (first, run_level), end in zip(runs, ends)) / layers
 
     # ------------------------------------------------------------------ one fetch
     def run(self, policy: str | Policy, trace: Trace | None, *, slo: float, start: float = 0.0,
@@ -401,7 +420,7 @@ class Simulator:
             decode_prior: DecodeCost | None = None, link: Link | None = None,
             decode_time: DecodeTime | None = None, recompute_time: RecomputeTime | None = None,
             wakes: Sequence[float] | None = None, connects: Sequence[tuple[float, float, float]] | None = None,
-            record: bool = False) -> SimResult:
+            continuations: bool = True, record: bool = False) -> SimResult:
         """Simulate one fetch starting at trace time ``start``.
 
         ``schedule`` replays fixed choices instead of asking the policy (e.g. the
@@ -413,6 +432,8 @@ class Simulator:
         ``decode_time`` / ``recompute_time`` replace the decoder and recompute models;
         ``wakes`` the controller's timers by a recorded driver's wake-up times, and
         ``connects`` the reconnect model by its new connections (``fetch.replay``).
+        ``continuations``: the sender takes REQUESTs from a first layer (protocol version 2),
+        so the cancel rule may continue a chunk's remaining layers at a lower level.
         ``record`` keeps the controller's inputs and actions (``SimResult.actions`` are kept always).
         """
         if not slo > 0:
@@ -435,8 +456,8 @@ class Simulator:
             link = TraceLink(trace, start=start, owd=self.rtt / 2, layers=layers)
         receiver = _Receiver(self.manifest, decode_time or (lambda chunk, _l, _b: float(self.decode[chunk]) / layers),
                              recompute_time or (lambda _c, tokens: self.recompute * tokens))
-        run = _Run(self, controller, link, receiver, wakes, connects)
-        run.feed(ev.Started(self.rtt, self.reconnect_seconds, 0.0))
+        run = _Run(self, controller, link, receiver, wakes, connects, continuations)
+        run.feed(ev.Started(self.rtt, self.reconnect_seconds, 0.0, continuations=continuations))
         for _ in range(_MAX_STEPS_PER_CHUNK * len(self.sizes)):
             if not run.step():
                 break
@@ -460,37 +481,40 @@ class Simulator:
         finish = max(t.done for t in timings)
         text_tokens = float(sum(self.tokens[j] for j, c in enumerate(choices) if c == TEXT))
         memory = ctl.memory()
+        layer_levels = [() if choice == TEXT else tuple(chunk.runs) for chunk, choice in zip(ctl.chunks, choices)]
         return SimResult(choices=choices, chunks=timings, decisions=list(ctl.decisions), history=list(ctl.history),
                          finish=finish, recompute=self.recompute * text_tokens, slo=float(slo),
-                         cost=self.cost_of(choices), text_chunks=sum(c == TEXT for c in choices),
+                         cost=self.cost_of(choices, layer_levels), text_chunks=sum(c == TEXT for c in choices),
                          next_prior=memory.rate if memory else None,
                          next_errors=memory.errors if memory else (),
                          cancelled=tuple((s.chunk, s.abandoned, s.delivered_layers, s.to) for s in ctl.switches),
-                         actions=actions, failure=ctl.failure.message if ctl.failure else None)
+                         actions=actions, failure=ctl.failure.message if ctl.failure else None,
+                         layer_levels=layer_levels)
 
     def _bytes_of(self, chunk: int, choice: Choice) -> int:
         return self.text_bytes[chunk] if choice == TEXT else self.sizes[chunk][choice]
 
     # ------------------------------------------------------------------ oracle
-    def oracle(self, trace: Trace, *, slo: float, start: float = 0.0) -> OracleResult:
-        """The best schedule for this context on ``trace`` known in advance (``fetch.oracle``)."""
+    def oracle(self, trace: Trace, *, slo: float, start: float = 0.0, splits: bool = True) -> OracleResult:
+        """The best schedule for this context on ``trace`` known in advance (``fetch.oracle``;
+        ``splits``: chunks may be split between two levels by layer)."""
         key = id(trace)
         link = self._links.get(key)
         if link is None or len(self._links) > 256:
             if len(self._links) > 256:
                 self._links.clear()
             link = self._links[key] = VectorLink(trace)
-        return solve(self, link, slo=slo, start=start)
+        return solve(self, link, slo=slo, start=start, splits=splits)
 
 
 def oracle(manifest: Manifest, trace: Trace, *, slo: float, rtt: float, start: float = 0.0,
            recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN,
            decode_seconds: float | Sequence[float] = 0.0,
-           distortion: Sequence[float] | None = None) -> OracleResult:
+           distortion: Sequence[float] | None = None, splits: bool = True) -> OracleResult:
     """The minimum-objective schedule that meets ``slo`` on ``trace`` (known in advance)."""
     sim = Simulator(manifest, rtt=rtt, recompute_seconds_per_token=recompute_seconds_per_token,
                     decode_seconds=decode_seconds, distortion=distortion)
-    return sim.oracle(trace, slo=slo, start=start)
+    return sim.oracle(trace, slo=slo, start=start, splits=splits)
 
 
 __all__ = ["ChunkTiming", "Decision", "OracleResult", "SimResult", "Simulator", "Switch", "oracle"]

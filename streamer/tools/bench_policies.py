@@ -204,12 +204,23 @@ class Method:
     name: str
     policy: str            # a streamer.adapt policy name, or "oracle"
     sim: Simulator
+    #: the cancel rule may continue a chunk's remaining layers at a lower level (a policy)
+    continuations: bool = True
+    #: the oracle may split a chunk between two levels by layer
+    splits: bool = True
+
+
+#: Ablations: mpc with a capability off, and the oracle without the split that matches it,
+#: so the gain of each is measured, not argued.
+ABLATIONS = {"mpc-no-continuation": ("mpc", {"continuations": False}),
+             "oracle-no-split": ("oracle", {"splits": False})}
 
 
 def build_methods(tokens: int, chunk_tokens: int, rtt: float, figures: CodecFigures = CODEC_BENCH,
                   policies: Sequence[str] | None = None) -> list[Method]:
-    """greedy, mpc, fixed:N, text and the oracle over the kvwire ladder; raw fp16 and int8
-    streaming as single-level contexts fetched by the same session rules."""
+    """greedy, mpc, fixed:N, text and the oracle over the kvwire ladder, and the
+    :data:`ABLATIONS`; raw fp16 and int8 streaming as single-level contexts fetched by the
+    same session rules."""
     rate = recompute_seconds_per_token(tokens)
     ladder = llama_manifest(tokens, chunk_tokens, figures.level_bits)
     decode = [FP16_BYTES_PER_TOKEN * c.tokens / GPU_DECODE_BYTES_PER_S for c in ladder.chunks]
@@ -217,7 +228,7 @@ def build_methods(tokens: int, chunk_tokens: int, rtt: float, figures: CodecFigu
                    distortion=figures.level_distortion)
     names = list(policies) if policies else (
         ["greedy", "mpc"] + [f"fixed:{i}" for i in range(len(figures.level_bits))]
-        + ["text", "raw-fp16", "int8", "oracle"])
+        + ["text", "raw-fp16", "int8", "oracle", *ABLATIONS])
     out = []
     for name in names:
         if name == "raw-fp16":
@@ -229,6 +240,9 @@ def build_methods(tokens: int, chunk_tokens: int, rtt: float, figures: CodecFigu
                                "int8")
             out.append(Method(name, "fixed:0", Simulator(m, rtt=rtt, recompute_seconds_per_token=rate,
                                                           distortion=(figures.int8_distortion,))))
+        elif name in ABLATIONS:
+            policy, options = ABLATIONS[name]
+            out.append(Method(name, policy, kv, **options))
         else:
             out.append(Method(name, name, kv))
     return out
@@ -297,11 +311,11 @@ def starts_of(trace: Trace, spacing: float) -> np.ndarray:
 
 def _fetch(method: Method, trace_set: str, name: str, slo: float, start: float, choices: list,
            met: bool, cost: float, text_chunks: int, completion: float, first_token: float,
-           cancelled: Sequence[tuple] = ()) -> Fetch:
+           cancelled: Sequence[tuple] = (), layer_levels: Sequence[Sequence[tuple[int, int]]] | None = None) -> Fetch:
     sim = method.sim
     kv_tokens = int(sum(t for t, c in zip(sim.tokens, choices) if c != TEXT))
     return Fetch(method.name, name, slo, start, bool(met), float(cost), int(text_chunks), len(choices),
-                 float(completion), float(completion + first_token), sim.kv_distortion_of(choices),
+                 float(completion), float(completion + first_token), sim.kv_distortion_of(choices, layer_levels),
                  kv_tokens, trace_set, cancels=len(cancelled),
                  cancels_after_layers=sum(delivered > 0 for _, _, delivered, _ in cancelled),
                  cancels_to_level=sum(to != TEXT for *_, to in cancelled),
@@ -318,16 +332,17 @@ def sweep_trace(methods: Sequence[Method], name: str, trace: Trace, slos: Sequen
             prior, prior_errors = None, ()   # the session's per-sender memory across fetches
             for start in starts:
                 if method.policy == "oracle":
-                    o = method.sim.oracle(trace, slo=slo, start=float(start))
+                    o = method.sim.oracle(trace, slo=slo, start=float(start), splits=method.splits)
                     out.append(_fetch(method, trace_set, name, slo, float(start), o.choices, o.feasible,
-                                      o.cost, o.text_chunks, o.completion, first_token))
+                                      o.cost, o.text_chunks, o.completion, first_token,
+                                      layer_levels=o.layer_levels))
                     continue
                 r = method.sim.run(method.policy, trace, slo=slo, start=float(start), prior_bps=prior,
-                                   prior_errors=prior_errors)
+                                   prior_errors=prior_errors, continuations=method.continuations)
                 prior = r.next_prior or prior
                 prior_errors = r.next_errors or prior_errors
                 out.append(_fetch(method, trace_set, name, slo, float(start), r.choices, r.met, r.cost,
-                                  r.text_chunks, r.completion, first_token, r.cancelled))
+                                  r.text_chunks, r.completion, first_token, r.cancelled, r.layer_levels))
     return out
 
 
@@ -409,11 +424,12 @@ def _cancel_stats(fs: Sequence[Fetch]) -> dict:
             "cancels_to_level_share": sum(f.cancels_to_level for f in fs) / cancels if cancels else None}
 
 
-#: The issue's adaptation targets (per trace set and SLO).
-MAX_OBJECTIVE_RATIO = 1.5        # (a) mpc mean objective <= 1.5x the oracle's
-MAX_VIOLATION_RATE = 0.03        # (b) mpc violation rate <= 3% ...
+#: The adaptation targets (per trace set and SLO), against the oracle with every ability
+#: the policies have (the per-layer split included).
+MAX_OBJECTIVE_RATIO = 1.10       # (a) mpc mean objective <= 1.10x the oracle's
+MAX_VIOLATION_RATE = 0.01        # (b) mpc violation rate <= 1% ...
 GREEDY_VIOLATION_FLOOR = 0.02    # ... and <= half of greedy's wherever greedy's exceeds 2%
-MAX_TEXT_SHARE_GAP = 0.15        # (c) mpc text share within 15 points of the oracle's
+MAX_TEXT_SHARE_GAP = 0.05        # (c) mpc text share within 5 points of the oracle's
 
 
 def policy_targets(rows: Sequence[dict], slos: Sequence[float] | None = None) -> list[dict]:
@@ -824,7 +840,9 @@ def _compare(sim: Simulator, report, log, trace: Trace, policy: str, slo: float,
             "same_choice_share": same(predicted.choices), "distinct_choices": len(set(map(str, real_levels))),
             "real_met": real <= slo, "predicted_met": predicted.met,
             "recorded_decoder_levels": on_trace.choices, "recorded_decoder_same_share": same(on_trace.choices),
-            "recorded_decoder_error": (on_trace.finish - real) / real, "replay_same": replay_same}
+            "recorded_decoder_error": (on_trace.finish - real) / real, "replay_same": replay_same,
+            "continued_chunks": sum(len(c.layer_levels) > 1 for c in report.chunks),
+            "predicted_continued_chunks": sum(len(runs) > 1 for runs in predicted.layer_levels)}
 
 
 def validation_targets(rows: Sequence[dict]) -> list[dict]:
@@ -850,6 +868,13 @@ def validation_targets(rows: Sequence[dict]) -> list[dict]:
         out.append({"target": "every real fetch replays in the simulator to the same actions",
                     "measured": sum(v["replay_same"] for v in rows) / len(rows),
                     "met": all(v["replay_same"] for v in rows)})
+        continued = [v for v in rows if v["continued_chunks"]]
+        out.append({"target": "per-layer continuation is exercised live (a chunk continued at a lower level "
+                              "through the proxy) and those fetches replay to the same actions",
+                    "measured": {"fetches_with_continuations": len(continued),
+                                 "continued_chunks": sum(v["continued_chunks"] for v in continued),
+                                 "replayed_same": sum(v["replay_same"] for v in continued)},
+                    "met": bool(continued) and all(v["replay_same"] for v in continued)})
     return out
 
 

@@ -155,25 +155,35 @@ def render_policies(data: Mapping[str, Any]) -> list[str]:
              + f"; a fetch every {c['spacing']:g} s of trace: {c['fetches']} simulated fetches in "
              f"{c['sweep_seconds']:.0f} s. Bits/el from {c['codec_figures']['source']}.", "",
              "mpc (the default policy) against CacheGen's greedy rule and the oracle (the best schedule "
-             "knowing the future); objective: each chunk's level distortion target plus 1 per text "
-             "chunk, mean per fetch; x oracle: over the oracle's mean on the same fetches.", ""]
+             "knowing the future, a chunk split between two levels by layer included); objective: each "
+             "chunk's level distortion target (layer-weighted for a split or continued chunk) plus 1 per "
+             "text chunk, mean per fetch; x oracle: over the oracle's mean on the same fetches. "
+             "Ablations: mpc whose cancel rule cannot continue a chunk's remaining layers at a lower "
+             "level (only text can follow a delivered layer), and the oracle without the split.", ""]
     body = []
     for ts in sets:
         for slo in c["slos"]:
-            mpc, greedy, oracle = (by.get((ts, p, slo)) for p in ("mpc", "greedy", "oracle"))
+            mpc, greedy, oracle, no_continuation, no_split = (
+                by.get((ts, p, slo)) for p in ("mpc", "greedy", "oracle", "mpc-no-continuation", "oracle-no-split"))
             if mpc is None:
                 continue
 
             def get(row: Mapping[str, Any] | None, key: str) -> Any:
                 return None if row is None else row.get(key)
 
+            split_gain = (None if no_split is None or oracle is None or not oracle["mean_objective"]
+                          else no_split["mean_objective"] / oracle["mean_objective"])
+
             body.append([ts, f"{slo:g}", pct(get(mpc, "violation_rate")), pct(get(greedy, "violation_rate")),
                          pct(get(oracle, "violation_rate")), fmt(get(mpc, "objective_ratio"), ".3f") + "x",
-                         fmt(get(greedy, "objective_ratio"), ".3f") + "x", pct(get(mpc, "text_share")),
+                         fmt(get(greedy, "objective_ratio"), ".3f") + "x",
+                         fmt(get(no_continuation, "objective_ratio"), ".3f") + "x", fmt(split_gain, ".3f") + "x",
+                         pct(get(mpc, "text_share")),
                          pct(get(oracle, "text_share")), fmt(get(mpc, "level_switches_per_fetch"), ".2f"),
                          fmt(get(mpc, "ttft_p95"), ".3f")])
     lines += table(["trace set", "SLO s", "mpc violations", "greedy", "oracle", "mpc objective / oracle's",
-                    "greedy's / oracle's", "mpc text share", "oracle's", "mpc level switches",
+                    "greedy's / oracle's", "mpc without continuation / oracle's", "oracle without split / with",
+                    "mpc text share", "oracle's", "mpc level switches",
                     "mpc TTFT p95 s"], body)
     lines += ["", "<details><summary>Every policy</summary>", ""]
     full = [[r["trace_set"], r["policy"], f"{r['slo']:g}", pct(r["violation_rate"]),
