@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamer.adapt import overlap
@@ -15,6 +15,7 @@ from streamer.adapt.base import Observation, PlanInput
 from streamer.adapt.cancel import InFlight, reconsider
 from streamer.adapt.mpc import guarded
 from streamer.adapt.plan import DEFAULT_BINS
+from streamer.adapt.plan import solve as solve_series
 from streamer.adapt.policies import TEXT, greedy, mpc, mpc_plan
 
 MB = 1_000_000
@@ -30,21 +31,30 @@ def test_text_in_front_is_recomputed_while_the_rest_streams() -> None:
     assert overlap.finish([0.2], [0.0], busy=0.3) == pytest.approx(0.3)
 
 
+def _finish_of(link: np.ndarray, recompute: np.ndarray, columns, busy: float) -> float:
+    """:func:`overlap.finish` of the plan ``columns`` (the last column: text)."""
+    cols = np.array(columns)
+    return overlap.finish(link[np.arange(len(cols)), cols], np.where(cols == link.shape[1] - 1, recompute, 0.0),
+                          busy)
+
+
+def _schedules(link: np.ndarray, recompute: np.ndarray, costs: np.ndarray, busy: float):
+    """Every plan with its columns, its cost and its :func:`overlap.finish`."""
+    rows = np.arange(link.shape[0])
+    for columns in itertools.product(range(link.shape[1]), repeat=link.shape[0]):
+        yield columns, float(costs[rows, list(columns)].sum()), _finish_of(link, recompute, columns, busy)
+
+
 def _shapes(link: np.ndarray, recompute: np.ndarray, costs: np.ndarray, busy: float):
-    """Every plan with its cost and the time the planner's two shapes give it (inf for a
-    plan of neither shape): series, or a text prefix then levels only."""
+    """Every plan with its cost and the time the series and text-prefix shapes give it
+    (inf for a plan of neither shape)."""
     chunks, options = link.shape
-    text = options - 1
     rows = np.arange(chunks)
-    for columns in itertools.product(range(options), repeat=chunks):
-        cols = np.array(columns)
-        is_text = cols == text
-        cost = costs[rows, cols].sum()
-        series = busy + link[rows, cols].sum() + recompute[is_text].sum()
+    for columns, cost, seconds in _schedules(link, recompute, costs, busy):
+        is_text = np.array(columns) == options - 1
+        series = busy + link[rows, list(columns)].sum() + recompute[is_text].sum()
         q = int(np.argmin(is_text)) if not is_text.all() else chunks
-        prefix = (overlap.finish(link[rows, cols], np.where(is_text, recompute, 0.0), busy)
-                  if not is_text[q:].any() else np.inf)
-        yield columns, cost, min(series, prefix)
+        yield columns, cost, min(series, np.inf if is_text[q:].any() else seconds)
 
 
 problems = st.integers(1, 4).flatmap(lambda n: st.integers(1, 3).flatmap(lambda m: st.tuples(
@@ -75,6 +85,98 @@ def test_solve_is_feasible_and_no_worse_than_any_plan_of_its_shapes(problem, bud
         assert not np.isfinite(first).any()
 
 
+small = st.integers(3, 5).flatmap(lambda n: st.integers(2, 4).flatmap(lambda m: st.tuples(
+    st.lists(st.lists(st.floats(0.0, 1.0), min_size=m, max_size=m), min_size=n, max_size=n),
+    st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n),
+    st.lists(st.lists(st.floats(0.0, 1.0), min_size=m, max_size=m), min_size=n, max_size=n))))
+
+
+@settings(deadline=None)
+@given(small, st.floats(0.05, 4.0), st.floats(0.0, 1.0), st.sampled_from([16, 64, DEFAULT_BINS]))
+def test_plans_match_a_brute_force_over_every_schedule(problem, budget, busy, bins) -> None:
+    """Against every schedule timed by ``finish``, text anywhere: a plan called feasible
+    finishes within the budget (never optimistic), and whenever some schedule finishes
+    within ``budget - (chunks + 1) * budget / bins`` (each term of ``D`` gathers at most
+    ``chunks + 1`` roundings up to a bin) the plan is feasible and costs no more than it;
+    the same for the cheapest plan starting with each option of chunk 0. Nor is the plan
+    costlier than the series knapsack alone."""
+    link, recompute, costs = (np.asarray(x, dtype=np.float64) for x in problem)
+    chunks, options = link.shape
+    inside = budget - (chunks + 1) * budget / bins
+    schedules = list(_schedules(link, recompute, costs, busy))
+    plan = overlap.solve(link, recompute, costs, budget, busy, bins)
+    first = overlap.first_option_costs(link, recompute, costs, budget, busy, bins)
+    if plan.feasible:
+        assert _finish_of(link, recompute, plan.columns, busy) <= budget * (1 + 1e-9)
+    fitting = [cost for _, cost, seconds in schedules if seconds <= inside]
+    if fitting:
+        assert plan.feasible and plan.cost <= min(fitting) + 1e-9
+    for j in range(options):
+        within = [cost for cols, cost, seconds in schedules if cols[0] == j and seconds <= budget * (1 + 1e-9)]
+        if np.isfinite(first[j]):
+            assert within and first[j] >= min(within) - 1e-9
+        fitting = [cost for cols, cost, seconds in schedules if cols[0] == j and seconds <= inside]
+        if fitting:
+            assert first[j] <= min(fitting) + 1e-9
+    serial = link.copy()
+    serial[:, -1] += recompute
+    series = solve_series(serial, costs, budget - busy, bins) if budget > busy else None
+    if series is not None and series.feasible:
+        assert plan.feasible and plan.cost <= series.cost + 1e-12
+
+
+larger = st.integers(2, 12).flatmap(lambda n: st.integers(2, 6).flatmap(lambda m: st.tuples(
+    st.lists(st.lists(st.floats(0.0, 0.5), min_size=m, max_size=m), min_size=n, max_size=n),
+    st.lists(st.floats(0.0, 0.5), min_size=n, max_size=n),
+    st.lists(st.lists(st.floats(0.0, 1.0), min_size=m, max_size=m), min_size=n, max_size=n))))
+
+
+@settings(deadline=None)
+@given(larger, st.floats(0.05, 3.0), st.floats(0.0, 1.0), st.sampled_from([32, DEFAULT_BINS]))
+def test_each_first_option_costs_what_the_plan_held_to_it_costs(problem, budget, busy, bins) -> None:
+    """Too many schedules to enumerate: chunk 0 held to each option in turn (the others
+    made to never fit), the plan is never optimistic and costs what
+    ``first_option_costs`` says for that option, and the cheapest of those is the plan."""
+    link, recompute, costs = (np.asarray(x, dtype=np.float64) for x in problem)
+    first = overlap.first_option_costs(link, recompute, costs, budget, busy, bins)
+    plan = overlap.solve(link, recompute, costs, budget, busy, bins)
+    assert plan.feasible == np.isfinite(first).any()
+    if plan.feasible:
+        assert first.min() == pytest.approx(plan.cost)
+        assert _finish_of(link, recompute, plan.columns, busy) <= budget * (1 + 1e-9)
+    for j in range(link.shape[1]):
+        held = link.copy()
+        held[0, np.arange(link.shape[1]) != j] = np.inf
+        alone = overlap.solve(held, recompute, costs, budget, busy, bins)
+        assert alone.feasible == np.isfinite(first[j])
+        if alone.feasible:
+            assert alone.columns[0] == j and alone.cost == pytest.approx(first[j])
+            assert _finish_of(link, recompute, alone.columns, busy) <= budget * (1 + 1e-9)
+
+
+def test_text_between_kv_chunks_recomputes_while_the_rest_streams() -> None:
+    """Four chunks of 0.3 s of KV (or 0.22 s at a worse level), 0.95 s: only chunk 2 is
+    quick to recompute (0.3 s). Sent as text after two KV chunks, its recompute runs
+    while chunk 3 streams: done at 0.901 s. In series (1.201 s) that misses, so the
+    series shape takes the worse level everywhere (4 x 0.4); the text-prefix shape cannot
+    reach chunk 2 (chunks 0 and 1 recompute slowly)."""
+    link = np.array([[0.3, 0.22, 0.001]] * 4)
+    recompute = np.array([2.0, 2.0, 0.3, 2.0])
+    costs = np.array([0.0, 0.4, 1.0])
+    plan = overlap.solve(link, recompute, costs, 0.95)
+    assert plan.feasible and plan.columns == (0, 0, 2, 0)
+    assert plan.cost == pytest.approx(1.0) and plan.seconds == pytest.approx(0.901)
+    serial = link.copy()
+    serial[:, -1] += recompute
+    series = solve_series(serial, np.tile(costs, (4, 1)), 0.95)
+    assert series.feasible and series.columns == (1, 1, 1, 1) and series.cost == pytest.approx(1.6)
+    assert overlap.first_option_costs(link, recompute, costs, 0.95) == pytest.approx([1.0, 1.4, np.inf])
+    # with the worse level gone, nothing but the mix fits at all
+    plan = overlap.solve(link[:, [0, 2]], recompute, costs[[0, 2]], 0.95)
+    assert plan.feasible and plan.columns == (0, 0, 1, 0)
+    assert not solve_series(serial[:, [0, 2]], np.tile(costs[[0, 2]], (4, 1)), 0.95).feasible
+
+
 def test_no_budget_no_plan() -> None:
     """A budget of zero (the deadline is here) fits nothing, not even instant options:
     the fastest plan comes back, marked infeasible (``decide`` sends text before asking)."""
@@ -97,14 +199,16 @@ def _four_chunks(**kw) -> PlanInput:
     return PlanInput(**{**args, **kw})
 
 
-def test_mpc_recomputes_the_first_chunk_while_the_rest_streams() -> None:
-    """In series nothing fits (three chunks and one text: 0.9 + 0.3 s); with the first
-    chunk recomputed while the other three stream, 0.9 s does."""
+def test_mpc_sends_text_as_late_as_its_recompute_still_hides() -> None:
+    """In series nothing fits (three chunks and one text: 0.9 + 0.3 s); with one chunk
+    recomputed while the chunks after it stream, 0.9 s does. Chunk 2 is the latest whose
+    recompute still hides behind a transfer (chunk 3's), so the plan puts text there
+    (text as late as it can go) and chunk 0 goes as KV."""
     inp = _four_chunks()
     plan = mpc_plan(inp)
-    assert plan.feasible and plan.columns == (1, 0, 0, 0)     # column 1: text
+    assert plan.feasible and plan.columns == (0, 0, 1, 0)     # column 1: text
     assert plan.seconds == pytest.approx(0.9 + 4_000 / (10 * MB))
-    assert mpc(inp) == TEXT
+    assert mpc(inp) == 0
 
 
 def test_recompute_owed_overlaps_the_next_transfers() -> None:
