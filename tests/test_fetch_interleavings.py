@@ -204,8 +204,9 @@ class ScriptedSender:
             self._send(p.Text(chunk=request.chunk, data=self.stored["texts"][request.chunk]))
             return True
         blob = self.stored["blobs"][request.chunk, request.level]
-        parts = [bytes(part) for part in blob_parts(blob, 1 << 20)]
-        self._send(p.ChunkBegin(chunk=request.chunk, level=request.level, total_bytes=len(blob), parts=len(parts)))
+        parts = [bytes(part) for part in blob_parts(blob, 1 << 20, request.first_layer)]
+        self._send(p.ChunkBegin(chunk=request.chunk, level=request.level, total_bytes=sum(map(len, parts)),
+                                parts=len(parts), first_layer=request.first_layer))
         for index, part in enumerate(parts):
             await self._pause()
             if self._head_cancelled():
@@ -289,16 +290,19 @@ class Consumer:
 
 def _check(consumer: Consumer, report, stored: dict, complete: bool) -> None:
     reference, manifest = stored["reference"], stored["manifest"]
+    by_index = {c.index: c for c in report.chunks}
     for chunk, delivered in consumer.layers.items():
         assert [layer for layer, *_ in delivered] == list(range(len(delivered)))
-        levels = {level for _, level, _, _ in delivered}
-        assert len(levels) == 1 and TEXT not in levels, f"chunk {chunk} delivered at levels {levels}"
+        levels = [level for _, level, _, _ in delivered]
+        assert TEXT not in levels, f"chunk {chunk} delivered at levels {levels}"
         for layer, level, k, v in delivered:
             assert torch.equal(k, reference[chunk, level][layer, 0]) and torch.equal(v, reference[chunk, level][layer, 1])
+        if len(delivered) == LAYERS and chunk not in consumer.texts:   # the report's runs are what came
+            runs = [(layer, level) for layer, level, _, _ in delivered if layer == 0 or level != levels[layer - 1]]
+            assert by_index[chunk].layer_levels == runs
     for chunk, ids in consumer.texts.items():
         info = manifest.chunks[chunk]
         assert ids == stored["ids"][info.start:info.end]
-    by_index = {c.index: c for c in report.chunks}
     for chunk, ids in consumer.texts.items():
         assert by_index[chunk].level == TEXT
         assert by_index[chunk].superseded_layers == len(consumer.layers.get(chunk, []))
@@ -380,6 +384,7 @@ def test_any_interleaving_keeps_the_delivery_contract(stored, script: Script) ->
         session, consumer, report, failure = asyncio.run(_fetch(stored, script))
     event(f"faults hit: {script.cut} cut, {script.corrupted} corrupt; {report.cancels} cancels, "
           f"{report.reconnects} reconnects; {'failed' if failure else 'completed'}")
+    event(f"chunks continued at another level: {sum(len(c.layer_levels) > 1 for c in report.chunks)}")
     assert report.bytes == arrived_bytes(session.log)
     within_budget = script.cut <= MAX_RECONNECTS and script.corrupted <= MAX_CORRUPT_RETRIES
     if failure is None:

@@ -26,7 +26,8 @@ first choice is used. A plan at one rate fills the budget exactly, so:
   first at the same cost, so the previous chunk's level is kept while its expected cost
   is within ``HOLD_SHARE`` of the distortion step (:func:`held`).
 * **A first step that leans worse.** With no previous level, the next worse one is held
-  so: a plan with no prediction errors to weigh yet is the fetch's least cautious.
+  so: a plan with no prediction errors to weigh yet is the fetch's least cautious (not
+  for a last chunk: no later plan is left to use the slack).
 * **Probe.** Where the plan says text and the cancel rule is on, the smallest level is
   tried first, as a winnable bet (:func:`probe`) or for free while earlier text is still
   being recomputed (:func:`free_probe`); the rule gives it up if the link stays slow.
@@ -229,7 +230,7 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
         return held(inp, best, choice)
     tried = probe(inp, estimate, ok, costs, window, bins)
     if tried is None:
-        tried = free_probe(inp, estimate, costs, bins)
+        tried = free_probe(inp, estimate, bins)
     return choice if tried is None else tried
 
 
@@ -243,15 +244,15 @@ def held(inp: PlanInput, totals: np.ndarray, choice: int) -> int:
     previous = inp.previous_level
     if previous is None:
         previous = choice + 1
-        if previous == inp.levels:
-            return choice
+        if previous == inp.levels or len(inp.sizes) == 1:
+            return choice   # the last chunk leaves no later plan the slack would serve
     if previous == choice or not np.isfinite(totals[previous]):
         return choice
     step = abs(inp.distortion[previous] - inp.distortion[choice])
     return previous if totals[previous] - totals[choice] <= HOLD_SHARE * step else choice
 
 
-def free_probe(inp: PlanInput, estimate: float, costs: np.ndarray, bins: int = DEFAULT_BINS) -> Choice | None:
+def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS) -> Choice | None:
     """The smallest level of chunk 0 where the plan says text, as a try that costs
     nothing, or None.
 
@@ -272,7 +273,9 @@ def free_probe(inp: PlanInput, estimate: float, costs: np.ndarray, bins: int = D
     if inp.recompute_busy < give_up_seconds(estimate, inp.abandon.rtt, inp.abandon.reconnect_seconds):
         return None
     link = link_seconds(inp, estimate)
-    now = overlap.first_option_costs(link, inp.text_seconds, costs, inp.time_left, inp.recompute_busy, bins)
+    # the objective alone: the tie-breaks would price moving the text behind the held link
+    objective = np.tile(option_costs(inp), (len(inp.sizes), 1))
+    now = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins)
     link[0, -1] = max(link[0, -1], inp.recompute_busy)
-    later = overlap.first_option_costs(link, inp.text_seconds, costs, inp.time_left, inp.recompute_busy, bins)
+    later = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins)
     return probe_level(inp) if later[-1] <= now[-1] + 1e-12 else None
