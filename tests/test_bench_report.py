@@ -52,7 +52,8 @@ POLICIES = {
                "sweep_seconds": 3.0, "codec_figures": {"source": "codec_bench_minilm.json"}},
     "results": [_policy_row("default", p, slo, v, r) for slo in (0.5, 1.0)
                 for p, v, r in (("mpc", 0.014, 1.091), ("greedy", 0.032, 1.5), ("oracle", 0.006, 1.0),
-                                ("mpc-no-continuation", 0.02, 1.2), ("oracle-no-split", 0.006, 1.04))],
+                                ("mpc-no-continuation", 0.02, 1.2), ("mpc-any-mix", 0.03, 1.3),
+                                ("oracle-no-split", 0.006, 1.04))],
     "targets": [{"target": "default SLO 0.5 s: (a) mpc mean objective <= 1.1x the oracle's",
                  "measured": {"mpc": 0.1, "oracle": 0.08, "ratio": 1.091}, "met": True}],
 }
@@ -145,7 +146,7 @@ def test_every_section_renders_from_its_json() -> None:
     assert "cachegen |" not in codec          # its curve is folded into x CacheGen-style
     assert "1 of 2 met" in codec and "**MISSED**: coder overhead" in codec
     policies = _section(text, "Adaptation")
-    assert "| default | 0.5 | 1.4% | 3.2% | 0.6% | 1.091x | 1.500x | 1.200x | 1.000x | 25.0% | 25.0% | 1.10 | 0.900 |" in policies
+    assert "| default | 0.5 | 1.4% | 3.2% | 0.6% | 1.091x | 1.500x | 1.200x | 1.300x | 3.0% | 1.000x | 25.0% | 25.0% | 1.10 | 0.900 |" in policies
     assert "40 simulated fetches" in policies
     stream = _section(text, "Streaming")
     assert "| 100 Mbit/s | 4.0 | 0.330 | 101 |" in stream and "64 completed" in stream

@@ -199,16 +199,21 @@ def _four_chunks(**kw) -> PlanInput:
     return PlanInput(**{**args, **kw})
 
 
-def test_mpc_sends_text_as_late_as_its_recompute_still_hides() -> None:
+def test_mpc_recomputes_a_chunk_while_the_rest_streams() -> None:
     """In series nothing fits (three chunks and one text: 0.9 + 0.3 s); with one chunk
-    recomputed while the chunks after it stream, 0.9 s does. Chunk 2 is the latest whose
-    recompute still hides behind a transfer (chunk 3's), so the plan puts text there
-    (text as late as it can go) and chunk 0 goes as KV."""
+    recomputed while the chunks after it stream, 0.9 s does. mpc's plan (series and text
+    prefix shapes) recomputes the first chunk while the other three stream; with the
+    any-mix shape, chunk 2 is the latest whose recompute still hides behind a transfer
+    (chunk 3's), so that plan puts text there (text as late as it can go) and chunk 0 goes
+    as KV."""
     inp = _four_chunks()
     plan = mpc_plan(inp)
-    assert plan.feasible and plan.columns == (0, 0, 1, 0)     # column 1: text
-    assert plan.seconds == pytest.approx(0.9 + 4_000 / (10 * MB))
-    assert mpc(inp) == 0
+    assert plan.feasible and plan.columns == (1, 0, 0, 0)     # column 1: text
+    assert mpc(inp) == TEXT
+    mixed = mpc_plan(inp, any_mix=True)
+    assert mixed.feasible and mixed.columns == (0, 0, 1, 0)
+    assert mixed.seconds == pytest.approx(0.9 + 4_000 / (10 * MB))
+    assert mpc(inp, any_mix=True) == 0
 
 
 def test_recompute_owed_overlaps_the_next_transfers() -> None:

@@ -3,8 +3,9 @@ the rates this peer has shown, its first step guarded against the worst recent r
 
 Unlike robustMPC (Yin et al., SIGCOMM'15), which plans a few chunks ahead with guessed
 sizes, every chunk's size at every level is known here, so the plan covers the whole rest
-of the fetch exactly (:func:`streamer.adapt.overlap.solve`: a knapsack over the deadline,
-text recomputed while later chunks stream); only the throughput is predicted
+of the fetch (:func:`streamer.adapt.overlap.solve`: a knapsack over the deadline, text
+recomputed while later chunks stream, exactly for a text prefix and in series for text
+between KV chunks unless ``ANY_MIX``); only the throughput is predicted
 (:mod:`streamer.adapt.estimator`). The plan is redone before every chunk and only its
 first choice is used. A plan at one rate fills the budget exactly, so:
 
@@ -49,6 +50,13 @@ from streamer.adapt.cancel import abandon_seconds, give_up_seconds
 from streamer.adapt.estimator import (DEFAULT_WINDOW, guard_estimate, rate_scenarios, robust_estimate,
                                       throughputs)
 from streamer.adapt.plan import DEFAULT_BINS, Plan, fastest
+
+#: Whether plans may time text between KV chunks as it overlaps (``overlap``'s any-mix
+#: shape). Off: such schedules are timed in series, a bound that leaves slack. Exact
+#: timing let mpc plan KV ahead of text it later had to cancel for: ``kvwire bench
+#: policies`` measured more text and more misses at tight deadlines with it on (its
+#: ``mpc-any-mix`` row), so it is off until the plan weighs that risk.
+ANY_MIX = False
 
 #: Share of the time left a plan keeps unused (see "Margin" above): more costs a level
 #: step more often, less lets a small late shortfall turn a chunk into text.
@@ -98,7 +106,7 @@ def with_margin(inp: PlanInput) -> PlanInput:
 
 
 def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,
-             bins: int = DEFAULT_BINS) -> Plan | None:
+             bins: int = DEFAULT_BINS, any_mix: bool = ANY_MIX) -> Plan | None:
     """The plan at the calibrated estimate, or None with no throughput information.
 
     Exposed so a caller can log the predicted finish time or compare plans; its first
@@ -109,11 +117,11 @@ def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,
     if estimate is None:
         return None
     return overlap.solve(link_seconds(inp, estimate), inp.text_seconds, plan_costs(inp), inp.time_left,
-                         inp.recompute_busy, bins)
+                         inp.recompute_busy, bins, any_mix)
 
 
 def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WINDOW,
-                   bins: int = DEFAULT_BINS) -> np.ndarray:
+                   bins: int = DEFAULT_BINS, any_mix: bool = ANY_MIX) -> np.ndarray:
     """For each option of chunk 0, the mean over the rate scenarios
     (``estimator.rate_scenarios``, and the fade below the slowest of them, weighted
     ``FADE_WEIGHT``) of the cheapest plan starting with it; inf for an option that fits
@@ -140,7 +148,7 @@ def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WIND
     fits = np.zeros(inp.levels + 1, dtype=bool)
     for rate, weight in zip(rates, weights):
         first = overlap.first_option_costs(link_seconds(inp, float(rate)), inp.text_seconds, costs,
-                                           inp.time_left, inp.recompute_busy, bins)
+                                           inp.time_left, inp.recompute_busy, bins, any_mix)
         finite = np.isfinite(first)
         fits |= finite
         if not finite.all():   # only then is the way out asked about (a decision's hot path)
@@ -179,7 +187,7 @@ def guarded(inp: PlanInput, window: int = DEFAULT_WINDOW) -> np.ndarray:
 
 
 def probe(inp: PlanInput, estimate: float, safe: np.ndarray, costs: np.ndarray,
-          window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice | None:
+          window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS, any_mix: bool = ANY_MIX) -> Choice | None:
     """The smallest level of chunk 0, worth trying where the plan at ``estimate`` says
     text, or None; ``safe`` is :func:`guarded`'s answer for chunk 0's options.
 
@@ -205,13 +213,13 @@ def probe(inp: PlanInput, estimate: float, safe: np.ndarray, costs: np.ndarray,
         if not hopeful > estimate:
             return None
         first = overlap.first_option_costs(link_seconds(inp, hopeful), inp.text_seconds, costs,
-                                           inp.time_left, inp.recompute_busy, bins)
+                                           inp.time_left, inp.recompute_busy, bins, any_mix)
         if not np.isfinite(first[column]):
             return None   # the bet cannot win: even at the hopeful rate it misses
     return column if safe[column] else None
 
 
-def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) -> Choice:
+def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS, any_mix: bool = ANY_MIX) -> Choice:
     """See the module docstring; the smallest level as a probe when nothing is known about
     the link (see :func:`streamer.adapt.base.probe_level`)."""
     estimate = robust_estimate(inp.history, window, inp.prior_bps, inp.prior_errors)
@@ -219,7 +227,7 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
         return probe_level(inp)
     inp = with_margin(inp)
     costs = plan_costs(inp)
-    totals = expected_costs(inp, costs, window, bins)
+    totals = expected_costs(inp, costs, window, bins, any_mix)
     if not np.isfinite(totals).any():   # nothing fits: miss by as little as possible
         return choice_of(fastest(option_seconds(inp, estimate), costs).columns[0], inp.levels)
     ok = guarded(inp, window)
@@ -228,9 +236,9 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS) 
     choice = choice_of(int(np.argmin(best)), inp.levels)
     if choice != TEXT:
         return held(inp, best, choice)
-    tried = probe(inp, estimate, ok, costs, window, bins)
+    tried = probe(inp, estimate, ok, costs, window, bins, any_mix)
     if tried is None:
-        tried = free_probe(inp, estimate, bins)
+        tried = free_probe(inp, estimate, bins, any_mix)
     return choice if tried is None else tried
 
 
@@ -252,7 +260,7 @@ def held(inp: PlanInput, totals: np.ndarray, choice: int) -> int:
     return previous if totals[previous] - totals[choice] <= HOLD_SHARE * step else choice
 
 
-def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS) -> Choice | None:
+def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS, any_mix: bool = ANY_MIX) -> Choice | None:
     """The smallest level of chunk 0 where the plan says text, as a try that costs
     nothing, or None.
 
@@ -275,7 +283,9 @@ def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS) -> Cho
     link = link_seconds(inp, estimate)
     # the objective alone: the tie-breaks would price moving the text behind the held link
     objective = np.tile(option_costs(inp), (len(inp.sizes), 1))
-    now = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins)
+    now = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins,
+                                     any_mix)
     link[0, -1] = max(link[0, -1], inp.recompute_busy)
-    later = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins)
+    later = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins,
+                                       any_mix)
     return probe_level(inp) if later[-1] <= now[-1] + 1e-12 else None

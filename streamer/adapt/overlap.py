@@ -45,7 +45,8 @@ The plan (:func:`solve`) is the cheapest of three shapes (ties to the first list
   plan needs otherwise. Within its rounding this shape is exact for every order of
   levels and text. The other two stay because they round differently (series over the
   budget less ``busy``, the prefix's recompute unrounded), so either may fit a plan the
-  mix's rounding just misses, and they bound what the mix must undercut.
+  mix's rounding just misses, and they bound what the mix must undercut. A caller may
+  leave this shape out (``any_mix=False``): mpc does by default (``adapt.mpc.ANY_MIX``).
 
 Rounding: link seconds, recompute seconds and ``busy`` are each rounded *up* to whole
 bins of ``budget / bins``, so a plan called feasible is feasible under the model (the
@@ -339,14 +340,15 @@ def _walk_mix(tab: _Tables, mix: _Mix, row: int) -> np.ndarray:
 
 
 def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float, busy: float = 0.0,
-          bins: int = DEFAULT_BINS) -> Plan:
+          bins: int = DEFAULT_BINS, any_mix: bool = True) -> Plan:
     """Minimum-cost plan finishing within ``budget`` under the overlap model, else the fastest.
 
     ``link`` [chunks, options] is each option's link seconds (the last column: text,
     its token ids only), ``recompute`` [chunks] each chunk's recompute seconds as text,
     ``busy`` the recompute still owed for earlier chunks. ``Plan.seconds`` is the
     plan's :func:`finish`. Ties go to the series shape (text as late as the costs put
-    it), then the text prefix. A budget of zero or less fits nothing.
+    it), then the text prefix. A budget of zero or less fits nothing. ``any_mix=False``
+    leaves the any-mix shape out (text between KV chunks is then timed in series).
     """
     tab = _tables(link, recompute, costs, budget, busy, bins)
     t, c, r = tab.t, tab.c, tab.r
@@ -355,7 +357,7 @@ def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float
     q = int(np.argmin(tab.prefix))
     incumbent = min(series.cost if series is not None and series.feasible else np.inf, tab.prefix[q])
     mix, mixed, row = None, np.inf, 0
-    if tab.levels is not None:
+    if any_mix and tab.levels is not None:
         rho, spans = _layers(tab, 0, np.array([incumbent]))
         if len(rho) > 1:
             mix = _mix(tab, rho, spans, 0, keep=True)
@@ -378,9 +380,10 @@ def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float
 
 
 def first_option_costs(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float,
-                       busy: float = 0.0, bins: int = DEFAULT_BINS) -> np.ndarray:
-    """For each option of chunk 0, the least total cost of a plan (of any shape) that
-    starts with it and finishes within ``budget`` (inf where none does)."""
+                       busy: float = 0.0, bins: int = DEFAULT_BINS, any_mix: bool = True) -> np.ndarray:
+    """For each option of chunk 0, the least total cost of a plan (of any shape, or of the
+    series and text-prefix shapes with ``any_mix=False``) that starts with it and
+    finishes within ``budget`` (inf where none does)."""
     tab = _tables(link, recompute, costs, budget, busy, bins)
     t, c, r = tab.t, tab.c, tab.r
     out = np.full(t.shape[1], np.inf)
@@ -393,6 +396,8 @@ def first_option_costs(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, 
     if busy <= budget:
         out = np.minimum(out, tab.barred[0] + tab.levels[1, tab.need[0]])
     out[-1] = min(out[-1], tab.prefix[1:].min())
+    if not any_mix:
+        return out
     rho, spans = _layers(tab, 1, out)
     if len(rho) > 1:
         ahead = _mix(tab, rho, spans, 1, keep=False).top

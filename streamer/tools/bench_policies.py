@@ -69,6 +69,8 @@ import numpy as np
 from netsim.trace import Trace
 
 from streamer.wire.manifest import ChunkInfo, Manifest
+from streamer.adapt.base import Choice, PlanInput
+from streamer.adapt.mpc import mpc
 from streamer.adapt.policies import TEXT
 from streamer.fetch.oracle import TEXT_PENALTY
 from streamer.fetch.simulate import Simulator
@@ -208,12 +210,20 @@ class Method:
     continuations: bool = True
     #: the oracle may split a chunk between two levels by layer
     splits: bool = True
+    #: mpc plans with the any-mix shape (``adapt.mpc.ANY_MIX``, off by default)
+    any_mix: bool = False
 
 
-#: Ablations: mpc with a capability off, and the oracle without the split that matches it,
-#: so the gain of each is measured, not argued.
+#: Ablations: mpc with a capability off (or, for the any-mix plan, on), and the oracle
+#: without the split that matches continuations, so the gain of each is measured.
 ABLATIONS = {"mpc-no-continuation": ("mpc", {"continuations": False}),
+             "mpc-any-mix": ("mpc", {"any_mix": True}),
              "oracle-no-split": ("oracle", {"splits": False})}
+
+
+def mpc_any_mix(inp: PlanInput) -> Choice:
+    """mpc planning with the any-mix shape (the ``mpc-any-mix`` ablation)."""
+    return mpc(inp, any_mix=True)
 
 
 def build_methods(tokens: int, chunk_tokens: int, rtt: float, figures: CodecFigures = CODEC_BENCH,
@@ -337,8 +347,9 @@ def sweep_trace(methods: Sequence[Method], name: str, trace: Trace, slos: Sequen
                                       o.cost, o.text_chunks, o.completion, first_token,
                                       layer_levels=o.layer_levels))
                     continue
-                r = method.sim.run(method.policy, trace, slo=slo, start=float(start), prior_bps=prior,
-                                   prior_errors=prior_errors, continuations=method.continuations)
+                policy, cancels = (mpc_any_mix, True) if method.any_mix else (method.policy, None)
+                r = method.sim.run(policy, trace, slo=slo, start=float(start), prior_bps=prior,
+                                   prior_errors=prior_errors, continuations=method.continuations, cancel=cancels)
                 prior = r.next_prior or prior
                 prior_errors = r.next_errors or prior_errors
                 out.append(_fetch(method, trace_set, name, slo, float(start), r.choices, r.met, r.cost,
