@@ -67,7 +67,7 @@ async def _recorded_fetch(root: str, trace: Trace, slo: float):
     finally:
         await sender.close()
         await store.close()
-    return report, session.log
+    return report, session.log, session.beliefs
 
 
 @pytest.mark.parametrize("trace, slo", [
@@ -75,11 +75,11 @@ async def _recorded_fetch(root: str, trace: Trace, slo: float):
     (Trace([0.0, 0.25], [40.0, 2.0]), 1.0),             # a drop: chunks given up for text
 ], ids=["fade", "drop"])
 async def test_a_recorded_fetch_replays_to_the_same_actions(context, trace: Trace, slo: float) -> None:
-    report, log = await _recorded_fetch(context["root"], trace, slo)
+    report, log, beliefs = await _recorded_fetch(context["root"], trace, slo)
     world = recording(log)
     sim = Simulator(context["manifest"], rtt=world.rtt, reconnect_seconds=world.connect_seconds,
                     recompute_seconds_per_token=RECOMPUTE)
-    replayed = sim.run("mpc", None, slo=slo, prior_bps=PRIOR, link=world.link(), decode_time=world.decode_time,
+    replayed = sim.run("mpc", None, slo=slo, beliefs=beliefs, link=world.link(), decode_time=world.decode_time,
                        recompute_time=world.recompute_time, wakes=world.wakes, connects=world.connects,
                        continuations=world.continuations)
     assert replayed.actions == world.actions

@@ -420,7 +420,7 @@ class Simulator:
             decode_prior: DecodeCost | None = None, link: Link | None = None,
             decode_time: DecodeTime | None = None, recompute_time: RecomputeTime | None = None,
             wakes: Sequence[float] | None = None, connects: Sequence[tuple[float, float, float]] | None = None,
-            continuations: bool = True, record: bool = False) -> SimResult:
+            continuations: bool = True, beliefs: Beliefs | None = None, record: bool = False) -> SimResult:
         """Simulate one fetch starting at trace time ``start``.
 
         ``schedule`` replays fixed choices instead of asking the policy (e.g. the
@@ -434,6 +434,8 @@ class Simulator:
         ``connects`` the reconnect model by its new connections (``fetch.replay``).
         ``continuations``: the sender takes REQUESTs from a first layer (protocol version 2),
         so the cancel rule may continue a chunk's remaining layers at a lower level.
+        ``beliefs`` replaces what the fetch starts from (``prior_bps``, ``prior_errors`` and
+        ``decode_prior`` then unused): a recorded session's ``StreamSession.beliefs``.
         ``record`` keeps the controller's inputs and actions (``SimResult.actions`` are kept always).
         """
         if not slo > 0:
@@ -449,7 +451,8 @@ class Simulator:
                                  max_reconnects=self.max_reconnects)
         controller = FetchController(self.manifest, settings, context_id=self.manifest.context_id, policy=fn,
                                      record=record,
-                                     beliefs=Beliefs(prior_bps, tuple(prior_errors), decode_prior=decode_prior))
+                                     beliefs=beliefs or Beliefs(prior_bps, tuple(prior_errors),
+                                                                decode_prior=decode_prior))
         if link is None:
             if trace is None:
                 raise ValueError("run() needs a trace or a link")

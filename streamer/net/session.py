@@ -132,8 +132,10 @@ class StreamSession:
         self._executor = decode_executor()
         self._fetch: FetchDriver | None = None
         #: with ``SessionConfig.record``: the last fetch's controller inputs and actions, in
-        #: order (``streamer.fetch.events``), replayable in the simulator
+        #: order (``streamer.fetch.events``), replayable in the simulator with what it started
+        #: from (``beliefs``: the prior, the profile download's sample, the decoder's cost)
         self.log: list | None = None
+        self.beliefs: Beliefs | None = None
 
     @property
     def slo(self) -> float:
@@ -288,8 +290,9 @@ class StreamSession:
         """Fetch every chunk; returns when the last layer or text chunk was delivered."""
         if self.manifest is None or self._client is None:
             raise RuntimeError("use `async with StreamSession(...)` before fetch()")
+        self.beliefs = self._beliefs()
         controller = FetchController(self.manifest, self._settings(), context_id=self.context_id,
-                                     beliefs=self._beliefs(), record=self.config.record)
+                                     beliefs=self.beliefs, record=self.config.record)
         self._fetch = FetchDriver(self, controller)
         try:
             report = await self._fetch.run()

@@ -789,11 +789,11 @@ async def _validate(trace_names, *, mean_mbit, level, chunks, chunk_tokens, laye
                         policy, slo, sim = f"fixed:{level}", 60.0, fixed_sim
                     else:
                         policy, slo, sim = which, round(slo_share * level0, 3), adaptive_sim
-                    report, log = await _fetch_through_proxy(server.port, trace, policy, slo, prior, delay_ms,
-                                                             sim.recompute)
+                    report, log, beliefs = await _fetch_through_proxy(server.port, trace, policy, slo, prior,
+                                                                      delay_ms, sim.recompute)
                     out.append({"trace": name, "constant": trace.low == trace.high, "policy": policy, "slo": slo,
                                 "mean_mbit": mean_mbit,
-                                **_compare(sim, report, log, trace, policy, slo, prior)})
+                                **_compare(sim, report, log, beliefs, trace, policy, slo, prior)})
         finally:
             if server is not None:
                 await server.close()
@@ -819,12 +819,13 @@ async def _fetch_through_proxy(port: int, trace: Trace, policy: str, slo: float,
                                  on_text=recompute, record=True) as session:
             proxy.set_trace(trace, direction="down")
             report = await session.fetch()
-    return report, session.log
+    return report, session.log, session.beliefs
 
 
-def _compare(sim: Simulator, report, log, trace: Trace, policy: str, slo: float, prior: float) -> dict:
+def _compare(sim: Simulator, report, log, beliefs, trace: Trace, policy: str, slo: float, prior: float) -> dict:
     """A real fetch against its simulation on the trace; against the same with the decoder's
-    recorded seconds (what is left is the link model); and against its own replay."""
+    recorded seconds (what is left is the link model); and against its own replay, from
+    the very ``beliefs`` the fetch started from."""
     from streamer.fetch.links import Diverged
     from streamer.fetch.replay import recording
 
@@ -835,7 +836,7 @@ def _compare(sim: Simulator, report, log, trace: Trace, policy: str, slo: float,
     replay_sim = Simulator(sim.manifest, rtt=world.rtt, reconnect_seconds=world.connect_seconds,
                            recompute_seconds_per_token=sim.recompute)
     try:
-        replayed = replay_sim.run(policy, None, slo=slo, prior_bps=prior, link=world.link(),
+        replayed = replay_sim.run(policy, None, slo=slo, link=world.link(), beliefs=beliefs,
                                   decode_time=world.decode_time, recompute_time=world.recompute_time,
                                   wakes=world.wakes, connects=world.connects, continuations=world.continuations)
         replay_same = replayed.actions == world.actions
