@@ -277,3 +277,25 @@ def test_simulator_predicts_a_real_fetch_through_the_proxy() -> None:
         assert v["slo"] < out[0]["predicted_seconds"] and len(v["real_levels"]) == 6
         assert len(v["predicted_levels"]) == 6 and isinstance(v["same_choices"], bool)
         assert v["real_seconds"] > 0 and v["predicted_seconds"] > 0
+
+
+def _validation_row(policy: str, *, error: float = 0.0, replay: bool = True, continued: int = 0,
+                    constant: bool = False) -> dict:
+    return {"policy": policy, "constant": constant, "error": error, "same_choice_share": 1.0,
+            "distinct_choices": 2, "replay_same": replay, "continued_chunks": continued,
+            "predicted_continued_chunks": 0}
+
+
+def test_validation_targets_need_a_live_continuation_that_replays() -> None:
+    """The continuation target is met only when some real fetch continued a chunk and every
+    such fetch replayed to the same actions; no continuation at all is not a pass."""
+    def target(rows):
+        return next(t for t in ev.validation_targets(rows) if "continuation" in t["target"])
+
+    assert not target([_validation_row("fixed:0"), _validation_row("mpc")])["met"]
+    assert target([_validation_row("fixed:0"), _validation_row("mpc", continued=2)])["met"]
+    missed = target([_validation_row("mpc", continued=1, replay=False), _validation_row("greedy")])
+    assert not missed["met"] and missed["measured"] == {"fetches_with_continuations": 1, "continued_chunks": 1,
+                                                        "replayed_same": 0}
+    fixed = next(t for t in ev.validation_targets([_validation_row("fixed:0", error=0.12)]) if "fixed" in t["target"])
+    assert not fixed["met"] and fixed["measured"] == 0.12
