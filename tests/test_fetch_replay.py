@@ -80,6 +80,7 @@ async def test_a_recorded_fetch_replays_to_the_same_actions(context, trace: Trac
     sim = Simulator(context["manifest"], rtt=world.rtt, reconnect_seconds=world.connect_seconds,
                     recompute_seconds_per_token=RECOMPUTE)
     replayed = sim.run("mpc", None, slo=slo, beliefs=beliefs, link=world.link(), decode_time=world.decode_time,
+                       decode_done=world.decode_done,
                        recompute_time=world.recompute_time, wakes=world.wakes, connects=world.connects,
                        continuations=world.continuations)
     assert replayed.actions == world.actions

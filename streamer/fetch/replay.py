@@ -26,8 +26,11 @@ class Recording:
     """The world of one recorded fetch, on its own clock (0 at ``fetch()``)."""
 
     answers: list[RecordedAnswer]
-    #: (chunk, layer) -> the decoder's seconds for each time that section was decoded
+    #: (chunk, layer) -> the decoder's seconds for each time that section was decoded, and
+    #: when it was done (the fetch's clock): the decoder ran as many sections at once as
+    #: it had threads, which a model of one worker would not reproduce
     decodes: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    decoded_at: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
     #: chunk -> seconds of each recompute of it
     recomputes: dict[int, deque[float]] = field(default_factory=dict)
     rtt: float = 0.0
@@ -52,6 +55,15 @@ class Recording:
         every = [t for queue in self.decodes.values() for t in queue] or [0.0]
         return sum(every) / len(every)
 
+    def decode_done(self, chunk: int, layer: int, handed: float) -> float:
+        """When the recorded decoder was done with this section (past the record: its
+        mean seconds after ``handed``)."""
+        times = self.decoded_at.get((chunk, layer))
+        if times:
+            return times.popleft()
+        every = [t for queue in self.decodes.values() for t in queue] or [0.0]
+        return handed + sum(every) / len(every)
+
     def recompute_time(self, chunk: int, tokens: int) -> float:
         times = self.recomputes.get(chunk)
         return times.popleft() if times else 0.0
@@ -66,6 +78,7 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
     events: dict[int, list[LinkEvent]] = {}   # chunk -> the events of its latest answer
     arriving: list[int] = []                  # chunks whose answers began and did not end, in order
     decodes: dict[tuple[int, int], deque[float]] = defaultdict(deque)
+    decoded_at: dict[tuple[int, int], deque[float]] = defaultdict(deque)
     recomputes: dict[int, deque[float]] = defaultdict(deque)
     for item in log:
         at = getattr(item, "at", 0.0) - start.at
@@ -101,7 +114,8 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
             out.connects.append((at, item.rtt, item.connect_seconds))
         elif isinstance(item, ev.SectionDecoded) and item.seconds is not None:
             decodes[(item.chunk, item.layer)].append(item.seconds)
+            decoded_at[(item.chunk, item.layer)].append(at)
         elif isinstance(item, ev.RecomputeFinished):
             recomputes[item.chunk].append(item.seconds)
-    out.decodes, out.recomputes = dict(decodes), dict(recomputes)
+    out.decodes, out.decoded_at, out.recomputes = dict(decodes), dict(decoded_at), dict(recomputes)
     return out

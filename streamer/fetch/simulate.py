@@ -23,6 +23,7 @@ delivered count as text in the objective.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ _MAX_STEPS_PER_CHUNK = 50_000
 LayerLevels = Sequence[tuple[int, int]]
 #: (chunk, layer, coded bytes) -> decoder seconds; (chunk, tokens) -> recompute seconds
 DecodeTime = Callable[[int, int, int], float]
+#: (chunk, layer, when the section reached the decoder) -> when the decoder is done with it
+DecodeDone = Callable[[int, int, float], float]
 RecomputeTime = Callable[[int, int], float]
 
 
@@ -107,13 +110,15 @@ class SimResult:
 
 
 class _Receiver:
-    """The session's decoder (one worker, sections in the order they land) and its ordered
-    consumer (``net.delivery.OrderedDelivery``), on the virtual clock."""
+    """The session's decoder (one worker, sections in the order they land; or, replaying a
+    recorded fetch, each section done when the recording says: ``decode_done``) and its
+    ordered consumer (``net.delivery.OrderedDelivery``), on the virtual clock."""
 
-    def __init__(self, manifest: Manifest, decode_time: DecodeTime, recompute_time: RecomputeTime) -> None:
+    def __init__(self, manifest: Manifest, decode_time: DecodeTime, recompute_time: RecomputeTime,
+                 decode_done: DecodeDone | None = None) -> None:
         n = len(manifest.chunks)
         self.layers, self.tokens = manifest.layers, [c.tokens for c in manifest.chunks]
-        self.decode_time, self.recompute_time = decode_time, recompute_time
+        self.decode_time, self.recompute_time, self.decode_done = decode_time, recompute_time, decode_done
         self.choice: list[Choice | None] = [None] * n
         self.decoded: list[set[int]] = [set() for _ in range(n)]
         self.delivered = [0] * n
@@ -123,11 +128,12 @@ class _Receiver:
         self.recompute_end: float | None = None
         self.recompute_seconds = 0.0
         self.queue: deque[tuple[int, int, int, Choice]] = deque()   # (chunk, layer, bytes, level)
-        self.running: tuple[float, int, int, int, Choice, float] | None = None
+        #: sections decoding, soonest done first: (done at, chunk, layer, bytes, level, seconds)
+        self.running: list[tuple[float, int, int, int, Choice, float]] = []
         self.out: list[ev.Event] = []
 
     def next_time(self) -> float:
-        times = [self.running[0] if self.running else math.inf,
+        times = [self.running[0][0] if self.running else math.inf,
                  self.recompute_end if self.recompute_end is not None else math.inf]
         return min(times)
 
@@ -147,7 +153,7 @@ class _Receiver:
         """A section landed: False if it was delivered or decoded already (a refetch's copy)."""
         if layer < self.delivered[chunk] or layer in self.decoded[chunk] or \
                 any(q[0] == chunk and q[1] == layer for q in self.queue) or \
-                self.running is not None and self.running[1:3] == (chunk, layer):
+                any(r[1:3] == (chunk, layer) for r in self.running):
             return False
         self.queue.append((chunk, layer, nbytes, self.choice[chunk]))   # type: ignore[arg-type]
         self._start_decode(now)
@@ -159,9 +165,8 @@ class _Receiver:
 
     def step(self, now: float) -> None:
         """The decode or recompute due at ``now`` finishes."""
-        if self.running is not None and self.running[0] <= now:
-            _, chunk, layer, nbytes, level, seconds = self.running
-            self.running = None
+        if self.running and self.running[0][0] <= now:
+            _, chunk, layer, nbytes, level, seconds = self.running.pop(0)
             self.out.append(ev.SectionDecoded(chunk, layer, nbytes, seconds, now))
             if level == self.choice[chunk]:
                 self.decoded[chunk].add(layer)
@@ -173,10 +178,11 @@ class _Receiver:
         self._advance(now)
 
     def _start_decode(self, now: float) -> None:
-        if self.running is None and self.queue:
+        while self.queue and (self.decode_done is not None or not self.running):
             chunk, layer, nbytes, level = self.queue.popleft()
             seconds = self.decode_time(chunk, layer, nbytes)
-            self.running = (now + seconds, chunk, layer, nbytes, level, seconds)
+            done = now + seconds if self.decode_done is None else max(now, self.decode_done(chunk, layer, now))
+            bisect.insort(self.running, (done, chunk, layer, nbytes, level, seconds), key=lambda r: r[0])
 
     def _finish_chunk(self, chunk: int, now: float) -> None:
         self.done_at[chunk] = now
@@ -419,6 +425,7 @@ class Simulator:
             schedule: Sequence[Choice] | None = None, cancel: bool | None = None,
             decode_prior: DecodeCost | None = None, link: Link | None = None,
             decode_time: DecodeTime | None = None, recompute_time: RecomputeTime | None = None,
+            decode_done: DecodeDone | None = None,
             wakes: Sequence[float] | None = None, connects: Sequence[tuple[float, float, float]] | None = None,
             continuations: bool = True, beliefs: Beliefs | None = None, record: bool = False) -> SimResult:
         """Simulate one fetch starting at trace time ``start``.
@@ -429,7 +436,9 @@ class Simulator:
         :attr:`SimResult.next_errors`); ``decode_prior`` the session's decoder prior.
         ``cancel`` runs the cancel rule (None: the session's default for the policy).
         ``link`` replaces the trace's (a recorded timeline: ``trace`` may then be None);
-        ``decode_time`` / ``recompute_time`` replace the decoder and recompute models;
+        ``decode_time`` / ``recompute_time`` replace the decoder and recompute models
+        (``decode_done``: each section done when a recording says, the decoder's threads
+        however many it had);
         ``wakes`` the controller's timers by a recorded driver's wake-up times, and
         ``connects`` the reconnect model by its new connections (``fetch.replay``).
         ``continuations``: the sender takes REQUESTs from a first layer (protocol version 2),
@@ -458,7 +467,7 @@ class Simulator:
                 raise ValueError("run() needs a trace or a link")
             link = TraceLink(trace, start=start, owd=self.rtt / 2, layers=layers)
         receiver = _Receiver(self.manifest, decode_time or (lambda chunk, _l, _b: float(self.decode[chunk]) / layers),
-                             recompute_time or (lambda _c, tokens: self.recompute * tokens))
+                             recompute_time or (lambda _c, tokens: self.recompute * tokens), decode_done)
         run = _Run(self, controller, link, receiver, wakes, connects, continuations)
         run.feed(ev.Started(self.rtt, self.reconnect_seconds, 0.0, continuations=continuations))
         for _ in range(_MAX_STEPS_PER_CHUNK * len(self.sizes)):

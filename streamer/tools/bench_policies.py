@@ -837,7 +837,8 @@ def _compare(sim: Simulator, report, log, beliefs, trace: Trace, policy: str, sl
                            recompute_seconds_per_token=sim.recompute)
     try:
         replayed = replay_sim.run(policy, None, slo=slo, link=world.link(), beliefs=beliefs,
-                                  decode_time=world.decode_time, recompute_time=world.recompute_time,
+                                  decode_time=world.decode_time, decode_done=world.decode_done,
+                                  recompute_time=world.recompute_time,
                                   wakes=world.wakes, connects=world.connects, continuations=world.continuations)
         replay_same = replayed.actions == world.actions
     except Diverged:   # the replay asked for an answer the fetch never got
