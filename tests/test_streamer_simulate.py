@@ -468,3 +468,16 @@ def test_a_simulated_chunk_continues_its_remaining_layers_at_a_lower_level(monke
     assert r.cost == pytest.approx((first * d[0] + (8 - first) * d[2]) / 8 + d[r.choices[1]])
     # the continuation carried about its share of level 2's bytes, not the whole blob
     assert m.answer_bytes(0, 2, first) < 100_000 * (8 - first + 1) / 8
+
+
+def test_a_replayed_decoder_finishes_each_section_when_told_not_one_at_a_time() -> None:
+    """The model's decoder takes the sections one at a time; a replay's (``decode_done``)
+    finishes each when the recording says, as a session decoding on several threads did:
+    the same fetch, its 4 sections of 0.1 s each, done 0.3 s sooner."""
+    m = make_manifest([[400_000]], [256], layers=4)
+    sim = Simulator(m, rtt=0.0)
+    trace = Trace([0.0], [8000.0])    # 1 GB/s: every section is in at once
+    one_worker = sim.run("fixed:0", trace, slo=5.0, decode_time=lambda c, l, b: 0.1)
+    threads = sim.run("fixed:0", trace, slo=5.0, decode_time=lambda c, l, b: 0.1,
+                      decode_done=lambda c, l, handed: handed + 0.1)
+    assert one_worker.finish - threads.finish == pytest.approx(0.3, abs=0.01)
