@@ -377,6 +377,11 @@ async def _fetch(stored: dict, script: Script):
 # on_layer still awaits on its layer 1 (a level switch there used to clear that layer)
 @example(script=Script(yields=[6], faults={}, choices=[0], switches={3: Switch(TEXT, False, 5.0)},
                        consumer_async=True, awaits=[25]))
+# chunk 0 switched to level 2, then continued at level 1 once its first layer went out
+# (the report's runs: [(0, 2), (1, 1)]): each layer once, at the level it was asked at
+@example(script=Script(yields=[4], faults={0: ("corrupt", 0)}, choices=[0],
+                       switches={0: Switch(2, False, 0.02), 3: Switch(1, False, 0.02)},
+                       consumer_async=False, awaits=[0]))
 def test_any_interleaving_keeps_the_delivery_contract(stored, script: Script) -> None:
     session_module._profiles[stored["profile"].id] = stored["profile"]   # the scripted sender serves none
     session_module._server_priors.clear()
