@@ -200,7 +200,7 @@ def test_a_continuation_larger_than_its_blob_is_refused() -> None:
         ev.ChunkFinished(0), ev.SendRequest(0, 0, first_layer=1)]
     actions = feed(ctl, ev.AnswerBegan(0, 400_001, 0.1))
     assert len(actions) == 1 and isinstance(actions[0], ev.Reconnect) and "whole blob 400000" in actions[0].reason
-    assert ctl.chunks[0].runs == [(0, 0)]   # a refetch at the same level is one run
+    assert ctl.chunk_report(0).layer_levels == [(0, 0)]   # a refetch at the same level is one run
 
 
 def test_a_cancelled_answer_with_every_layer_in_is_whole(monkeypatch) -> None:

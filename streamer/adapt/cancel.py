@@ -234,8 +234,14 @@ class _Timing:
         plan = self.plan
         if option == TEXT:
             return self.finish(self.restart + plan.text_bytes[0] / at, float(plan.text_seconds[0]))
-        # a level re-requests the layers not delivered: all of them, or a continuation's share
-        return self.finish(self.restart + self.head.remaining_share * predicted_seconds(plan, option, at))
+        return self.finish(self.restart + self.refetch_seconds(option, at))
+
+    def refetch_seconds(self, option: Choice, at: float) -> float:
+        """Seconds re-requesting the chunk in flight as ``option`` takes in series, its bytes
+        at ``at`` bytes/s: a level re-requests the layers not delivered (all of them, or a
+        continuation's share), text the whole chunk."""
+        seconds = predicted_seconds(self.plan, option, at)
+        return seconds if option == TEXT else self.head.remaining_share * seconds
 
 
 def _judge(timing: _Timing, options: list[Choice], shortfall: float) -> Choice | None:
@@ -263,8 +269,7 @@ def _judge(timing: _Timing, options: list[Choice], shortfall: float) -> Choice |
         return None   # only text is left, and it can still be had later: a fade may end
     if fitting:
         return TEXT
-    cost = {option: timing.restart + (1.0 if option == TEXT else timing.head.remaining_share)
-            * predicted_seconds(plan, option, rate) for option in options}
+    cost = {option: timing.restart + timing.refetch_seconds(option, rate) for option in options}
     choice = min(options, key=lambda option: cost[option])
     return choice if cost[choice] <= (1 - MIN_GAIN) * keep else None
 

@@ -156,8 +156,6 @@ class _Chunk:
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     report: ChunkReport | None = None
     delivered: int = 0          # layers whose on_layer was called
-    #: (first layer, level) of each run of layers requested at one level, in layer order
-    runs: list[tuple[int, int]] = field(default_factory=list)
     done: bool = False
     recompute_began: float | None = None
     recompute_seconds: float = 0.0
@@ -415,10 +413,10 @@ class FetchController:
         assert report is not None and choice is not None
         if choice != TEXT and chunk.delivered and not self.continuations:
             choice = TEXT
-        report.level, report.reason = choice, f"cancelled at level {abandoned}: predicted to miss the deadline"
-        if choice != TEXT and chunk.delivered:
-            report.reason = (f"continued at level {choice} from layer {chunk.delivered}: level {abandoned} "
-                             "was predicted to miss the deadline")
+        report.level = choice
+        report.reason = (f"continued at level {choice} from layer {chunk.delivered}: level {abandoned} was "
+                         "predicted to miss the deadline" if choice != TEXT and chunk.delivered
+                         else f"cancelled at level {abandoned}: predicted to miss the deadline")
         report.cancelled_levels.append(abandoned)  # type: ignore[arg-type]
         return choice
 
@@ -752,17 +750,16 @@ class FetchController:
         info, layers = self.manifest.chunks[chunk.index], self.manifest.layers
         first = chunk.delivered if choice != TEXT and self.continuations and chunk.delivered < layers else 0
         chunk.choice, chunk.requested_at, chunk.begin_at, chunk.first_layer = choice, now, None, first
-        if choice == TEXT:
-            chunk.expected = info.text_bytes
+        report = chunk.report
+        assert report is not None   # made when the chunk was first decided
+        if choice == TEXT:   # final: text supersedes whatever layers went out
+            chunk.expected, report.layer_levels = info.text_bytes, []
         else:
             chunk.expected = self.manifest.answer_bytes(chunk.index, choice, first)  # type: ignore[arg-type]
-            chunk.runs = [run for run in chunk.runs if run[0] < first]
-            if not chunk.runs or chunk.runs[-1][1] != choice:
-                chunk.runs.append((first, choice))  # type: ignore[arg-type]
+            runs = [run for run in report.layer_levels if run[0] < first]
+            report.layer_levels = runs if runs and runs[-1][1] == choice else [*runs, (first, choice)]
         chunk.received = chunk.partial = 0
         chunk.sections = first
-        assert chunk.report is not None   # made when the chunk was first decided
-        chunk.report.layer_levels = [] if choice == TEXT else list(chunk.runs)
         chunk.marks, chunk.arrivals = [], []
         chunk.refetch = chunk.cancelling = False
         chunk.switch_to = None

@@ -50,19 +50,18 @@ class Recording:
     def decode_time(self, chunk: int, layer: int, nbytes: int) -> float:
         """The recorded seconds of this section's decode (the mean of all, past the record)."""
         times = self.decodes.get((chunk, layer))
-        if times:
-            return times.popleft()
-        every = [t for queue in self.decodes.values() for t in queue] or [0.0]
-        return sum(every) / len(every)
+        return times.popleft() if times else self._mean_decode()
 
     def decode_done(self, chunk: int, layer: int, handed: float) -> float:
         """When the recorded decoder was done with this section (past the record: its
         mean seconds after ``handed``)."""
         times = self.decoded_at.get((chunk, layer))
-        if times:
-            return times.popleft()
+        return times.popleft() if times else handed + self._mean_decode()
+
+    def _mean_decode(self) -> float:
+        """The mean of the decode seconds not replayed yet (0 without any)."""
         every = [t for queue in self.decodes.values() for t in queue] or [0.0]
-        return handed + sum(every) / len(every)
+        return sum(every) / len(every)
 
     def recompute_time(self, chunk: int, tokens: int) -> float:
         times = self.recomputes.get(chunk)

@@ -493,7 +493,8 @@ class Simulator:
         finish = max(t.done for t in timings)
         text_tokens = float(sum(self.tokens[j] for j, c in enumerate(choices) if c == TEXT))
         memory = ctl.memory()
-        layer_levels = [() if choice == TEXT else tuple(chunk.runs) for chunk, choice in zip(ctl.chunks, choices)]
+        layer_levels = [() if choice == TEXT or chunk.report is None else tuple(chunk.report.layer_levels)
+                        for chunk, choice in zip(ctl.chunks, choices)]
         return SimResult(choices=choices, chunks=timings, decisions=list(ctl.decisions), history=list(ctl.history),
                          finish=finish, recompute=self.recompute * text_tokens, slo=float(slo),
                          cost=self.cost_of(choices, layer_levels), text_chunks=sum(c == TEXT for c in choices),

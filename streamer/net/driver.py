@@ -23,7 +23,7 @@ from streamer.fetch.report import FetchReport
 from streamer.net.assembly import Assembly
 from streamer.net.budget import process_budget
 from streamer.net.client import Arrival, ConnectionLost, StreamError
-from streamer.net.delivery import TEXT, OrderedDelivery
+from streamer.net.delivery import OrderedDelivery
 from streamer.store.put import decode_tokens
 from streamer.wire import protocol as p
 
