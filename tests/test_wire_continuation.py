@@ -65,9 +65,10 @@ def snapshot(conn: Connection):
 
 # ----------------------------------------------------------------------------- negotiation
 @pytest.mark.parametrize("client, server, version", [
-    (SUPPORTED_VERSIONS, SUPPORTED_VERSIONS, 2), ((1,), SUPPORTED_VERSIONS, 1), (SUPPORTED_VERSIONS, (1,), 1)])
+    (SUPPORTED_VERSIONS, SUPPORTED_VERSIONS, 3), ((1, 2), SUPPORTED_VERSIONS, 2), ((1,), SUPPORTED_VERSIONS, 1),
+    (SUPPORTED_VERSIONS, (1,), 1), (SUPPORTED_VERSIONS, (1, 2), 2)])
 def test_both_sides_negotiate_the_highest_common_version(client, server, version) -> None:
-    assert SUPPORTED_VERSIONS == (1, 2) and CONTINUATION_VERSION == 2
+    assert SUPPORTED_VERSIONS == (1, 2, 3) and CONTINUATION_VERSION == 2
     pair = Pair(client, server)
     assert pair.c.version == pair.s.version == version
     assert pair.c.continuations is pair.s.continuations is (version >= 2)
@@ -197,7 +198,7 @@ def test_a_text_continuation_is_refused_on_either_side(versions) -> None:
 def test_a_continuation_needs_an_open_context() -> None:
     c, s = Connection(Role.CLIENT), Connection(Role.SERVER)
     s.receive_data(c.send(Hello(versions=SUPPORTED_VERSIONS, client="c")))
-    c.receive_data(s.send(Welcome(version=2, server="s", max_frame=1 << 20)))
+    c.receive_data(s.send(Welcome(version=max(SUPPORTED_VERSIONS), server="s", max_frame=1 << 20)))
     with pytest.raises(LocalProtocolError, match="without an open context"):
         c.send(Request(0, 0, first_layer=1))
 

@@ -20,7 +20,7 @@ __all__ = [
     "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "AuthenticationError",
     "AUTH_NONE", "AUTH_REQUIRED",
     "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "ManifestData", "GetProfile",
-    "ProfileData", "Request",
+    "ProfileData", "Request", "Lookup", "Prefix",
     "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error", "Close",
     "ConnectionClosed",
 ]
@@ -199,6 +199,36 @@ class Request(Event):
 
 
 @dataclass(frozen=True)
+class Lookup(Event):
+    """LOOKUP (client, frame 17; protocol version 3): which stored context holds the
+    longest prefix of ``chain``? Answered by PREFIX.
+
+    ``chain`` is a content-addressed prefix's hash chain (``streamer.store.prefix``): one
+    64-character lowercase-hex SHA-256 per chunk of tokens, each covering all before it;
+    1 .. ``MAX_LOOKUP_CHAIN`` (512) of them, so a LOOKUP always fits one control frame.
+    """
+
+    chain: Tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chain, list):  # accept a list, store a hashable tuple
+            object.__setattr__(self, "chain", tuple(self.chain))
+
+
+@dataclass(frozen=True)
+class Prefix(Event):
+    """PREFIX (server, frame 18; protocol version 3): answers the oldest LOOKUP.
+
+    ``context_id`` is the stored context holding the first ``chunks`` chunks of the
+    lookup's chain (1 .. the chain's length), or None with ``chunks`` 0 when not even its
+    first chunk is stored.
+    """
+
+    context_id: Optional[str]
+    chunks: int
+
+
+@dataclass(frozen=True)
 class ChunkBegin(Event):
     """CHUNK_BEGIN (server, frame 8): starts the answer to the oldest request.
 
@@ -259,7 +289,7 @@ class Error(Event):
     """ERROR (either side, frame 13).
 
     ``code`` is one of :data:`ERROR_CODES`. A non-fatal ERROR may only come from the
-    server and answers (removes) the oldest outstanding OPEN / GET_PROFILE / REQUEST,
+    server and answers (removes) the oldest outstanding OPEN / GET_PROFILE / LOOKUP / REQUEST,
     aborting it if it is a chunk in progress. A fatal ERROR ends the connection.
     """
 

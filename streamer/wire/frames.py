@@ -7,10 +7,13 @@ is :mod:`streamer.wire.protocol`'s job). Wire format, all little-endian::
     header  = struct "<IHH": payload length (u32), frame type (u16), flags (u16, always 0)
 
 Control frames (HELLO, WELCOME, AUTH, AUTH_OK, OPEN, GET_PROFILE, REQUEST, CHUNK_BEGIN,
-CHUNK_END, CANCEL, ERROR, CLOSE) carry one UTF-8 JSON object of at most ``MAX_CONTROL_PAYLOAD``
+CHUNK_END, CANCEL, ERROR, CLOSE, and from protocol version 3 LOOKUP and PREFIX) carry one UTF-8 JSON object of at most ``MAX_CONTROL_PAYLOAD``
 bytes, checked key by key against :data:`SCHEMAS` (exact key set, exact JSON types --
-``true`` is not an int, ``1`` is not a bool --, ranges) and :data:`OPTIONAL_KEYS`. No
-NaN/Infinity, no duplicate keys, no BOM. Data frames are binary:
+``true`` is not an int, ``1`` is not a bool --, ranges) and :data:`OPTIONAL_KEYS`, then
+against :data:`CONSTRAINTS` (rules tying keys together). No NaN/Infinity, no duplicate
+keys, no BOM. LOOKUP's ``chain`` is 1 .. ``MAX_LOOKUP_CHAIN`` 64-character lowercase-hex
+strings (at most ~34 KB of JSON, within the 64 KiB control limit); PREFIX's
+``context_id`` is null exactly when its ``chunks`` is 0. Data frames are binary:
 
     MANIFEST    manifest bytes
     PROFILE     16 ascii lowercase-hex id bytes + profile bytes
@@ -36,14 +39,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 from streamer.wire.events import (AUTH_NONE, AUTH_REQUIRED, ERROR_CODES, TEXT_LEVEL, Auth, AuthOk,
                                   Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close, Error, Event,
-                                  GetProfile, Hello, LocalProtocolError, ManifestData, Open, ProfileData,
-                                  RemoteProtocolError, Request, Text, Welcome)
+                                  GetProfile, Hello, LocalProtocolError, Lookup, ManifestData, Open,
+                                  Prefix, ProfileData, RemoteProtocolError, Request, Text, Welcome)
 
 __all__ = [
     "FrameType", "HEADER", "PART_HEADER", "TEXT_HEADER", "MAGIC", "MAX_CONTROL_PAYLOAD",
     "DEFAULT_MAX_FRAME", "MIN_MAX_FRAME", "MAX_U32", "MAX_PARTS", "MAX_VERSION",
-    "MAX_LEVEL", "MAX_FIRST_LAYER", "MAX_NAME", "MAX_CONTEXT_ID", "MAX_MESSAGE", "CONTROL_TYPES",
-    "DATA_TYPES", "EVENT_TYPES", "SCHEMAS", "OPTIONAL_KEYS", "encode", "decode", "FrameBuffer",
+    "MAX_LEVEL", "MAX_FIRST_LAYER", "MAX_NAME", "MAX_CONTEXT_ID", "MAX_MESSAGE", "MAX_LOOKUP_CHAIN",
+    "CONTROL_TYPES", "DATA_TYPES", "EVENT_TYPES", "SCHEMAS", "OPTIONAL_KEYS", "CONSTRAINTS", "encode",
+    "decode", "FrameBuffer",
 ]
 
 HEADER = struct.Struct("<IHH")
@@ -65,6 +69,8 @@ MAX_VERSIONS = 16
 MAX_NAME = 256                       # Hello.client / Welcome.server, characters
 MAX_CONTEXT_ID = 1024
 MAX_MESSAGE = 8192                   # Error.message, characters
+#: most hashes one LOOKUP carries (64 hex + 2 quotes + a comma each: ~34 KB of JSON)
+MAX_LOOKUP_CHAIN = 512
 
 
 class FrameType(enum.IntEnum):
@@ -84,6 +90,8 @@ class FrameType(enum.IntEnum):
     CLOSE = 14
     AUTH = 15
     AUTH_OK = 16
+    LOOKUP = 17
+    PREFIX = 18
 
 
 DATA_TYPES = frozenset({FrameType.MANIFEST, FrameType.PROFILE, FrameType.CHUNK_PART,
@@ -97,7 +105,7 @@ EVENT_TYPES: Dict[type, FrameType] = {
     ChunkBegin: FrameType.CHUNK_BEGIN, ChunkPart: FrameType.CHUNK_PART,
     ChunkEnd: FrameType.CHUNK_END, Text: FrameType.TEXT, Cancel: FrameType.CANCEL,
     Error: FrameType.ERROR, Close: FrameType.CLOSE, Auth: FrameType.AUTH,
-    AuthOk: FrameType.AUTH_OK,
+    AuthOk: FrameType.AUTH_OK, Lookup: FrameType.LOOKUP, Prefix: FrameType.PREFIX,
 }
 
 
@@ -204,6 +212,23 @@ def _level(v: Any) -> Union[int, str]:
     return _level_int(v)
 
 
+def _chain(v: Any) -> Tuple[str, ...]:
+    if type(v) not in (list, tuple):
+        raise _Invalid(f"expected a list, got {type(v).__name__}")
+    if not 1 <= len(v) <= MAX_LOOKUP_CHAIN:
+        raise _Invalid(f"expected 1..{MAX_LOOKUP_CHAIN} hashes, got {len(v)}")
+    for i, h in enumerate(v):
+        try:
+            _hex64(h)
+        except _Invalid as e:
+            raise _Invalid(f"hash {i}: {e}") from None
+    return tuple(v)
+
+
+def _context_or_null(v: Any) -> Optional[str]:
+    return None if v is None else _str(1, MAX_CONTEXT_ID)(v)
+
+
 def _error_code(v: Any) -> str:
     if type(v) is not str or v not in ERROR_CODES:
         raise _Invalid(f"unknown error code {v!r:.40} (expected one of {sorted(ERROR_CODES)})")
@@ -229,6 +254,8 @@ SCHEMAS: Dict[FrameType, Dict[str, Callable[[Any], Any]]] = {
     FrameType.CANCEL: {"chunk": _u32},
     FrameType.ERROR: {"code": _error_code, "message": _str(0, MAX_MESSAGE), "fatal": _bool},
     FrameType.CLOSE: {},
+    FrameType.LOOKUP: {"chain": _chain},
+    FrameType.PREFIX: {"context_id": _context_or_null, "chunks": _int(0, MAX_LOOKUP_CHAIN)},
 }
 
 #: Control frame type -> (optional JSON key -> checker). Absent means the field's
@@ -236,6 +263,19 @@ SCHEMAS: Dict[FrameType, Dict[str, Callable[[Any], Any]]] = {
 OPTIONAL_KEYS: Dict[FrameType, Dict[str, Callable[[Any], Any]]] = {
     FrameType.REQUEST: {"first_layer": _first_layer},
     FrameType.CHUNK_BEGIN: {"first_layer": _first_layer},
+}
+
+
+def _prefix_found_iff_chunks(o: Dict[str, Any]) -> None:
+    if (o["context_id"] is None) != (o["chunks"] == 0):
+        raise _Invalid(f"context_id must be null exactly when chunks is 0, got context_id "
+                       f"{o['context_id']!r:.80} with chunks {o['chunks']}")
+
+
+#: Control frame type -> a rule over its checked keys together (after SCHEMAS and
+#: OPTIONAL_KEYS passed); raises on a violation.
+CONSTRAINTS: Dict[FrameType, Callable[[Dict[str, Any]], None]] = {
+    FrameType.PREFIX: _prefix_found_iff_chunks,
 }
 
 
@@ -255,6 +295,12 @@ def _check_object(ftype: FrameType, obj: Any) -> Dict[str, Any]:
             out[key] = check(obj[key])
         except _Invalid as e:
             raise _Invalid(f"{ftype.name}.{key}: {e}") from None
+    constraint = CONSTRAINTS.get(ftype)
+    if constraint is not None:
+        try:
+            constraint(out)
+        except _Invalid as e:
+            raise _Invalid(f"{ftype.name}: {e}") from None
     return out
 
 
@@ -291,6 +337,10 @@ def _to_object(event: Event) -> Dict[str, Any]:
         return {"code": event.code, "message": event.message, "fatal": event.fatal}
     if isinstance(event, Close):
         return {}
+    if isinstance(event, Lookup):
+        return {"chain": event.chain}
+    if isinstance(event, Prefix):
+        return {"context_id": event.context_id, "chunks": event.chunks}
     raise AssertionError(type(event))  # pragma: no cover
 
 
@@ -321,6 +371,10 @@ def _from_object(ftype: FrameType, o: Dict[str, Any]) -> Event:
         return Error(code=o["code"], message=o["message"], fatal=o["fatal"])
     if ftype is FrameType.CLOSE:
         return Close()
+    if ftype is FrameType.LOOKUP:
+        return Lookup(chain=o["chain"])
+    if ftype is FrameType.PREFIX:
+        return Prefix(context_id=o["context_id"], chunks=o["chunks"])
     raise AssertionError(ftype)  # pragma: no cover
 
 

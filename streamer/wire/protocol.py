@@ -22,15 +22,29 @@ before the handshake except CLOSE or a fatal ERROR.
 
 Versions
 --------
-:data:`SUPPORTED_VERSIONS` are 1 and 2; a connection speaks the one WELCOME chose
-(:attr:`Connection.version`), so a peer that knows only version 1 keeps working
-exactly as before. Version 2 adds one thing, the *continuation*: REQUEST and
+:data:`SUPPORTED_VERSIONS` are 1, 2 and 3; a connection speaks the one WELCOME chose
+(the highest both offer, :attr:`Connection.version`), so a peer that knows only version
+1 or 2 keeps working exactly as before. Each version adds one thing and changes
+nothing older.
+
+Version 2 adds the *continuation*: REQUEST and
 CHUNK_BEGIN may carry ``first_layer`` (JSON key present only when > 0; see
 :mod:`streamer.wire.frames`), so a receiver can fetch the rest of a chunk -- its
 header and the sections of layers ``first_layer .. layers-1`` -- at a level of its
 choice (:attr:`Connection.continuations` says whether the connection may). On a
 version 1 connection a ``first_layer`` > 0 is refused: ``send`` raises
 ``LocalProtocolError``, ``receive_data`` ``RemoteProtocolError``.
+
+Version 3 adds the *lookup* of a content-addressed prefix: LOOKUP{chain} asks which
+stored context holds the longest prefix of a hash chain (1 .. ``MAX_LOOKUP_CHAIN`` = 512
+lowercase-hex SHA-256s, one per chunk of tokens; ``streamer.store.prefix`` computes
+them), and PREFIX{context_id, chunks} answers it: the context holding the chain's first
+``chunks`` chunks, or null and 0 when none is stored. LOOKUP is a request like OPEN
+(answered in FIFO order, refused before authentication), needs no open context and
+closes none; PREFIX may not claim more chunks than the chain it answers has. On a
+version 1 or 2 connection LOOKUP is refused (``LocalProtocolError`` /
+``RemoteProtocolError``), and PREFIX can answer nothing
+(:attr:`Connection.lookups` says whether the connection may look up).
 
 Authentication
 --------------
@@ -42,7 +56,7 @@ the MAC in constant time and answers AUTH_OK{mac} (:meth:`Connection.auth_ok_eve
 proving in turn that it knows the token, which the client checks. Only then are both
 sides READY. A wrong MAC raises :class:`AuthenticationError` (a ``RemoteProtocolError``
 whose ``code`` is ``"auth"``, so ``error_frame()`` sends a fatal ERROR{code: "auth"});
-so does any OPEN / GET_PROFILE / REQUEST / CANCEL received before AUTH_OK: nothing is
+so does any OPEN / GET_PROFILE / LOOKUP / REQUEST / CANCEL received before AUTH_OK: nothing is
 served to an unauthenticated client. A client with a token refuses a server that does
 not require authentication (it could not prove itself: downgrade protection), and a
 client without one refuses a server that requires it -- both with
@@ -58,12 +72,13 @@ defaults are equal).
 
 Requests and answers
 --------------------
-OPEN, GET_PROFILE and REQUEST are *requests*. Both sides keep them in one FIFO
+OPEN, GET_PROFILE, LOOKUP and REQUEST are *requests*. Both sides keep them in one FIFO
 (:attr:`Connection.outstanding`); the server answers strictly in that order, each
 request exactly once:
 
 * OPEN        -> MANIFEST, or a non-fatal ERROR;
 * GET_PROFILE -> PROFILE with the same id, or a non-fatal ERROR;
+* LOOKUP      -> PREFIX (``chunks`` <= the chain's length), or a non-fatal ERROR;
 * REQUEST     -> CHUNK_BEGIN (same chunk, level and first_layer), CHUNK_PART
   0..parts-1 in order, CHUNK_END{cancelled: false} with the part bytes summing to
   CHUNK_BEGIN.bytes; or TEXT if the level is ``"text"``; or a non-fatal ERROR (which
@@ -142,12 +157,13 @@ from typing import Deque, Dict, Iterable, List, Optional, Tuple, Type, Union
 from streamer.wire.events import (AUTH_NONE, AUTH_REQUIRED, ERROR_CODES, TEXT_LEVEL, Auth,
                                   AuthenticationError, AuthOk, Cancel, ChunkBegin, ChunkEnd,
                                   ChunkPart, Close, ConnectionClosed, Error, Event, GetProfile,
-                                  Hello, LocalProtocolError, ManifestData, Open, ProfileData,
-                                  ProtocolError, RemoteProtocolError, Request, Text, Welcome)
+                                  Hello, LocalProtocolError, Lookup, ManifestData, Open, Prefix,
+                                  ProfileData, ProtocolError, RemoteProtocolError, Request, Text,
+                                  Welcome)
 from streamer.wire import auth as _auth
 from streamer.wire.frames import (DEFAULT_MAX_FRAME, EVENT_TYPES, HEADER, MAX_CONTROL_PAYLOAD,
-                                  MAX_MESSAGE, MAX_U32, MAX_VERSION, MIN_MAX_FRAME, FrameBuffer,
-                                  FrameType, decode, encode)
+                                  MAX_LOOKUP_CHAIN, MAX_MESSAGE, MAX_U32, MAX_VERSION, MIN_MAX_FRAME,
+                                  FrameBuffer, FrameType, decode, encode)
 
 __all__ = [
     # connection
@@ -155,19 +171,22 @@ __all__ = [
     "ChunkProgress",
     # events
     "Event", "Hello", "Welcome", "Auth", "AuthOk", "Open", "ManifestData", "GetProfile",
-    "ProfileData", "Request", "ChunkBegin", "ChunkPart", "ChunkEnd", "Text", "Cancel", "Error",
-    "Close", "ConnectionClosed",
+    "ProfileData", "Request", "Lookup", "Prefix", "ChunkBegin", "ChunkPart", "ChunkEnd", "Text",
+    "Cancel", "Error", "Close", "ConnectionClosed",
     # errors
     "ProtocolError", "LocalProtocolError", "RemoteProtocolError", "AuthenticationError",
     # constants
     "FrameType", "TEXT_LEVEL", "ERROR_CODES", "AUTH_NONE", "AUTH_REQUIRED", "DEFAULT_MAX_FRAME", "MIN_MAX_FRAME",
-    "MAX_CONTROL_PAYLOAD", "HEADER", "SUPPORTED_VERSIONS", "CONTINUATION_VERSION",
+    "MAX_CONTROL_PAYLOAD", "HEADER", "SUPPORTED_VERSIONS", "CONTINUATION_VERSION", "LOOKUP_VERSION",
+    "MAX_LOOKUP_CHAIN",
 ]
 
 #: Protocol versions this implementation speaks.
-SUPPORTED_VERSIONS: Tuple[int, ...] = (1, 2)
+SUPPORTED_VERSIONS: Tuple[int, ...] = (1, 2, 3)
 #: The first version whose REQUEST may name a ``first_layer`` (a continuation).
 CONTINUATION_VERSION = 2
+#: The first version with LOOKUP / PREFIX (content-addressed prefixes).
+LOOKUP_VERSION = 3
 
 
 class Role(enum.Enum):
@@ -208,10 +227,10 @@ Trigger = Union[FrameType, Kind]
 _C, _S = Role.CLIENT, Role.SERVER
 _SEND, _RECV = Direction.SEND, Direction.RECV
 _CLIENT_REQUESTS = (FrameType.OPEN, FrameType.GET_PROFILE, FrameType.REQUEST,
-                    FrameType.CANCEL)
+                    FrameType.CANCEL, FrameType.LOOKUP)
 _SERVER_ANSWERS = (FrameType.MANIFEST, FrameType.PROFILE, FrameType.CHUNK_BEGIN,
                    FrameType.CHUNK_PART, FrameType.CHUNK_END, FrameType.TEXT,
-                   FrameType.ERROR)
+                   FrameType.ERROR, FrameType.PREFIX)
 _LIVE = {_C: (State.START, State.AWAIT_WELCOME, State.SEND_AUTH, State.AWAIT_AUTH_OK,
               State.READY),
          _S: (State.AWAIT_HELLO, State.SEND_WELCOME, State.AWAIT_AUTH, State.SEND_AUTH_OK,
@@ -261,16 +280,16 @@ TRANSITIONS: Dict[Tuple[Role, State, Direction, Trigger], State] = {
 # ----------------------------------------------------------------------------- ledger
 @dataclass(frozen=True)
 class Pending:
-    """An outstanding request: the OPEN / GET_PROFILE / REQUEST event, and whether the
-    client has cancelled it (REQUEST only)."""
+    """An outstanding request: the OPEN / GET_PROFILE / LOOKUP / REQUEST event, and whether
+    the client has cancelled it (REQUEST only)."""
 
-    request: Union[Open, GetProfile, Request]
+    request: Union[Open, GetProfile, Lookup, Request]
     cancelled: bool = False
 
     @property
     def kind(self) -> FrameType:
         return {Open: FrameType.OPEN, GetProfile: FrameType.GET_PROFILE,
-                Request: FrameType.REQUEST}[type(self.request)]
+                Lookup: FrameType.LOOKUP, Request: FrameType.REQUEST}[type(self.request)]
 
 
 @dataclass(frozen=True)
@@ -292,6 +311,8 @@ def _describe(p: Pending) -> str:
         return f"OPEN {r.context_id!r:.60}"
     if isinstance(r, GetProfile):
         return f"GET_PROFILE {r.profile_id}"
+    if isinstance(r, Lookup):
+        return f"LOOKUP of {len(r.chain)} hashes"
     return (f"REQUEST chunk {r.chunk} level {r.level!r}"
             + (f" from layer {r.first_layer}" if r.first_layer else "")
             + (" (cancelled)" if p.cancelled else ""))
@@ -380,6 +401,12 @@ class Connection:
         """Whether REQUEST may name a ``first_layer`` here: the negotiated version is at
         least :data:`CONTINUATION_VERSION` (False before the handshake)."""
         return self._version is not None and self._version >= CONTINUATION_VERSION
+
+    @property
+    def lookups(self) -> bool:
+        """Whether LOOKUP may be sent here: the negotiated version is at least
+        :data:`LOOKUP_VERSION` (False before the handshake)."""
+        return self._version is not None and self._version >= LOOKUP_VERSION
 
     @property
     def send_limit(self) -> int:
@@ -659,6 +686,12 @@ class Connection:
     def _check_getprofile(self, ev: GetProfile, d, fail):
         return lambda: self._queue.append(Pending(ev))
 
+    def _check_lookup(self, ev: Lookup, d, fail):
+        if not self.lookups:
+            raise fail(f"LOOKUP on a version {self._version} connection: lookups need version "
+                       f"{LOOKUP_VERSION}")
+        return lambda: self._queue.append(Pending(ev))
+
     def _check_request(self, ev: Request, d, fail):
         if self._context is None:
             raise fail(f"REQUEST for chunk {ev.chunk} without an open context "
@@ -718,6 +751,16 @@ class Connection:
                        f"{_describe(head)}")
         if ev.more:  # a continued profile: the request stays the head until the last piece
             return lambda: None
+        return self._queue.popleft
+
+    def _check_prefix(self, ev: Prefix, d, fail):
+        self._no_progress("PREFIX", fail)
+        head = self._head("PREFIX", fail)
+        if not isinstance(head.request, Lookup):
+            raise fail(f"PREFIX does not answer the oldest request, {_describe(head)}")
+        if ev.chunks > len(head.request.chain):
+            raise fail(f"PREFIX claims {ev.chunks} chunks of a LOOKUP of "
+                       f"{len(head.request.chain)} hashes")
         return self._queue.popleft
 
     def _answerable(self, what: str, chunk: int, level, first_layer: int, d, fail) -> Pending:
