@@ -5,14 +5,20 @@
 number of senders (``store.redis``; needs the ``kvwire[redis]`` extra).
 ``redis+cluster://host:port[,host:port...][/prefix]`` (or ``rediss+cluster://``): a Redis
 Cluster (``store.redis_cluster``; the same store on a cluster client).
+
+Contexts are named by their writer (``put_context``) or by the hash chain of their
+tokens (``store.prefix``, ``put_prefix``): the latter are found by ``lookup_prefix`` and
+evicted least-recently-used under a byte budget (``store.base`` describes the layout).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from streamer.store.base import (ChunkNotFound, ContextNotFound, ContextWriter, ProfileNotFound,
-                                 Store, StoreError)
+from streamer.store.base import (ChunkNotFound, ContextExists, ContextNotFound, ContextWriter,
+                                 ProfileNotFound, Store, StoreError)
+from streamer.store.prefix import (MAX_LOOKUP_CHAIN, PREFIX_SCHEME, PrefixIdentity, PrefixMatch, PrefixUsage,
+                                   prefix_chain, prefix_context_id)
 
 
 async def open_store(url: str) -> Store:
@@ -47,5 +53,6 @@ async def open_store(url: str) -> Store:
                      "redis+cluster://host:port[,host:port...][/prefix]")
 
 
-__all__ = ["ChunkNotFound", "ContextNotFound", "ContextWriter", "ProfileNotFound", "Store",
-           "StoreError", "open_store"]
+__all__ = ["MAX_LOOKUP_CHAIN", "PREFIX_SCHEME", "ChunkNotFound", "ContextExists", "ContextNotFound",
+           "ContextWriter", "PrefixIdentity", "PrefixMatch", "PrefixUsage", "ProfileNotFound", "Store",
+           "StoreError", "open_store", "prefix_chain", "prefix_context_id"]

@@ -14,14 +14,37 @@ more than a stated size asks for the item's size first (``chunk_size``, ``text_s
 
 Backend failures (I/O errors, an unreachable redis) surface as ``StoreError`` naming
 the store; bad arguments (ids, indices) as ``ValueError``.
+
+Content-addressed contexts (``store.prefix``, issue #43) are ordinary contexts named
+``px-<hash>`` plus three kinds of bookkeeping every store keeps:
+
+- an *index*: for each hash ``h_i`` of a stored chain, an entry ``h_i -> (context, i)``,
+  all of one chain's entries together (a Redis hash per chain root ``h_1``, a file per
+  root), so ``lookup_prefix`` reads one place once and answers the longest ``i`` whose
+  entry points at a registered context;
+- a *registration* per context beside its entries (its version, its chain, its last
+  use), written after the context's commit and before its index entries, so an entry
+  never points at a half-written context;
+- an *LRU ledger*: each content-addressed context's stored bytes and last use, and the
+  total. ``evict_prefixes`` removes least-recently-used contexts while the total exceeds
+  a byte budget: first its ledger record, then its registration and index entries, then
+  its data (only the version it chose, so a concurrent re-put survives).
+
+Eviction is LRU by bytes, not a TTL: a budget bounds what the store holds whatever the
+write rate, and a prefix in use stays however old it is. Name-addressed contexts are
+never in the ledger, so never evicted. An index entry that already points at a
+registered context is kept when another context holding the same prefix is indexed
+(an existing copy is never replaced); when that context is evicted its entries go with
+it, and the next put of a prompt with that prefix indexes it again.
 """
 from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
+from streamer.store.prefix import PrefixMatch, PrefixUsage
 from streamer.wire.manifest import Manifest, validate_context_id, validate_id
 
 if TYPE_CHECKING:  # the stores never need the codec itself, only a profile's id and bytes
@@ -51,6 +74,14 @@ class ChunkNotFound(StoreError):
                          f"{store_url} (if the version was superseded, re-read the manifest)")
         self.context_id = context_id
         self.version = version
+
+
+class ContextExists(StoreError):
+    """A commit that must not replace a context found one already committed."""
+
+    def __init__(self, context_id: str, store_url: str) -> None:
+        super().__init__(f"context {context_id!r} already exists in {store_url}")
+        self.context_id = context_id
 
 
 class ProfileNotFound(StoreError):
@@ -150,8 +181,11 @@ class ContextWriter(ABC):
         await self._write_text(chunk, data)
         self._texts[chunk] = size
 
-    async def commit(self, manifest: Manifest) -> None:
-        """Make ``manifest`` (and the data staged for it) the context's current version."""
+    async def commit(self, manifest: Manifest, *, replace: bool = True) -> None:
+        """Make ``manifest`` (and the data staged for it) the context's current version.
+
+        ``replace=False``: raise ContextExists (and commit nothing) if the context already
+        has a committed version; the check and the switch are one atomic step."""
         self._check_open()
         if (manifest.context_id, manifest.version) != (self.context_id, self.version):
             raise StoreError(f"manifest is for context {manifest.context_id!r} version "
@@ -160,7 +194,7 @@ class ContextWriter(ABC):
         blobs, texts = manifest_items(manifest)
         _check_staged("blob", blobs, self._blobs)
         _check_staged("text", texts, self._texts)
-        await self._commit(manifest)
+        await self._commit(manifest, replace)
         self._committed = True
         self._state = "committed"
 
@@ -175,9 +209,10 @@ class ContextWriter(ABC):
     async def _write_text(self, chunk: int, data: BytesLike) -> None: ...
 
     @abstractmethod
-    async def _commit(self, manifest: Manifest) -> None:
+    async def _commit(self, manifest: Manifest, replace: bool) -> None:
         """Atomically make ``manifest`` current (set ``_committed`` at that point), then
-        remove the previous version's data."""
+        remove the previous version's data; with ``replace`` false, ContextExists instead
+        if a version is current."""
 
     @abstractmethod
     async def _discard(self) -> None:
@@ -253,8 +288,9 @@ class Store(ABC):
         """Ids of all committed contexts, sorted."""
 
     @abstractmethod
-    async def delete_context(self, context_id: str) -> None:
-        """Remove a context's manifest and current data; ContextNotFound."""
+    async def delete_context(self, context_id: str, *, version: str | None = None) -> None:
+        """Remove a context's manifest and current data; ContextNotFound. With ``version``,
+        only if that version is the current one (else ContextNotFound, nothing removed)."""
 
     @abstractmethod
     async def gc(self) -> int:
@@ -263,6 +299,32 @@ class Store(ABC):
         Commits already remove the previous version, so this only matters after
         crashes. Returns how many items (directories or keys) were removed.
         """
+
+    # ------------------------------------------- content-addressed prefixes (store.prefix)
+    @abstractmethod
+    async def lookup_prefix(self, chain: Sequence[str], *, touch: bool = True) -> PrefixMatch | None:
+        """The longest ``i`` such that ``chain[:i]`` is stored, as the context holding it
+        and ``i``; None if not even ``chain[:1]`` is. One read of the chain's index (one
+        round trip on Redis, on the chain's slot on a cluster). ``touch``: the matched
+        context counts as used now (LRU). ValueError for more than ``MAX_LOOKUP_CHAIN``
+        hashes or one that is not 64 lowercase hex digits; an empty chain matches nothing."""
+
+    @abstractmethod
+    async def register_prefix(self, chain: Sequence[str], version: str, nbytes: int) -> None:
+        """Account the committed context ``prefix_context_id(chain)`` at ``version`` (its
+        ``nbytes`` in the LRU ledger, used now), register it and index ``chain[:1]`` ..
+        ``chain[:n]`` to it, keeping entries that point at another registered context.
+        Call only after the context's commit (``store.put.put_prefix`` does)."""
+
+    @abstractmethod
+    async def evict_prefixes(self, budget_bytes: int, *, keep: str | None = None) -> list[str]:
+        """Evict least-recently-used content-addressed contexts (ledger record, index
+        entries, data) while their total bytes exceed ``budget_bytes``, never ``keep``;
+        the ids evicted, oldest first."""
+
+    @abstractmethod
+    async def prefix_usage(self) -> PrefixUsage:
+        """How many content-addressed contexts the LRU ledger holds, and their bytes."""
 
     @abstractmethod
     async def close(self) -> None:

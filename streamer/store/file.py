@@ -7,6 +7,15 @@ Layout under the root::
     contexts/<context_id>/.lock                          serializes commits and sweeps
     contexts/<context_id>/<version>/chunk-<i>-L<level>.kvw
     contexts/<context_id>/<version>/text-<i>.zst
+    prefixes/.lock                                       serializes prefix bookkeeping
+    prefixes/ledger.json                                 the LRU ledger (see store.base)
+    prefixes/roots/<h_1>.json                            one chain root's index entries
+                                                         and registrations
+
+``ledger.json`` is ``{"contexts": {id: {"bytes", "version", "root", "used"}}}``; a root
+file is ``{"entries": {h_i: [i, id]}, "registered": {id: {"version", "chain"}}}``.
+Lookups read the root file without a lock (files are replaced by rename) and check the
+context's manifest exists; every change of the bookkeeping holds ``prefixes/.lock``.
 
 Every file is written atomically (temp file in the same directory, fsync, rename), so a
 reader never sees a partial file. A writer holds an flock on its version directory
@@ -20,26 +29,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import aiofiles
 import aiofiles.os
 
 from streamer.wire.manifest import (Manifest, ManifestError, check_manifest_size, validate_context_id,
                                     validate_id)
-from streamer.store.base import (BytesLike, ChunkNotFound, ContextNotFound, ContextWriter,
+from streamer.store.base import (BytesLike, ChunkNotFound, ContextExists, ContextNotFound, ContextWriter,
                                  ProfileNotFound, Store, StoreError, check_index, check_location,
                                  parse_manifest)
+from streamer.store.prefix import PrefixMatch, PrefixUsage, check_chain, prefix_context_id
 
 if TYPE_CHECKING:
     import codec
 
 _MANIFEST = "manifest.json"
+_PREFIXES = "prefixes"
+_LEDGER = "ledger.json"
 _LOCK = ".lock"
 _TEMP_PREFIX = ".tmp-"
 #: A profile temp file this old was left by a crash (profile writes take no lock).
@@ -57,24 +70,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-async def _atomic_write(path: Path, data: BytesLike, *, sync_dir: bool = True) -> None:
+async def _atomic_write(path: Path, data: BytesLike, *, sync_dir: bool = True, durable: bool = True) -> None:
     """Write ``path`` all-or-nothing: temp file, fsync, rename (, fsync the directory).
 
     ``sync_dir=False`` defers the directory fsync to the caller (staged files are
     made durable together by one fsync of their version directory at commit).
+    ``durable=False`` skips both fsyncs (for bookkeeping whose loss costs only accuracy,
+    e.g. a last-use time).
     """
     temp = path.with_name(f"{_TEMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
     try:
         async with aiofiles.open(temp, "wb") as f:
             await f.write(data)
             await f.flush()
-            await asyncio.to_thread(os.fsync, f.fileno())
+            if durable:
+                await asyncio.to_thread(os.fsync, f.fileno())
         await aiofiles.os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    if sync_dir:
+    if sync_dir and durable:
         await asyncio.to_thread(fsync_dir, path.parent)
 
 
@@ -265,14 +281,20 @@ class FileStore(Store):
         with self._io_errors():
             return await asyncio.to_thread(scan)
 
-    async def delete_context(self, context_id: str) -> None:
+    async def delete_context(self, context_id: str, *, version: str | None = None) -> None:
+        if version is not None:
+            validate_id(version, "version")
         if not await aiofiles.os.path.exists(self._context_dir(context_id) / _MANIFEST):
             raise ContextNotFound(context_id, self.url)  # checked first: don't create its directory
         with self._io_errors():
-            await self._delete_context(context_id)
+            await self._delete_context(context_id, version)
 
-    async def _delete_context(self, context_id: str) -> None:
+    async def _delete_context(self, context_id: str, version: str | None) -> None:
         async with self._context_lock(context_id) as context_dir:
+            if version is not None:
+                data = await _read(context_dir / _MANIFEST)
+                if data is None or parse_manifest(context_id, data, self.url).version != version:
+                    raise ContextNotFound(context_id, self.url)
             try:
                 await aiofiles.os.remove(context_dir / _MANIFEST)
             except FileNotFoundError:
@@ -326,6 +348,132 @@ class FileStore(Store):
                         removed += 1
         return removed
 
+    # --------------------------------------------------------------- prefixes
+    def _root_path(self, root: str) -> Path:
+        return self.root / _PREFIXES / "roots" / f"{root}.json"
+
+    @contextlib.asynccontextmanager
+    async def _prefix_lock(self) -> AsyncIterator[None]:
+        """Hold the lock of the prefix bookkeeping (polled, as the context lock)."""
+        path = self.root / _PREFIXES / _LOCK
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while (fd := _try_flock(path, os.O_RDWR | os.O_CREAT)) is None:
+            await asyncio.sleep(_LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            os.close(fd)
+
+    async def _read_doc(self, path: Path, *sections: str) -> dict[str, dict]:
+        """A bookkeeping file (``{section: {...}}``), empty sections if it does not exist."""
+        data = await _read(path)
+        try:
+            doc = {} if data is None else json.loads(data)
+            if not isinstance(doc, dict) or not all(isinstance(doc.setdefault(k, {}), dict) for k in sections):
+                raise ValueError("not an object of objects")
+        except ValueError as exc:
+            raise StoreError(f"file store {self.url}: prefix bookkeeping {path} is corrupt: {exc}") from None
+        return doc
+
+    async def _write_doc(self, path: Path, doc: dict, *, durable: bool = True) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        await _atomic_write(path, json.dumps(doc, separators=(",", ":")).encode(), durable=durable)
+
+    async def _has_manifest(self, context_id: str) -> bool:
+        return await aiofiles.os.path.exists(self._context_dir(context_id) / _MANIFEST)
+
+    async def lookup_prefix(self, chain: Sequence[str], *, touch: bool = True) -> PrefixMatch | None:
+        hashes = check_chain(chain)
+        if not hashes:
+            return None
+        with self._io_errors():
+            doc = await self._read_doc(self._root_path(hashes[0]), "entries", "registered")
+            for chunks in range(len(hashes), 0, -1):
+                entry = doc["entries"].get(hashes[chunks - 1])
+                if (entry is None or entry[0] != chunks or entry[1] not in doc["registered"]
+                        or not await self._has_manifest(entry[1])):
+                    continue
+                if touch:
+                    await self._touch(entry[1])
+                return PrefixMatch(entry[1], chunks)
+        return None
+
+    async def _touch(self, context_id: str) -> None:
+        async with self._prefix_lock():
+            path = self.root / _PREFIXES / _LEDGER
+            ledger = await self._read_doc(path, "contexts")
+            if context_id in ledger["contexts"]:
+                ledger["contexts"][context_id]["used"] = time.time()
+                await self._write_doc(path, ledger, durable=False)  # a lost touch costs only LRU order
+
+    async def register_prefix(self, chain: Sequence[str], version: str, nbytes: int) -> None:
+        context_id = prefix_context_id(chain)
+        hashes = check_chain(chain, limit=None)
+        validate_id(version, "version")
+        check_index(nbytes, "nbytes")
+        with self._io_errors():
+            async with self._prefix_lock():
+                ledger_path = self.root / _PREFIXES / _LEDGER
+                ledger = await self._read_doc(ledger_path, "contexts")  # ledger first: see store.base
+                ledger["contexts"][context_id] = {"bytes": nbytes, "version": version, "root": hashes[0],
+                                                  "used": time.time()}
+                await self._write_doc(ledger_path, ledger)
+                root_path = self._root_path(hashes[0])
+                doc = await self._read_doc(root_path, "entries", "registered")
+                doc["registered"][context_id] = {"version": version, "chain": hashes}
+                live: dict[str, bool] = {context_id: True}
+                for chunks, digest in enumerate(hashes, 1):
+                    entry = doc["entries"].get(digest)
+                    if entry is not None and entry[1] not in live:
+                        live[entry[1]] = entry[1] in doc["registered"] and await self._has_manifest(entry[1])
+                    if entry is None or entry[1] == context_id or not live[entry[1]]:
+                        doc["entries"][digest] = [chunks, context_id]
+                await self._write_doc(root_path, doc)
+
+    async def evict_prefixes(self, budget_bytes: int, *, keep: str | None = None) -> list[str]:
+        check_index(budget_bytes, "budget_bytes")
+        with self._io_errors():
+            async with self._prefix_lock():
+                ledger_path = self.root / _PREFIXES / _LEDGER
+                ledger = await self._read_doc(ledger_path, "contexts")
+                records = ledger["contexts"]
+                total = sum(record["bytes"] for record in records.values())
+                victims = []
+                for _, context_id in sorted((r["used"], c) for c, r in records.items() if c != keep):
+                    if total <= budget_bytes:
+                        break
+                    victims.append((context_id, records.pop(context_id)))
+                    total -= victims[-1][1]["bytes"]
+                if not victims:
+                    return []
+                await self._write_doc(ledger_path, ledger)
+                for root in {record["root"] for _, record in victims}:
+                    await self._forget(root, [(c, r["version"]) for c, r in victims if r["root"] == root])
+                for context_id, record in victims:
+                    with contextlib.suppress(ContextNotFound):  # deleted by hand, or re-put since
+                        await self._delete_context(context_id, record["version"])
+        return [context_id for context_id, _ in victims]
+
+    async def _forget(self, root: str, contexts: list[tuple[str, str]]) -> None:
+        """Drop the registrations (at those versions) and index entries of ``contexts``."""
+        path = self._root_path(root)
+        doc = await self._read_doc(path, "entries", "registered")
+        for context_id, version in contexts:
+            registration = doc["registered"].get(context_id)
+            if registration is None or registration["version"] != version:
+                continue
+            for chunks, digest in enumerate(registration["chain"], 1):
+                if doc["entries"].get(digest) == [chunks, context_id]:
+                    del doc["entries"][digest]
+            del doc["registered"][context_id]
+        await self._write_doc(path, doc)
+
+    async def prefix_usage(self) -> PrefixUsage:
+        with self._io_errors():
+            ledger = await self._read_doc(self.root / _PREFIXES / _LEDGER, "contexts")
+        records = ledger["contexts"].values()
+        return PrefixUsage(contexts=len(records), bytes=sum(record["bytes"] for record in records))
+
     async def close(self) -> None:
         """Nothing to release: files are opened per operation."""
 
@@ -371,13 +519,15 @@ class FileContextWriter(ContextWriter):
         with self._store._io_errors():
             await _atomic_write(self._dir / name, data, sync_dir=False)
 
-    async def _commit(self, manifest: Manifest) -> None:
+    async def _commit(self, manifest: Manifest, replace: bool) -> None:
         with self._store._io_errors():
-            await self._switch(manifest)
+            await self._switch(manifest, replace)
 
-    async def _switch(self, manifest: Manifest) -> None:
+    async def _switch(self, manifest: Manifest, replace: bool) -> None:
         await asyncio.to_thread(fsync_dir, self._dir)  # staged files durable before the switch
         async with self._store._context_lock(self.context_id) as context_dir:
+            if not replace and await aiofiles.os.path.exists(context_dir / _MANIFEST):
+                raise ContextExists(self.context_id, self._store.url)
             await _atomic_write(context_dir / _MANIFEST, manifest.to_bytes(), sync_dir=False)
             self._committed = True  # the rename is the commit point
             await asyncio.to_thread(fsync_dir, context_dir)

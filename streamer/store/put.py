@@ -38,7 +38,9 @@ import numpy as np
 import zstandard
 
 from streamer.wire.manifest import ChunkInfo, Manifest, validate_context_id
-from streamer.store import ContextWriter, Store
+from streamer.store import ContextExists, ContextNotFound, ContextWriter, Store
+from streamer.store.base import check_index
+from streamer.store.prefix import PrefixIdentity, PrefixMatch, prefix_chain, prefix_context_id
 
 DEFAULT_CHUNK_TOKENS = 1536
 _TOKEN_DTYPE = np.dtype("<u4")
@@ -190,7 +192,8 @@ async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Te
 async def put_context(store: Store, context_id: str, kv: torch.Tensor,
                       token_ids: Sequence[int] | np.ndarray | torch.Tensor, *,
                       profile: codec.Profile | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                      levels: Iterable[int] | None = None, vocab_size: int | None = None) -> Manifest:
+                      levels: Iterable[int] | None = None, vocab_size: int | None = None,
+                      replace: bool = True) -> Manifest:
     """Encode ``kv`` [layers, 2, tokens, heads, head_dim] chunk by chunk at ``levels``
     (default: all of the profile's) and commit it to ``store`` as a new version.
 
@@ -198,8 +201,9 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
     profile calibrated once per model on other text makes no per-context fitting
     necessary). The profile is stored too. ``vocab_size`` (the model's vocabulary size,
     ``streamer.model.hf.vocab_size``) is recorded in the manifest, so a receiver can
-    range-check the text fallback's ids; every id must be below it. Returns the committed
-    manifest.
+    range-check the text fallback's ids; every id must be below it. ``replace=False``:
+    ContextExists (nothing committed) if the context already exists. Returns the
+    committed manifest.
     """
     import codec
     from codec.profile import validate_kv
@@ -227,5 +231,53 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
             dtype=str(kv.dtype).removeprefix("torch."), tokens=tokens, profile_id=profile.id,
             level_distortion=tuple(profile.targets), chunks=tuple(chunks), created=time.time(),
             vocab_size=vocab_size)
-        await writer.commit(manifest)
+        await writer.commit(manifest, replace=replace)
     return manifest
+
+
+def stored_bytes(manifest: Manifest) -> int:
+    """What a context holds in the store: its blobs at every level and its texts."""
+    return sum(sum(chunk.sizes) + chunk.text_bytes for chunk in manifest.chunks)
+
+
+async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
+                     token_ids: Sequence[int] | np.ndarray | torch.Tensor, profile: codec.Profile, *,
+                     budget_bytes: int | None, levels: Iterable[int] | None = None,
+                     vocab_size: int | None = None) -> PrefixMatch:
+    """Store ``kv`` content-addressed: as ``prefix_context_id(chain)`` (``chain`` =
+    ``prefix_chain(identity, token_ids)``), registered and indexed so that a lookup of any
+    chain starting with ``chain[:i]`` finds it, then evict least-recently-used
+    content-addressed contexts while their total bytes exceed ``budget_bytes`` (None: no
+    eviction; the context just put is never evicted, even when it alone exceeds the
+    budget). Name-addressed contexts are never evicted.
+
+    ``kv`` must be exact, computed from ``token_ids`` by a full prefill, never on top of a
+    lossy fetched prefix: the hash says "these tokens", not how the KV was made. A context
+    already stored under the chain (an exact copy) is never replaced: it is registered and
+    indexed again and returned. ``profile`` must be the identity's profile, and the
+    identity's format version this codec's. Returns the match for the whole chain.
+    """
+    from codec.container import FORMAT_VERSION
+
+    if profile.id != identity.profile_id:
+        raise ValueError(f"profile {profile.id!r} is not the identity's profile {identity.profile_id!r}")
+    if identity.format_version != FORMAT_VERSION:
+        raise ValueError(f"identity's format_version {identity.format_version} is not this codec's "
+                         f"({FORMAT_VERSION}): the chain would name blobs it does not hold")
+    if budget_bytes is not None:
+        check_index(budget_bytes, "budget_bytes")
+    chain = prefix_chain(identity, token_ids)
+    context_id = prefix_context_id(chain)
+    try:
+        manifest = await store.get_manifest(context_id)
+    except ContextNotFound:
+        try:
+            manifest = await put_context(store, context_id, kv, token_ids, profile=profile,
+                                         chunk_tokens=identity.chunk_tokens, levels=levels,
+                                         vocab_size=vocab_size, replace=False)
+        except ContextExists:  # a concurrent put of the same tokens committed first
+            manifest = await store.get_manifest(context_id)
+    await store.register_prefix(chain, manifest.version, stored_bytes(manifest))
+    if budget_bytes is not None:
+        await store.evict_prefixes(budget_bytes, keep=context_id)
+    return PrefixMatch(context_id, len(chain))

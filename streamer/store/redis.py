@@ -11,10 +11,27 @@ Keys (``P`` defaults to ``kvwire``; a distinct prefix lets tenants or tests shar
     P:ctx:{<context_id>}:<version>:chunk:<i>:<level>
     P:ctx:{<context_id>}:<version>:text:<i>
 
+    P:px:{<h_1>}                  hash: a chain root's index entries and registrations
+    P:px-lru:{P}                  sorted set: content-addressed context -> last use
+    P:px-info:{P}                 hash: context -> "<bytes> <version> <h_1>"
+    P:px-bytes:{P}                the ledger's total bytes
+
 ``{<context_id>}`` is a Redis Cluster hash tag: every key of a context, whatever its
 version, hashes to the same slot, so one Lua script can touch them all atomically (a
 cluster runs a script only if all its keys share a slot). Ids never contain braces, so
 the tag is exactly the context id. Profiles carry no tag: any sender finds them by key.
+
+Content-addressed prefixes (see ``store.base``): a chain's index lives in one hash per
+chain root ``h_1`` (fields ``<h_i>`` -> ``"<i> <context id>"``, ``c:<id>`` -> ``"<version>
+<chain as concatenated hex>"`` registering a context, ``u:<id>`` -> its last use), so a
+lookup is one script on one slot (``_PX_LOOKUP``): it reads the entries, answers the
+longest whose context is registered, and with ``touch`` stamps ``u:<id>``, all in one
+round trip. The LRU ledger (three keys sharing the hash tag ``{P}``) orders contexts by
+the last use it knows of; eviction takes its oldest, and if the root's ``u:<id>`` is
+newer (a lookup touched it) first moves it up (a second chance, so a lookup never has
+to write to the ledger's slot), else claims it (``_PX_CLAIM``, atomic: one evictor wins),
+drops its registration and entries (``_PX_FORGET``) and then its data (at that version).
+Last-use times are the clocks of the hosts that put and look up.
 
 Staged keys carry a TTL (``STAGING_TTL_S``), so a put that dies leaves nothing behind
 for long. Commit is one Lua script on the context's slot (``_COMMIT``): it checks that
@@ -36,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -45,9 +62,10 @@ from redis.exceptions import (ClusterDownError, ClusterError, ConnectionError, M
                               TryAgainError)
 
 from streamer.wire.manifest import Manifest, ManifestError, check_manifest_size, validate_context_id, validate_id
-from streamer.store.base import (BytesLike, ChunkNotFound, ContextNotFound, ContextWriter,
+from streamer.store.base import (BytesLike, ChunkNotFound, ContextExists, ContextNotFound, ContextWriter,
                                  ProfileNotFound, Store, StoreError, check_index, check_location,
                                  manifest_items, parse_manifest)
+from streamer.store.prefix import PrefixMatch, PrefixUsage, check_chain, prefix_context_id
 
 if TYPE_CHECKING:
     import codec
@@ -109,6 +127,95 @@ return removed
 _SIZE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 return redis.call('STRLEN', KEYS[1])
+"""
+
+
+# Content-addressed prefixes. KEYS[1] of _PX_LOOKUP, _PX_INDEX and _PX_FORGET is a chain
+# root's hash; an entry's value is "<chunks> <context id>", a registration "c:<id>".
+#: ARGV: touch ("1"/"0"), now, h_1..h_n. Returns {i, id} for the longest registered entry, or nil.
+_PX_LOOKUP = """
+local values = redis.call('HMGET', KEYS[1], unpack(ARGV, 3))
+for i = #values, 1, -1 do
+  local v = values[i]
+  if v then
+    local sep = string.find(v, ' ', 1, true)
+    local ctx = string.sub(v, sep + 1)
+    if tonumber(string.sub(v, 1, sep - 1)) == i and redis.call('HEXISTS', KEYS[1], 'c:' .. ctx) == 1 then
+      if ARGV[1] == '1' then redis.call('HSET', KEYS[1], 'u:' .. ctx, ARGV[2]) end
+      return {i, ctx}
+    end
+  end
+end
+return false
+"""
+#: ARGV: id, version, now, h_1..h_n. Registers the context and points every entry at it
+#: that is absent or points at an unregistered context. Returns 1.
+_PX_INDEX = """
+local ctx = ARGV[1]
+redis.call('HSET', KEYS[1], 'c:' .. ctx, ARGV[2] .. ' ' .. table.concat(ARGV, '', 4), 'u:' .. ctx, ARGV[3])
+for i = 4, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  local other = v and string.sub(v, string.find(v, ' ', 1, true) + 1)
+  if not other or other == ctx or redis.call('HEXISTS', KEYS[1], 'c:' .. other) == 0 then
+    redis.call('HSET', KEYS[1], ARGV[i], (i - 3) .. ' ' .. ctx)
+  end
+end
+return 1
+"""
+#: ARGV: id, version. Drops the registration (if at that version) and the entries pointing
+#: at it. Returns 1, or 0 if it was not registered at that version.
+_PX_FORGET = """
+local ctx = ARGV[1]
+local rec = redis.call('HGET', KEYS[1], 'c:' .. ctx)
+if not rec then return 0 end
+local sep = string.find(rec, ' ', 1, true)
+if string.sub(rec, 1, sep - 1) ~= ARGV[2] then return 0 end
+local chain = string.sub(rec, sep + 1)
+for i = 1, #chain / 64 do
+  local h = string.sub(chain, (i - 1) * 64 + 1, i * 64)
+  if redis.call('HGET', KEYS[1], h) == i .. ' ' .. ctx then redis.call('HDEL', KEYS[1], h) end
+end
+redis.call('HDEL', KEYS[1], 'c:' .. ctx, 'u:' .. ctx)
+return 1
+"""
+# The ledger's scripts: KEYS = the sorted set, the info hash, the total.
+#: ARGV: id, now, bytes, version, root. Records (or re-records) one context. Returns 1.
+_PX_ACCOUNT = """
+local old = redis.call('HGET', KEYS[2], ARGV[1])
+if old then redis.call('DECRBY', KEYS[3], tonumber(string.match(old, '^(%d+)'))) end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3] .. ' ' .. ARGV[4] .. ' ' .. ARGV[5])
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('INCRBY', KEYS[3], ARGV[3])
+return 1
+"""
+#: ARGV: the id to skip ("" for none). Returns {total} and, if there is one, the oldest
+#: other context's id, its last use and its info.
+_PX_OLDEST = """
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local head = redis.call('ZRANGE', KEYS[1], 0, 1, 'WITHSCORES')
+for i = 1, #head, 2 do
+  if head[i] ~= ARGV[1] then
+    return {total, head[i], head[i + 1], redis.call('HGET', KEYS[2], head[i]) or ''}
+  end
+end
+return {total}
+"""
+#: ARGV: id, version. Removes the context from the ledger if it is there at that version
+#: (returns 1: this caller evicts it); a set member without info is dropped (returns 0).
+_PX_CLAIM = """
+local rec = redis.call('HGET', KEYS[2], ARGV[1])
+if not rec then redis.call('ZREM', KEYS[1], ARGV[1]) return 0 end
+local bytes, version = string.match(rec, '^(%d+) (%S+)')
+if version ~= ARGV[2] then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DECRBY', KEYS[3], bytes)
+return 1
+"""
+#: ARGV: id, last use. Moves a context up the LRU order (only if it is still recorded).
+_PX_RAISE = """
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1]) end
+return 1
 """
 
 
@@ -188,7 +295,11 @@ class RedisStore(Store):
                 await asyncio.sleep(_RETRY_DELAY_S)
 
     async def _script(self, script: str, keys: list[str], *args: Any) -> int:
-        return int(await self._call(lambda: self._client.eval(script, len(keys), *keys, *args)))
+        return int(await self._eval(script, keys, *args))
+
+    async def _eval(self, script: str, keys: list[str], *args: Any) -> Any:
+        """The reply of ``script`` (every key on one slot), retried as ``_call`` does."""
+        return await self._call(lambda: self._client.eval(script, len(keys), *keys, *args))
 
     async def _scan(self, pattern: str) -> list[bytes]:
         """Every key matching ``pattern`` (on every master of a cluster)."""
@@ -315,14 +426,18 @@ class RedisStore(Store):
         keys = await self._scan(f"{head}*{tail}")
         return sorted({key.decode()[len(head):-len(tail)] for key in keys})
 
-    async def delete_context(self, context_id: str) -> None:
+    async def delete_context(self, context_id: str, *, version: str | None = None) -> None:
         mkey = self._manifest_key(context_id)
+        if version is not None:
+            validate_id(version, "version")
         tried = False
         while True:
             raw = await self._get_raw_manifest(context_id)
             if raw is None:
                 if tried:  # an earlier attempt deleted it, though its reply was lost
                     return
+                raise ContextNotFound(context_id, self.url)
+            if version is not None and parse_manifest(context_id, raw, self.url).version != version:
                 raise ContextNotFound(context_id, self.url)
             tried = True
             keys = [mkey, *self._committed_keys(context_id, raw)]
@@ -358,6 +473,65 @@ class RedisStore(Store):
             if removed >= 0:  # else a commit got in meanwhile: it may have made some current
                 return removed
 
+    # --------------------------------------------------------------- prefixes
+    def _root_key(self, root: str) -> str:
+        return self._key("px", f"{{{root}}}")
+
+    def _ledger_keys(self) -> list[str]:
+        """The LRU ledger's sorted set, info hash and total, sharing the hash tag ``{P}``."""
+        return [self._key(name, f"{{{self.prefix}}}") for name in ("px-lru", "px-info", "px-bytes")]
+
+    async def lookup_prefix(self, chain: Sequence[str], *, touch: bool = True) -> PrefixMatch | None:
+        hashes = check_chain(chain)
+        if not hashes:
+            return None
+        reply = await self._eval(_PX_LOOKUP, [self._root_key(hashes[0])], "1" if touch else "0",
+                                 repr(time.time()), *hashes)
+        if not reply:
+            return None
+        chunks, context_id = reply
+        return PrefixMatch(context_id.decode(), int(chunks))
+
+    async def register_prefix(self, chain: Sequence[str], version: str, nbytes: int) -> None:
+        context_id = prefix_context_id(chain)
+        hashes = check_chain(chain, limit=None)
+        validate_id(version, "version")
+        check_index(nbytes, "nbytes")
+        now = repr(time.time())
+        # the ledger first: a context is accounted (so evictable) before anything finds it
+        await self._eval(_PX_ACCOUNT, self._ledger_keys(), context_id, now, nbytes, version, hashes[0])
+        await self._eval(_PX_INDEX, [self._root_key(hashes[0])], context_id, version, now, *hashes)
+
+    async def evict_prefixes(self, budget_bytes: int, *, keep: str | None = None) -> list[str]:
+        check_index(budget_bytes, "budget_bytes")
+        ledger = self._ledger_keys()
+        evicted: list[str] = []
+        while True:
+            reply = await self._eval(_PX_OLDEST, ledger, keep or "")
+            if int(reply[0]) <= budget_bytes or len(reply) == 1:
+                return evicted
+            context_id, score, info = reply[1].decode(), float(reply[2]), reply[3].decode()
+            _, version, root = (info.split(" ") + ["", "", ""])[:3]
+            used = None
+            if root:
+                key = self._root_key(root)
+                used = await self._call(lambda: self._client.hget(key, f"u:{context_id}"))
+            if used is not None and float(used) > score:  # looked up since: a second chance
+                await self._eval(_PX_RAISE, ledger, context_id, used)
+                continue
+            if await self._eval(_PX_CLAIM, ledger, context_id, version) != 1:
+                continue  # another evictor or a re-put got there first
+            await self._eval(_PX_FORGET, [self._root_key(root)], context_id, version)
+            with contextlib.suppress(ContextNotFound):  # deleted by hand, or re-put since
+                await self.delete_context(context_id, version=version)
+            evicted.append(context_id)
+
+    async def prefix_usage(self) -> PrefixUsage:
+        lru, _, total = self._ledger_keys()
+        contexts = await self._call(lambda: self._client.zcard(lru))
+        nbytes = await self._call(lambda: self._client.get(total))
+        return PrefixUsage(contexts=int(contexts), bytes=int(nbytes or 0))
+
     async def close(self) -> None:
         async with self._errors():
             await self._client.aclose()
@@ -382,7 +556,7 @@ class RedisContextWriter(ContextWriter):
     def _staged_keys(self) -> list[str]:
         return self._store._keys(self.context_id, self.version, self._blobs, self._texts)
 
-    async def _commit(self, manifest: Manifest) -> None:
+    async def _commit(self, manifest: Manifest, replace: bool) -> None:
         store = self._store
         mkey = store._manifest_key(self.context_id)
         staged = self._staged_keys()
@@ -391,6 +565,8 @@ class RedisContextWriter(ContextWriter):
             raw = await store._get_raw_manifest(self.context_id)
             if raw == data:  # an earlier attempt committed, though its reply was lost
                 break
+            if raw is not None and not replace:  # the script's SHA check makes this atomic
+                raise ContextExists(self.context_id, store.url)
             old = store._committed_keys(self.context_id, raw)
             result = await store._script(_COMMIT, [mkey, *staged, *old], _sha1(raw), len(staged), data)
             if result == -1:
