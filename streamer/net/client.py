@@ -12,7 +12,7 @@ import contextlib
 import ssl as _ssl
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from streamer.wire import auth, protocol as p
 from streamer.wire.events import Level
@@ -46,6 +46,11 @@ class ConnectionLost(StreamError):
 class ProfileTooLarge(ConnectionLost):
     """A sender sent more profile bytes than the receiver accepts (``MAX_PROFILE_BYTES``);
     the connection is dropped (another sender may be tried)."""
+
+
+class LookupUnsupported(StreamError):
+    """The sender speaks a protocol version without LOOKUP (before version 3): it cannot
+    say which prefixes it holds. Retrying the same sender cannot help."""
 
 
 class AuthenticationFailed(StreamError):
@@ -240,6 +245,20 @@ class ClientConnection:
         if not isinstance(event, answer):
             raise ConnectionLost(f"expected {answer.__name__}, got {event!r}")
         return event
+
+    async def lookup(self, chain: Sequence[str], timeout: float) -> p.Prefix:
+        """Which stored context holds the longest prefix of ``chain`` (1 .. ``p.MAX_LOOKUP_CHAIN``
+        lowercase-hex hashes, ``streamer.store.prefix.prefix_chain``): one round trip, with
+        nothing else outstanding. The answer's ``context_id`` is None (and ``chunks`` 0) when
+        not even the first chunk is stored. LookupUnsupported on a connection below protocol
+        version 3, LocalProtocolError (nothing sent) for a chain the protocol refuses,
+        ServerError when the sender's store fails."""
+        if not self.conn.lookups:
+            raise LookupUnsupported(f"{self.address[0]}:{self.address[1]} speaks protocol version "
+                                    f"{self.conn.version}; lookups need version {p.LOOKUP_VERSION}")
+        answer = await self.call(p.Lookup(chain=tuple(chain)), p.Prefix, timeout)
+        assert isinstance(answer, p.Prefix)
+        return answer
 
     async def get_profile(self, profile_id: str, timeout: float, *,
                           max_bytes: int = MAX_PROFILE_BYTES) -> bytes:

@@ -9,7 +9,8 @@ most ``_PART_BYTES``,
 draining the socket after every part: a slow receiver holds at most one part in
 our buffers and never makes us read more from the store (backpressure).
 The daemon itself is stateless (every answer comes from the store), so any number
-of senders can share one redis store.
+of senders can share one redis store. A LOOKUP (protocol version 3) is answered from
+``Store.lookup_prefix``: the stored context holding the longest prefix of the chain.
 
 Security and limits (all in :class:`ServerConfig`): an auth token (HMAC
 challenge-response in the handshake, required by default off loopback), TLS through
@@ -100,6 +101,9 @@ class ServerConfig:
     allow_insecure: bool = False
     #: Prometheus metrics (a SenderMetrics, or True for a fresh one; see Sender.metrics)
     metrics: Optional[SenderMetrics] = field(default=None, repr=False, compare=False)
+    #: protocol versions offered (a receiver gets the highest it shares); fewer than all
+    #: to roll a fleet forward in steps, or to test against an older sender
+    versions: tuple[int, ...] = p.SUPPORTED_VERSIONS
 
     def __post_init__(self) -> None:
         for name in ("idle_timeout", "read_timeout", "write_timeout", "shutdown_grace"):
@@ -107,6 +111,11 @@ class ServerConfig:
         for name in ("max_sessions", "max_pending_requests"):
             require_int("ServerConfig", name, getattr(self, name), 1)
         require_max_frame("ServerConfig", self.max_frame)
+        versions = tuple(self.versions)
+        if not versions or not set(versions) <= set(p.SUPPORTED_VERSIONS) or len(set(versions)) != len(versions):
+            raise ValueError(f"ServerConfig.versions must be distinct versions among {p.SUPPORTED_VERSIONS}, "
+                             f"got {self.versions!r}")
+        object.__setattr__(self, "versions", versions)
         if self.ssl is not None and not isinstance(self.ssl, _ssl.SSLContext):
             raise TypeError(f"ServerConfig.ssl must be an ssl.SSLContext, got {type(self.ssl).__name__}")
         object.__setattr__(self, "auth_token", auth.normalize_token(self.auth_token))
@@ -216,7 +225,7 @@ class _ConnectionHandler:
         self.reader = reader
         self.writer = writer
         self.conn = p.Connection(p.Role.SERVER, max_frame=config.max_frame,
-                                 auth_token=config.auth_token)
+                                 auth_token=config.auth_token, versions=config.versions)
         self.metrics = config.metrics
         self.session_id = new_session_id()
         #: every log line of this connection carries its session id (record.session)
@@ -311,7 +320,7 @@ class _ConnectionHandler:
                 events = self.conn.receive_data(data)
             except p.ProtocolError as exc:
                 for event in exc.events:   # the state is ERROR now: nothing more is sent
-                    if isinstance(event, (p.Open, p.GetProfile, p.Request)):
+                    if isinstance(event, (p.Open, p.GetProfile, p.Lookup, p.Request)):
                         self._dispatch(event)
                 self._error("auth" if isinstance(exc, p.AuthenticationError)
                             else getattr(exc, "code", "protocol"))
@@ -337,7 +346,7 @@ class _ConnectionHandler:
         no routing: the protocol marked its request in the ledger, which ``_send_chunk``
         asks (``Connection.head_cancelled``)."""
         if isinstance(event, p.Hello):
-            version = max(set(event.versions) & set(p.SUPPORTED_VERSIONS))
+            version = max(set(event.versions) & set(self.conn.versions))
             required = self.conn.auth_required
             self._send_now(self.conn.send(p.Welcome(
                 version=version, server=SERVER_NAME, max_frame=self.config.max_frame,
@@ -346,7 +355,7 @@ class _ConnectionHandler:
         elif isinstance(event, p.Auth):   # the connection checked the MAC already
             self._send_now(self.conn.send(self.conn.auth_ok_event()))
             self._last_activity = self._loop.time()
-        elif isinstance(event, (p.Open, p.GetProfile, p.Request)):
+        elif isinstance(event, (p.Open, p.GetProfile, p.Lookup, p.Request)):
             self._last_activity = self._loop.time()
             self.requests.put_nowait((event, self._loop.time()))
         elif isinstance(event, (p.Close, p.ConnectionClosed, p.Error)):
@@ -396,6 +405,7 @@ class _ConnectionHandler:
     async def _answer(self, request: p.Event) -> str:
         """Answer one request; its kind for the latency histogram."""
         kind = ("open" if isinstance(request, p.Open) else "profile" if isinstance(request, p.GetProfile)
+                else "lookup" if isinstance(request, p.Lookup)
                 else "text" if request.level == p.TEXT_LEVEL else "chunk")  # type: ignore[attr-defined]
         try:
             if isinstance(request, p.Open):
@@ -407,6 +417,8 @@ class _ConnectionHandler:
                     raise StoredDataInvalid(f"stored manifest of context {context_id!r} is corrupt: {exc}") \
                         from None
                 await self._write(self.conn.send(p.ManifestData(data=self.manifest.to_bytes())))
+            elif isinstance(request, p.Lookup):
+                await self._write(self.conn.send(await self._lookup(request.chain)))
             elif isinstance(request, p.GetProfile):
                 # the size first: an oversize profile is refused without being loaded
                 _check_profile_size(await self.store.profile_size(request.profile_id), request.profile_id)
@@ -434,6 +446,21 @@ class _ConnectionHandler:
             self.log.error("invalid data in the store answering %r: %s", request, exc)
             await self._write(self.conn.send(p.Error("internal", str(exc))))
         return kind
+
+    async def _lookup(self, chain: tuple[str, ...]) -> p.Prefix:
+        """The PREFIX answering a LOOKUP of ``chain``: the store's longest match. A match
+        the protocol could not carry (more chunks than asked, an invalid context id) is
+        the store's fault: StoredDataInvalid, never sent on."""
+        match = await self.store.lookup_prefix(chain)
+        if match is None:
+            return p.Prefix(context_id=None, chunks=0)
+        if not 1 <= match.chunks <= len(chain):
+            raise StoredDataInvalid(f"the store matched {match.chunks} chunks of a chain of {len(chain)}")
+        try:
+            validate_context_id(match.context_id)
+        except ValueError as exc:
+            raise StoredDataInvalid(f"the store matched an invalid context: {exc}") from None
+        return p.Prefix(context_id=match.context_id, chunks=match.chunks)
 
     async def _send_chunk(self, request: p.Request) -> None:
         chunk, level = request.chunk, request.level

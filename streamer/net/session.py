@@ -18,6 +18,11 @@ connection in TLS. ``max_frame`` caps the frames the sender may send us.
 above it the session stops reading from the socket (TCP backpressure on the sender)
 until the consumer catches up, except while the consumer waits for data not yet
 received, so a refetch can never deadlock behind the backlog.
+
+``chunks=k`` fetches only the context's first ``k`` chunks: the manifest is cut to them
+when the context opens (and again on every reconnect), so the plan, the deliveries and
+the report cover those alone (how a stored prefix of a longer prompt is fetched:
+``streamer.net.prefix_fetch``).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from streamer.adapt.recompute import RECENT
 from streamer.fetch.controller import Beliefs, FetchController, FetchSettings
 from streamer.fetch.report import ChunkReport, FetchReport
 from streamer.net.client import (MAX_PROFILE_BYTES, AuthenticationFailed, ClientConnection, ConnectionLost,
-                                 ServerError)
+                                 ServerError, StreamError)
 from streamer.net.config import SessionConfig
 from streamer.net.devices import decode_executor, section_decoder
 from streamer.net.driver import ContextChanged, ContextTooLarge, FetchDriver, FetchFailed, TextNotConsumed
@@ -85,6 +90,22 @@ async def connect(config: SessionConfig, host: str, port: int, *, timeout: float
         ssl=config.ssl_context() if ssl is None else ssl, server_hostname=config.server_hostname)
 
 
+class ChunksOutOfRange(StreamError, ValueError):
+    """``StreamSession(chunks=k)`` names more chunks than the context has: refused when the
+    context opens, before anything is fetched (retrying cannot help)."""
+
+
+def leading_chunks(manifest: Manifest, chunks: int) -> Manifest:
+    """``manifest`` cut to its first ``chunks`` chunks (their tokens, sizes and text):
+    what a session fetching only those plans, requests and reports."""
+    if not 1 <= chunks <= len(manifest.chunks):
+        raise ChunksOutOfRange(f"asked for the first {chunks} chunks of context {manifest.context_id!r}, "
+                               f"which has {len(manifest.chunks)}")
+    if chunks == len(manifest.chunks):
+        return manifest
+    return dataclasses.replace(manifest, chunks=manifest.chunks[:chunks], tokens=manifest.chunks[chunks - 1].end)
+
+
 class StreamSession:
     """Receive one context; see the module docstring. Use as an async context manager."""
 
@@ -92,10 +113,17 @@ class StreamSession:
                  on_layer: Callable[..., Any] | None = None, on_text: Callable[..., Any] | None = None,
                  on_chunk: Callable[[ChunkReport], Any] | None = None,
                  servers: Sequence[tuple[str, int]] = (),
-                 connection: ClientConnection | None = None, **options: Any) -> None:
+                 connection: ClientConnection | None = None, chunks: int | None = None,
+                 **options: Any) -> None:
         """``config`` says how to fetch; keyword ``options`` (any SessionConfig field, e.g.
         ``slo=0.5``) override it, or build one when ``config`` is None. ``servers`` are
-        fallbacks after ``host:port``; ``connection`` is an idle connection to reuse."""
+        fallbacks after ``host:port``; ``connection`` is an idle connection to reuse;
+        ``chunks`` (>= 1) fetches only the context's first ``chunks`` chunks (None: all;
+        ChunksOutOfRange on entering when the context has fewer)."""
+        if chunks is not None and (type(chunks) is not int or chunks < 1):
+            raise ValueError(f"chunks must be an int >= 1 or None, got {chunks!r}")
+        #: the leading chunks to fetch (None: all of them)
+        self.chunks = chunks
         config = SessionConfig(**options) if config is None else dataclasses.replace(config, **options)
         self.config = config
         self._ssl = config.ssl_context()
@@ -151,6 +179,8 @@ class StreamSession:
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "StreamSession":
+        if self._client is not None:   # opened already (``prefix_fetch.open_prefix_session``)
+            return self
         if self._decode is codec.decode_section:
             # the CPU decoder's numba kernels compile (cold cache) or load now, not in
             # fetch(), whose clock would count the stall as a slow link (once per process)
@@ -160,8 +190,13 @@ class StreamSession:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._client is not None:
-            await self._client.close()
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection (what leaving ``async with`` does)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
     def set_callbacks(self, *, on_layer: Callable[..., Any] | None = None,
                       on_text: Callable[..., Any] | None = None) -> None:
@@ -187,12 +222,21 @@ class StreamSession:
             return True
         except ServerError as exc:
             if exc.code in ("not_found", "bad_request"):
+                self._drop_client()
                 raise
         except ConnectionLost:
             pass
+        except BaseException:   # not retryable (too large, too few chunks, cancelled): no leak
+            self._drop_client()
+            raise
         client.abort()
         self._client = None
         return False
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            self._client.abort()
+            self._client = None
 
     def detach_connection(self) -> ClientConnection | None:
         """After ``fetch()``: hand the connection back for reuse (None if it is not reusable);
@@ -222,11 +266,9 @@ class StreamSession:
                 profile_seconds = await self._open_context()
                 self.connect_seconds = time.monotonic() - started - profile_seconds
                 return
-            except (AuthenticationFailed, ContextTooLarge):
-                if self._client is not None:
-                    self._client.abort()
-                    self._client = None
-                raise  # a wrong token, or a context too large here: retrying cannot help
+            except (AuthenticationFailed, ContextTooLarge, ChunksOutOfRange):
+                self._drop_client()
+                raise  # a wrong token, a context too large here or too short: retrying cannot help
             except ServerError as exc:
                 if exc.code in ("not_found", "bad_request"):
                     raise  # no such context, or an invalid id: retrying elsewhere cannot help
@@ -251,6 +293,8 @@ class StreamSession:
         answer = await client.call(p.Open(context_id=self.context_id, slo=self.slo), p.ManifestData, timeout)
         received = len(answer.data)
         manifest = Manifest.from_bytes(answer.data)
+        if self.chunks is not None:
+            manifest = leading_chunks(manifest, self.chunks)
         limit = self.config.max_context_bytes
         if limit is not None and manifest.decoded_bytes > limit:
             raise ContextTooLarge(f"context {self.context_id!r} decodes to {manifest.decoded_bytes} bytes "
@@ -337,4 +381,5 @@ class StreamSession:
 
 
 #: the fetch's errors are raised by its driver; callers import them from here
-__all__ = ["ContextChanged", "ContextTooLarge", "FetchFailed", "StreamSession", "TextNotConsumed", "connect"]
+__all__ = ["ChunksOutOfRange", "ContextChanged", "ContextTooLarge", "FetchFailed", "StreamSession", "TextNotConsumed",
+           "connect", "leading_chunks"]
