@@ -260,3 +260,23 @@ def test_an_authenticated_client_looks_up() -> None:
     c.receive_data(s.send(s.auth_ok_event()))
     assert s.receive_data(c.send(Lookup(chain(2)))) == [Lookup(chain(2))]
     assert c.receive_data(s.send(Prefix("doc", 1))) == [Prefix("doc", 1)]
+
+
+# ----------------------------------------------------------------------------- fuzz states
+def test_the_fuzz_states_for_lookups_are_live() -> None:
+    """``kvwire fuzz --target protocol`` reaches the lookup rules: its "client with lookups"
+    takes a valid PREFIX and refuses one claiming more chunks than asked, its version 3
+    server takes the largest LOOKUP, its version 2 server refuses any."""
+    from streamer.tools import fuzz
+
+    states = dict(fuzz.PROTOCOL_STATES)
+    client = states["client with lookups"]()
+    assert client.receive_data(frames.encode(Prefix("px-" + "ab" * 32, 2))[1][0]) == [Prefix("px-" + "ab" * 32, 2)]
+    with pytest.raises(RemoteProtocolError, match="does not answer the oldest request, OPEN"):
+        client.receive_data(raw(FrameType.PREFIX, {"context_id": None, "chunks": 0}))
+    with pytest.raises(RemoteProtocolError, match="claims 3 chunks of a LOOKUP of 2 hashes"):
+        states["client with lookups"]().receive_data(raw(FrameType.PREFIX, {"context_id": "px", "chunks": 3}))
+    biggest = Lookup(chain(MAX_LOOKUP_CHAIN))
+    assert states["server after handshake"]().receive_data(frames.encode(biggest)[1][0]) == [biggest]
+    with pytest.raises(RemoteProtocolError, match="lookups need version 3"):
+        states["server after handshake, version 2"]().receive_data(frames.encode(biggest)[1][0])

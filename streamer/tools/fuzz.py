@@ -9,8 +9,9 @@ same code and any failure is reproduced by its bytes alone):
 ``protocol``
     ``protocol.Connection.receive_data`` in one of several live states (server before
     and after the handshake, with a context open on the current version and on version
-    1, awaiting auth; client after the handshake, with requests outstanding, in the
-    middle of a chunk and of a continuation), fed in pieces:
+    1, after the handshake on version 2 (no LOOKUP), awaiting auth; client after the
+    handshake, with requests outstanding, in the middle of a chunk and of a
+    continuation, with LOOKUPs outstanding), fed in pieces:
     only ``RemoteProtocolError``, never one produced by the "internal error" safety
     net, and the connection must then be in ERROR.
 ``manifest``, ``text``
@@ -78,6 +79,7 @@ def check_frames(data: bytes) -> None:
 
 # ------------------------------------------------------------------------ protocol
 _PID = "0123456789abcdef"
+_CHAIN = tuple(hashlib.sha256(bytes([i])).hexdigest() for i in range(4))
 _TOKEN = "fuzz-token-0123456789"
 
 
@@ -169,6 +171,16 @@ def _client_continuing():
     return c
 
 
+def _client_looking_up():
+    """A client with a LOOKUP of two hashes, an OPEN and a LOOKUP of one outstanding."""
+    from streamer.wire.events import Lookup, Open
+
+    c, s = _wired()
+    for r in (Lookup(_CHAIN[:2]), Open("ctx", None), Lookup(_CHAIN[:1])):
+        s.receive_data(c.send(r))
+    return c
+
+
 #: The states an input's first byte picks from (modulo their number); new ones go last,
 #: so a corpus unit whose first byte is below the older count keeps its state.
 PROTOCOL_STATES: tuple[tuple[str, Callable], ...] = (
@@ -177,6 +189,7 @@ PROTOCOL_STATES: tuple[tuple[str, Callable], ...] = (
     ("client after handshake", _client_ready), ("client with requests", _client_requested),
     ("client mid chunk", _client_streaming),
     ("server with context, version 1", lambda: _server_open(1)), ("client mid continuation", _client_continuing),
+    ("server after handshake, version 2", lambda: _wired(2)[1]), ("client with lookups", _client_looking_up),
 )
 
 
@@ -229,17 +242,17 @@ def _frame(event) -> bytes:
 def _wire_seeds() -> tuple[list[bytes], list[bytes]]:
     """(frames a server receives, frames a client receives): one valid frame per kind."""
     from streamer.wire.events import (Auth, AuthOk, Cancel, ChunkBegin, ChunkEnd, ChunkPart, Close,
-                                      Error, GetProfile, Hello, ManifestData, Open, ProfileData, Request,
-                                      Text, Welcome)
+                                      Error, GetProfile, Hello, Lookup, ManifestData, Open, Prefix,
+                                      ProfileData, Request, Text, Welcome)
 
     mac = "ab" * 32
     to_server = [Hello(versions=(1, 2), client="fuzz"), Auth(nonce=mac, mac=mac), Open("ctx", 2.5),
-                 GetProfile(_PID), Request(5, 0), Request(6, "text"), Cancel(5), Close()]
+                 GetProfile(_PID), Request(5, 0), Request(6, "text"), Cancel(5), Lookup(_CHAIN), Close()]
     to_client = [Welcome(2, "fuzz", 1 << 20), AuthOk(mac), ManifestData(fuzz_data.seed_manifest()),
                  ProfileData(_PID, b"profile", more=True), ChunkBegin(1, 0, total_bytes=5, parts=2),
                  ChunkPart(1, 0, b"abc"), ChunkPart(1, 1, b"de"), ChunkEnd(1), ChunkEnd(3, cancelled=True),
                  Text(2, fuzz_data.seed_texts()[0]), Error("not_found", "no such context", fatal=False),
-                 Close()]
+                 Prefix("px-" + _CHAIN[1], 2), Prefix(None, 0), Close()]
     return [_frame(e) for e in to_server], [_frame(e) for e in to_client]
 
 
@@ -268,11 +281,34 @@ def continuation_seeds() -> tuple[list[bytes], list[bytes]]:
     return to_server, to_client
 
 
+def lookup_seeds() -> tuple[list[bytes], list[bytes]]:
+    """(frames a server receives, frames a client receives) around protocol version 3's
+    LOOKUP / PREFIX: the largest valid lookup and each way one can be wrong (one hash too
+    many, none, uppercase or short hex, not a list, not JSON), then "client with
+    lookups"'s answers and the ways a PREFIX can be wrong (more chunks than asked, a
+    context with no chunks, chunks with no context, one answering nothing)."""
+    from streamer.wire.events import Lookup, Prefix
+    from streamer.wire.frames import MAX_LOOKUP_CHAIN, FrameType
+
+    longest = [hashlib.sha256(i.to_bytes(2, "little")).hexdigest() for i in range(MAX_LOOKUP_CHAIN + 1)]
+    to_server = [_frame(Lookup(longest[:MAX_LOOKUP_CHAIN]))] + [
+        _control(FrameType.LOOKUP, {"chain": chain}) for chain in (
+            longest, [], [_CHAIN[0].upper()], [_CHAIN[0][:63]], _CHAIN[0], [_CHAIN[0], 7])] + [
+        struct.pack("<IHH", 9, int(FrameType.LOOKUP), 0) + b'{"chain":']
+    to_client = [_frame(e) for e in (Prefix("px-" + _CHAIN[1], 2), Prefix(None, 0), Prefix("ctx", 1))] + [
+        _control(FrameType.PREFIX, obj) for obj in (
+            {"context_id": "px", "chunks": 3}, {"context_id": "px", "chunks": 0}, {"context_id": None, "chunks": 1},
+            {"context_id": None, "chunks": 0})]
+    return to_server, to_client
+
+
 def seed_inputs(target: str) -> list[bytes]:
     """Valid inputs of ``target`` that a coverage-guided run starts from (so it does not
     have to discover the JSON schemas and checksums byte by byte)."""
     if target in ("frames", "protocol"):
         (to_server, to_client), (more_server, more_client) = _wire_seeds(), continuation_seeds()
+        lookup_server, lookup_client = lookup_seeds()
+        more_server, more_client = more_server + lookup_server, more_client + lookup_client
         if target == "frames":
             frames = to_server + to_client + more_server + more_client
             return [b"\x00" + f for f in frames] + [b"\x05" + b"".join(to_client), b"\x05" + b"".join(more_client)]
@@ -316,13 +352,14 @@ def strategy(target: str):
                    for k in schema})
     scalar = st.one_of(st.none(), st.booleans(), st.integers(-2, 2 ** 33), st.floats(allow_nan=False),
                        st.text(max_size=12), st.sampled_from(["text", "kvwire", _PID, "internal", "none",
-                                                              "required", "ab" * 32]))
-    value = st.recursive(scalar, lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)), max_leaves=5)
+                                                              "required", "ab" * 32, "px-" + _CHAIN[0]]))
+    chain = st.lists(st.sampled_from([*_CHAIN, "AB" * 32, "a" * 63]), min_size=0, max_size=5)
+    value = st.one_of(chain, st.recursive(scalar, lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)), max_leaves=5))
 
     @st.composite
     def frame(draw):
-        ftype = draw(st.integers(0, 17))
+        ftype = draw(st.integers(0, max(frames.FrameType) + 1))
         kind = draw(st.integers(0, 3))
         if kind <= 1 and ftype in {int(t) for t in frames.CONTROL_TYPES}:
             names = draw(st.lists(st.sampled_from(keys), max_size=6, unique=True))
