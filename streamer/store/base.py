@@ -27,8 +27,10 @@ Content-addressed contexts (``store.prefix``, issue #43) are ordinary contexts n
   never points at a half-written context;
 - an *LRU ledger*: each content-addressed context's stored bytes and last use, and the
   total. ``evict_prefixes`` removes least-recently-used contexts while the total exceeds
-  a byte budget: first its ledger record, then its registration and index entries, then
-  its data (only the version it chose, so a concurrent re-put survives).
+  a byte budget: first its ledger record (one evictor wins), then its data (only the
+  version it chose, so a concurrent re-put survives), then its registration and index
+  entries. ``put_prefix`` checks after registering that the version it registered is
+  still current, and unregisters it if an eviction deleted it meanwhile.
 
 Eviction is LRU by bytes, not a TTL: a budget bounds what the store holds whatever the
 write rate, and a prefix in use stays however old it is. Name-addressed contexts are
@@ -315,6 +317,11 @@ class Store(ABC):
         ``nbytes`` in the LRU ledger, used now), register it and index ``chain[:1]`` ..
         ``chain[:n]`` to it, keeping entries that point at another registered context.
         Call only after the context's commit (``store.put.put_prefix`` does)."""
+
+    @abstractmethod
+    async def unregister_prefix(self, chain: Sequence[str], version: str) -> None:
+        """Undo ``register_prefix`` for that version (its ledger record, registration and
+        index entries), if it is still registered at that version."""
 
     @abstractmethod
     async def evict_prefixes(self, budget_bytes: int, *, keep: str | None = None) -> list[str]:

@@ -447,12 +447,25 @@ class FileStore(Store):
                 if not victims:
                     return []
                 await self._write_doc(ledger_path, ledger)
-                for root in {record["root"] for _, record in victims}:
-                    await self._forget(root, [(c, r["version"]) for c, r in victims if r["root"] == root])
                 for context_id, record in victims:
                     with contextlib.suppress(ContextNotFound):  # deleted by hand, or re-put since
                         await self._delete_context(context_id, record["version"])
+                for root in {record["root"] for _, record in victims}:
+                    await self._forget(root, [(c, r["version"]) for c, r in victims if r["root"] == root])
         return [context_id for context_id, _ in victims]
+
+    async def unregister_prefix(self, chain: Sequence[str], version: str) -> None:
+        context_id = prefix_context_id(chain)
+        hashes = check_chain(chain, limit=None)
+        validate_id(version, "version")
+        with self._io_errors():
+            async with self._prefix_lock():
+                ledger_path = self.root / _PREFIXES / _LEDGER
+                ledger = await self._read_doc(ledger_path, "contexts")
+                if ledger["contexts"].get(context_id, {}).get("version") == version:
+                    del ledger["contexts"][context_id]
+                    await self._write_doc(ledger_path, ledger)
+                await self._forget(hashes[0], [(context_id, version)])
 
     async def _forget(self, root: str, contexts: list[tuple[str, str]]) -> None:
         """Drop the registrations (at those versions) and index entries of ``contexts``."""

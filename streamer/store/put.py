@@ -38,11 +38,14 @@ import numpy as np
 import zstandard
 
 from streamer.wire.manifest import ChunkInfo, Manifest, validate_context_id
-from streamer.store import ContextExists, ContextNotFound, ContextWriter, Store
+from streamer.store import ContextExists, ContextNotFound, ContextWriter, Store, StoreError
 from streamer.store.base import check_index
 from streamer.store.prefix import PrefixIdentity, PrefixMatch, prefix_chain, prefix_context_id
 
 DEFAULT_CHUNK_TOKENS = 1536
+#: How often put_prefix stores a content-addressed context that concurrent evictions
+#: keep deleting before it gives up.
+PUT_PREFIX_ATTEMPTS = 3
 _TOKEN_DTYPE = np.dtype("<u4")
 TEXT_MAGIC = b"KVTX"
 TEXT_VERSION = 1
@@ -268,16 +271,31 @@ async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
         check_index(budget_bytes, "budget_bytes")
     chain = prefix_chain(identity, token_ids)
     context_id = prefix_context_id(chain)
-    try:
-        manifest = await store.get_manifest(context_id)
-    except ContextNotFound:
-        try:
-            manifest = await put_context(store, context_id, kv, token_ids, profile=profile,
-                                         chunk_tokens=identity.chunk_tokens, levels=levels,
-                                         vocab_size=vocab_size, replace=False)
-        except ContextExists:  # a concurrent put of the same tokens committed first
-            manifest = await store.get_manifest(context_id)
-    await store.register_prefix(chain, manifest.version, stored_bytes(manifest))
+    for _ in range(PUT_PREFIX_ATTEMPTS):
+        manifest = await _current_manifest(store, context_id)
+        if manifest is None:
+            try:
+                manifest = await put_context(store, context_id, kv, token_ids, profile=profile,
+                                             chunk_tokens=identity.chunk_tokens, levels=levels,
+                                             vocab_size=vocab_size, replace=False)
+            except ContextExists:  # a concurrent put of the same tokens committed first
+                continue
+        await store.register_prefix(chain, manifest.version, stored_bytes(manifest))
+        current = await _current_manifest(store, context_id)
+        if current is not None and current.version == manifest.version:
+            break
+        # an eviction deleted the version between our read and our registration
+        await store.unregister_prefix(chain, manifest.version)
+    else:
+        raise StoreError(f"content-addressed context {context_id!r} was evicted {PUT_PREFIX_ATTEMPTS} times "
+                         f"while it was being put into {store.url} (is the budget far too small?)")
     if budget_bytes is not None:
         await store.evict_prefixes(budget_bytes, keep=context_id)
     return PrefixMatch(context_id, len(chain))
+
+
+async def _current_manifest(store: Store, context_id: str) -> Manifest | None:
+    try:
+        return await store.get_manifest(context_id)
+    except ContextNotFound:
+        return None

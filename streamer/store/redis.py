@@ -30,7 +30,11 @@ round trip. The LRU ledger (three keys sharing the hash tag ``{P}``) orders cont
 the last use it knows of; eviction takes its oldest, and if the root's ``u:<id>`` is
 newer (a lookup touched it) first moves it up (a second chance, so a lookup never has
 to write to the ledger's slot), else claims it (``_PX_CLAIM``, atomic: one evictor wins),
-drops its registration and entries (``_PX_FORGET``) and then its data (at that version).
+deletes its data (at that version) and then drops its registration and entries
+(``_PX_FORGET``) and any ledger record a concurrent re-registration of that version
+added. A lookup between the delete and the forget can name the context just deleted
+(the session opening it gets ContextNotFound); ``put_prefix`` checks the context is
+still there after registering it, so nothing keeps naming a deleted version.
 Last-use times are the clocks of the hosts that put and look up.
 
 Staged keys carry a TTL (``STAGING_TTL_S``), so a put that dies leaves nothing behind
@@ -521,10 +525,20 @@ class RedisStore(Store):
                 continue
             if await self._eval(_PX_CLAIM, ledger, context_id, version) != 1:
                 continue  # another evictor or a re-put got there first
-            await self._eval(_PX_FORGET, [self._root_key(root)], context_id, version)
             with contextlib.suppress(ContextNotFound):  # deleted by hand, or re-put since
                 await self.delete_context(context_id, version=version)
+            # the data is gone: now drop whatever names this version, including what a
+            # put_prefix that read the manifest before the delete registered meanwhile
+            await self._unregister(context_id, root, version)
             evicted.append(context_id)
+
+    async def unregister_prefix(self, chain: Sequence[str], version: str) -> None:
+        hashes = check_chain(chain, limit=None)
+        await self._unregister(prefix_context_id(hashes), hashes[0], validate_id(version, "version"))
+
+    async def _unregister(self, context_id: str, root: str, version: str) -> None:
+        await self._eval(_PX_FORGET, [self._root_key(root)], context_id, version)
+        await self._eval(_PX_CLAIM, self._ledger_keys(), context_id, version)
 
     async def prefix_usage(self) -> PrefixUsage:
         lru, _, total = self._ledger_keys()
