@@ -382,3 +382,13 @@ async def test_unregister_prefix_drops_only_that_version(store: Store, identity,
     assert await store.lookup_prefix(chain) is None
     assert (await store.prefix_usage()).contexts == 0
     assert await store.list_contexts() == [match.context_id]   # the data is the caller's to delete
+
+
+async def test_deleting_a_prefix_context_by_hand_unregisters_it(store: Store, identity, profile, make_kv) -> None:
+    ids = prompt(92, 64)
+    match = await put_prefix(store, identity, make_kv(64), ids, profile, budget_bytes=None)
+    await store.delete_context(match.context_id)
+    assert await store.lookup_prefix(prefix_chain(identity, ids)) is None
+    assert (await store.prefix_usage()).contexts == 0
+    assert await put_prefix(store, identity, make_kv(64), ids, profile, budget_bytes=None) == match
+    assert await store.lookup_prefix(prefix_chain(identity, ids)) == match

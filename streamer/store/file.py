@@ -45,7 +45,7 @@ from streamer.wire.manifest import (Manifest, ManifestError, check_manifest_size
 from streamer.store.base import (BytesLike, ChunkNotFound, ContextExists, ContextNotFound, ContextWriter,
                                  ProfileNotFound, Store, StoreError, check_index, check_location,
                                  parse_manifest)
-from streamer.store.prefix import PrefixMatch, PrefixUsage, check_chain, prefix_context_id
+from streamer.store.prefix import PrefixMatch, PrefixUsage, check_chain, is_prefix_context, prefix_context_id
 
 if TYPE_CHECKING:
     import codec
@@ -287,20 +287,24 @@ class FileStore(Store):
         if not await aiofiles.os.path.exists(self._context_dir(context_id) / _MANIFEST):
             raise ContextNotFound(context_id, self.url)  # checked first: don't create its directory
         with self._io_errors():
-            await self._delete_context(context_id, version)
+            data = await self._delete_context(context_id, version)
+            if is_prefix_context(context_id):  # its prefix bookkeeping too
+                with contextlib.suppress(ManifestError, StoreError):
+                    await self._unregister_deleted(context_id, parse_manifest(context_id, data, self.url).version)
 
-    async def _delete_context(self, context_id: str, version: str | None) -> None:
+    async def _delete_context(self, context_id: str, version: str | None) -> bytes:
+        """Delete the context (at ``version`` if given); the manifest deleted."""
         async with self._context_lock(context_id) as context_dir:
-            if version is not None:
-                data = await _read(context_dir / _MANIFEST)
-                if data is None or parse_manifest(context_id, data, self.url).version != version:
-                    raise ContextNotFound(context_id, self.url)
+            data = await _read(context_dir / _MANIFEST)
+            if data is None or (version is not None and parse_manifest(context_id, data, self.url).version != version):
+                raise ContextNotFound(context_id, self.url)
             try:
                 await aiofiles.os.remove(context_dir / _MANIFEST)
             except FileNotFoundError:
                 raise ContextNotFound(context_id, self.url) from None
             await asyncio.to_thread(fsync_dir, context_dir)
             await asyncio.to_thread(self._sweep_locked, context_dir, None)
+            return data
 
     def _sweep_locked(self, context_dir: Path, keep: str | None) -> int:
         """Remove stale versions; with no current version and nothing left staging,
@@ -460,12 +464,25 @@ class FileStore(Store):
         validate_id(version, "version")
         with self._io_errors():
             async with self._prefix_lock():
-                ledger_path = self.root / _PREFIXES / _LEDGER
-                ledger = await self._read_doc(ledger_path, "contexts")
-                if ledger["contexts"].get(context_id, {}).get("version") == version:
-                    del ledger["contexts"][context_id]
-                    await self._write_doc(ledger_path, ledger)
-                await self._forget(hashes[0], [(context_id, version)])
+                await self._unregister(context_id, hashes[0], version)
+
+    async def _unregister_deleted(self, context_id: str, version: str) -> None:
+        """Unregister a content-addressed context whose ``version`` was just deleted."""
+        async with self._prefix_lock():
+            ledger = await self._read_doc(self.root / _PREFIXES / _LEDGER, "contexts")
+            record = ledger["contexts"].get(context_id)
+            if record is not None:
+                await self._unregister(context_id, record["root"], version)
+
+    async def _unregister(self, context_id: str, root: str, version: str) -> None:
+        """Drop the ledger record, registration and index entries of ``context_id`` at
+        ``version``; call with the prefix lock held."""
+        ledger_path = self.root / _PREFIXES / _LEDGER
+        ledger = await self._read_doc(ledger_path, "contexts")
+        if ledger["contexts"].get(context_id, {}).get("version") == version:
+            del ledger["contexts"][context_id]
+            await self._write_doc(ledger_path, ledger)
+        await self._forget(root, [(context_id, version)])
 
     async def _forget(self, root: str, contexts: list[tuple[str, str]]) -> None:
         """Drop the registrations (at those versions) and index entries of ``contexts``."""

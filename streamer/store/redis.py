@@ -69,7 +69,7 @@ from streamer.wire.manifest import Manifest, ManifestError, check_manifest_size,
 from streamer.store.base import (BytesLike, ChunkNotFound, ContextExists, ContextNotFound, ContextWriter,
                                  ProfileNotFound, Store, StoreError, check_index, check_location,
                                  manifest_items, parse_manifest)
-from streamer.store.prefix import PrefixMatch, PrefixUsage, check_chain, prefix_context_id
+from streamer.store.prefix import PrefixMatch, PrefixUsage, check_chain, is_prefix_context, prefix_context_id
 
 if TYPE_CHECKING:
     import codec
@@ -431,6 +431,19 @@ class RedisStore(Store):
         return sorted({key.decode()[len(head):-len(tail)] for key in keys})
 
     async def delete_context(self, context_id: str, *, version: str | None = None) -> None:
+        raw = await self._delete(context_id, version)
+        if raw is not None and is_prefix_context(context_id):  # its prefix bookkeeping too
+            with contextlib.suppress(ManifestError, StoreError):
+                deleted = parse_manifest(context_id, raw, self.url).version
+                info = self._ledger_keys()[1]
+                record = await self._call(lambda: self._client.hget(info, context_id))
+                fields = record.decode().split(" ") if record else []
+                if len(fields) == 3 and fields[1] == deleted:
+                    await self._unregister(context_id, fields[2], deleted)
+
+    async def _delete(self, context_id: str, version: str | None) -> bytes | None:
+        """Delete the context (at ``version`` if given); the manifest deleted, or None if
+        an earlier attempt whose reply was lost deleted it."""
         mkey = self._manifest_key(context_id)
         if version is not None:
             validate_id(version, "version")
@@ -439,14 +452,14 @@ class RedisStore(Store):
             raw = await self._get_raw_manifest(context_id)
             if raw is None:
                 if tried:  # an earlier attempt deleted it, though its reply was lost
-                    return
+                    return None
                 raise ContextNotFound(context_id, self.url)
             if version is not None and parse_manifest(context_id, raw, self.url).version != version:
                 raise ContextNotFound(context_id, self.url)
             tried = True
             keys = [mkey, *self._committed_keys(context_id, raw)]
             if await self._script(_DELETE, keys, _sha1(raw)) == 1:
-                return
+                return raw
 
     async def gc(self) -> int:
         """Delete persistent keys of versions that are not current (TTL'd keys are
@@ -526,7 +539,7 @@ class RedisStore(Store):
             if await self._eval(_PX_CLAIM, ledger, context_id, version) != 1:
                 continue  # another evictor or a re-put got there first
             with contextlib.suppress(ContextNotFound):  # deleted by hand, or re-put since
-                await self.delete_context(context_id, version=version)
+                await self._delete(context_id, version)
             # the data is gone: now drop whatever names this version, including what a
             # put_prefix that read the manifest before the delete registered meanwhile
             await self._unregister(context_id, root, version)
