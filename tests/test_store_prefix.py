@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import struct
 
 import numpy as np
@@ -392,3 +393,47 @@ async def test_deleting_a_prefix_context_by_hand_unregisters_it(store: Store, id
     assert (await store.prefix_usage()).contexts == 0
     assert await put_prefix(store, identity, make_kv(64), ids, profile, budget_bytes=None) == match
     assert await store.lookup_prefix(prefix_chain(identity, ids)) == match
+
+
+# ------------------------------------------------------------------------ CLI
+async def test_cli_put_by_tokens(store_url: str, tmp_path, profile, make_kv, capsys) -> None:
+    import argparse
+
+    from safetensors.torch import save_file
+
+    from streamer.tools import put as put_cli
+
+    parser = argparse.ArgumentParser(prog="kvwire")
+    sub = parser.add_subparsers(dest="command", required=True)
+    put_cli.register(sub, sub.add_parser("bench").add_subparsers(dest="bench"))
+
+    def run(argv: list[str]) -> int:
+        args = parser.parse_args(argv)
+        return args.handler(args)
+
+    profile_path = tmp_path / "tiny.kvprofile"
+    profile.save(profile_path)
+    prompts = [prompt(100 + i, 64) for i in range(3)]
+    common = ["put", "--store", store_url, "--profile", str(profile_path), "--chunk-tokens", str(CHUNK)]
+    for i, ids in enumerate(prompts):
+        save_file({"kv": make_kv(64, seed=i)}, str(tmp_path / f"kv{i}.safetensors"))
+        (tmp_path / f"ids{i}.json").write_text(json.dumps(ids))
+        argv = common + ["--by-tokens", "--model", "tiny-model", "--tokenizer", "tiny-tokenizer",
+                         "--kv", str(tmp_path / f"kv{i}.safetensors"), "--tokens", str(tmp_path / f"ids{i}.json")]
+        if i == 2:
+            argv += ["--prefix-budget", "0"]
+        assert await asyncio.to_thread(run, argv) == 0
+        assert "content-addressed: 2 chunks" in capsys.readouterr().out
+    identity = PrefixIdentity("tiny-model", "tiny-tokenizer", profile.id, CHUNK, FORMAT_VERSION)
+    async with await open_store(store_url) as store:
+        assert await store.lookup_prefix(prefix_chain(identity, prompts[0])) is None   # evicted
+        last = await store.lookup_prefix(prefix_chain(identity, prompts[2]))
+        assert last == PrefixMatch(prefix_context_id(prefix_chain(identity, prompts[2])), 2)
+        assert await store.list_contexts() == [last.context_id]
+    files = ["--kv", str(tmp_path / "kv0.safetensors"), "--tokens", str(tmp_path / "ids0.json")]
+    assert await asyncio.to_thread(run, common + ["--by-tokens"] + files) == 1
+    assert "--by-tokens needs --model and --tokenizer" in capsys.readouterr().err
+    assert await asyncio.to_thread(run, common + ["--context", "doc", "--prefix-budget", "5"] + files) == 1
+    assert "go with --by-tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run(common + ["--context", "doc", "--by-tokens"] + files)

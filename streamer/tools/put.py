@@ -1,6 +1,8 @@
-"""``kvwire put --store URL --context ID --kv FILE.safetensors --tokens FILE``.
+"""``kvwire put --store URL (--context ID | --by-tokens --model M --tokenizer T) --kv FILE.safetensors --tokens FILE``.
 
-The KV tensor ``[layers, 2, tokens, heads, head_dim]`` is read from the safetensors
+``--context`` names the context; ``--by-tokens`` stores it content-addressed instead
+(``store.prefix``: found by any prompt starting with its tokens, evicted least recently
+used while the content-addressed contexts exceed ``--prefix-budget`` bytes). The KV tensor ``[layers, 2, tokens, heads, head_dim]`` is read from the safetensors
 file's ``"kv"`` entry; the token file holds whitespace/comma-separated ints, or a JSON
 list if it ends in ``.json``.
 """
@@ -13,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from streamer.store import StoreError, open_store
-from streamer.store.put import DEFAULT_CHUNK_TOKENS, put_context
+from streamer.store import PrefixIdentity, StoreError, open_store
+from streamer.store.put import DEFAULT_CHUNK_TOKENS, put_context, put_prefix
 from streamer.wire.manifest import Manifest
 
 KV_KEY = "kv"
@@ -69,15 +71,35 @@ def _summary(manifest: Manifest, store_url: str) -> str:
 
 def _cmd_put(args: argparse.Namespace) -> int:
     import codec
+    from codec.container import FORMAT_VERSION
 
     async def run() -> str:
         async with await open_store(args.store) as store:  # a bad URL fails before the big load
             kv = load_kv(args.kv)
             ids = load_token_ids(args.tokens)
             profile = codec.Profile.load(args.profile) if args.profile else None
-            manifest = await put_context(store, args.context, kv, ids, profile=profile,
-                                         chunk_tokens=args.chunk_tokens)
-            return _summary(manifest, store.url)
+            if not args.by_tokens:
+                manifest = await put_context(store, args.context, kv, ids, profile=profile,
+                                             chunk_tokens=args.chunk_tokens)
+                return _summary(manifest, store.url)
+            if profile is None:
+                profile = await asyncio.to_thread(codec.calibrate, [kv])
+            identity = PrefixIdentity(model=args.model, tokenizer=args.tokenizer, profile_id=profile.id,
+                                      chunk_tokens=args.chunk_tokens,
+                                      format_version=FORMAT_VERSION)
+            match = await put_prefix(store, identity, kv, ids, profile, budget_bytes=args.prefix_budget)
+            usage = await store.prefix_usage()
+            return (f"{_summary(await store.get_manifest(match.context_id), store.url)}\n"
+                    f"  content-addressed: {match.chunks} chunks; the store's content-addressed contexts: "
+                    f"{usage.contexts}, {usage.bytes} bytes")
+
+    if args.by_tokens and not (args.model and args.tokenizer):
+        print("kvwire put: error: --by-tokens needs --model and --tokenizer (they are part of every hash)",
+              file=sys.stderr)
+        return 1
+    if not args.by_tokens and (args.model or args.tokenizer or args.prefix_budget is not None):
+        print("kvwire put: error: --model, --tokenizer and --prefix-budget go with --by-tokens", file=sys.stderr)
+        return 1
 
     try:
         print(asyncio.run(run()))
@@ -95,7 +117,15 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                     "blobs, the token ids (text fallback) and the profile, then commit the manifest.")
     p.add_argument("--store", required=True, metavar="URL",
                    help="file:///abs/path, a plain path, or redis://host:port/db")
-    p.add_argument("--context", required=True, metavar="ID", help="context id: [A-Za-z0-9._-], 1-200 chars")
+    name = p.add_mutually_exclusive_group(required=True)
+    name.add_argument("--context", metavar="ID", help="context id: [A-Za-z0-9._-], 1-200 chars")
+    name.add_argument("--by-tokens", action="store_true",
+                      help="store it content-addressed, under the hash chain of its token chunks")
+    p.add_argument("--model", metavar="ID", help="with --by-tokens: the model's identity (name or weights hash)")
+    p.add_argument("--tokenizer", metavar="ID", help="with --by-tokens: the tokenizer's identity")
+    p.add_argument("--prefix-budget", type=int, metavar="BYTES",
+                   help="with --by-tokens: evict least-recently-used content-addressed contexts while "
+                        "they hold more than this (default: no eviction)")
     p.add_argument("--kv", required=True, metavar="FILE.safetensors",
                    help=f"safetensors file with the KV [layers, 2, tokens, heads, head_dim] under {KV_KEY!r}")
     p.add_argument("--tokens", required=True, metavar="FILE",
