@@ -131,6 +131,10 @@ def _prompt(stored, shared_chunks: int, extra_tokens: int) -> list[int]:
     return head + [(7 * i + 4999) % 5000 + 1 for i in range(extra_tokens)]
 
 
+def test_the_wire_and_the_stores_bound_a_lookup_alike() -> None:
+    assert p.MAX_LOOKUP_CHAIN == MAX_LOOKUP_CHAIN
+
+
 # ----------------------------------------------------------------------------- StreamSession(chunks=k)
 @pytest.mark.parametrize("chunks", [1, 2, CHUNKS])
 async def test_a_session_of_k_chunks_delivers_exactly_those(stored, chunks: int) -> None:

@@ -57,7 +57,7 @@ class SenderMetrics:
                               ["code"], registry=r)
         self.request_seconds = Histogram(
             f"{p}_request_seconds", "Request received -> answer fully written, by kind "
-            "(open, profile, chunk, text)", ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
+            "(open, profile, lookup, chunk, text)", ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
         self._http: Any = None
 
     # ---------------------------------------------------------------- reading
