@@ -13,6 +13,7 @@ import sys
 # Modules that contribute subcommands, in help order. Each has register(subparsers).
 _COMMAND_MODULES = ("streamer.tools.demo", "streamer.tools.codec_cli",
                     "streamer.tools.put", "streamer.tools.serve_fetch", "streamer.tools.receive",
+                    "streamer.tools.serve_openai",
                     "streamer.tools.calibrate", "streamer.tools.bench_stream", "streamer.tools.bench_load",
                     "streamer.tools.bench_policies", "streamer.tools.netsim_cli", "streamer.tools.fuzz",
                     "streamer.tools.bench_report")
