@@ -38,14 +38,14 @@ import numpy as np
 import zstandard
 
 from streamer.wire.manifest import ChunkInfo, Manifest, validate_context_id
-from streamer.store import ContextExists, ContextNotFound, ContextWriter, Store, StoreError
+from streamer.store import ContextExists, ContextNotFound, ContextWriter, Store
 from streamer.store.base import check_index
 from streamer.store.prefix import PrefixIdentity, PrefixMatch, prefix_chain, prefix_context_id
 
 DEFAULT_CHUNK_TOKENS = 1536
-#: How often put_prefix stores a content-addressed context that concurrent evictions
-#: keep deleting before it gives up.
-PUT_PREFIX_ATTEMPTS = 3
+#: How many times put_prefix reads (or stores) and registers a content-addressed context
+#: that concurrent puts keep committing or evicting under it.
+PUT_PREFIX_ATTEMPTS = 5
 _TOKEN_DTYPE = np.dtype("<u4")
 TEXT_MAGIC = b"KVTX"
 TEXT_VERSION = 1
@@ -259,6 +259,11 @@ async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
     already stored under the chain (an exact copy) is never replaced: it is registered and
     indexed again and returned. ``profile`` must be the identity's profile, and the
     identity's format version this codec's. Returns the match for the whole chain.
+
+    Concurrent puts under a budget far smaller than what they write can evict the
+    context before this returns (a later lookup then misses it); an eviction never
+    leaves an index entry or ledger record naming a deleted version: a put that finds
+    the version it read deleted under it unregisters it and stores it again.
     """
     from codec.container import FORMAT_VERSION
 
@@ -273,6 +278,7 @@ async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
     context_id = prefix_context_id(chain)
     for _ in range(PUT_PREFIX_ATTEMPTS):
         manifest = await _current_manifest(store, context_id)
+        created = manifest is None
         if manifest is None:
             try:
                 manifest = await put_context(store, context_id, kv, token_ids, profile=profile,
@@ -284,11 +290,11 @@ async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
         current = await _current_manifest(store, context_id)
         if current is not None and current.version == manifest.version:
             break
-        # an eviction deleted the version between our read and our registration
+        # an eviction deleted the version since we read or wrote it: nothing may name it
+        # (and if another put stored a newer one meanwhile, the next round registers that)
         await store.unregister_prefix(chain, manifest.version)
-    else:
-        raise StoreError(f"content-addressed context {context_id!r} was evicted {PUT_PREFIX_ATTEMPTS} times "
-                         f"while it was being put into {store.url} (is the budget far too small?)")
+        if current is None and created:  # stored, then evicted for newer contexts: LRU at work
+            break
     if budget_bytes is not None:
         await store.evict_prefixes(budget_bytes, keep=context_id)
     return PrefixMatch(context_id, len(chain))
