@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 #: Bump if the hashing above ever changes: old and new chains then never collide.
 PREFIX_SCHEME = 1
-#: Most hashes one lookup may carry (the wire's and the stores' bound on a lookup's size).
+#: Most hashes one lookup may carry (the wire's and the stores' bound on a lookup's size);
+#: a longer prompt looks up its chain's first MAX_LOOKUP_CHAIN hashes (a put indexes all).
 MAX_LOOKUP_CHAIN = 512
 #: What every content-addressed context id starts with.
 PREFIX_CONTEXT_PREFIX = "px-"
