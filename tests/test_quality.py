@@ -14,7 +14,7 @@ import torch
 
 import codec
 from streamer.tools import calibrate as calibrate_cli
-from streamer.model import hf, quality
+from streamer.model import ablation, hf, quality
 
 
 def _main(argv: list[str]) -> int:
@@ -227,3 +227,44 @@ def test_bench_quality_allocation_both(llama_dir, capsys):
     assert [r["allocation"] for r in kvwire] == [False, True]
     assert doc["config"]["allocation"] == "both" and doc["config"]["weights"][0] is None
     assert len(doc["config"]["weights"][1]) == 2
+
+
+def test_bench_quality_ablation_rows(llama_dir, capsys):
+    assert _main(["bench", "quality", "--model", llama_dir, "--json", "--calibration-tokens", "1024",
+                  "--windows", "1", "--window-tokens", "96", "--context-tokens", "64", "--levels", "3",
+                  "--allocation", "off", "--ablation", "--no-plot"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    # source code is measured as a third kind of text
+    assert [t["kind"] for t in doc["config"]["texts"]] == ["legal prose", "technical docs", "source code"]
+    assert list(doc["config"]["ablations"]) == list(ablation.ABLATIONS)
+    kvwire = {r["ablation"]: r for r in doc["rows"] if r["method"] == "kvwire"}
+    assert list(kvwire) == [None, *ablation.ABLATIONS]
+    plain = kvwire[None]
+    for name, spec in ablation.ABLATIONS.items():
+        row = kvwire[name]
+        assert row["level"] == 3 and len(row["windows"]) == 3
+        if spec.kind == "oracle":   # charged the plain level's bits, never more error than it
+            assert row["bits_per_element"] == plain["bits_per_element"]
+            assert row["distortion"] <= plain["distortion"]
+    # errors add up over parts: exact K leaves V's error, exact V leaves K's; each third of the
+    # layers put back leaves the other two thirds' error
+    assert kvwire["exact-K"]["distortion"] + kvwire["exact-V"]["distortion"] == pytest.approx(plain["distortion"])
+    thirds = sum(kvwire[f"exact-layers-{i}/3"]["distortion"] for i in (1, 2, 3))
+    assert thirds == pytest.approx(2 * plain["distortion"])
+    assert kvwire["exact-K"]["distortion"] < plain["distortion"] and kvwire["exact-recent"]["distortion"] < plain["distortion"]
+    # verbatim sinks cost bits: none < the profile's 4 < 16
+    assert kvwire["sinks-0"]["bits_per_element"] < plain["bits_per_element"] < kvwire["sinks-16"]["bits_per_element"]
+    # the recent tokens coded finer: more bits, less error
+    assert kvwire["recent-finer"]["bits_per_element"] > plain["bits_per_element"]
+    assert kvwire["recent-finer"]["distortion"] < plain["distortion"]
+
+
+def test_bench_quality_ablation_table_and_errors(llama_dir, capsys):
+    assert _main(["bench", "quality", "--model", llama_dir, "--calibration-tokens", "1024", "--windows", "1",
+                  "--window-tokens", "96", "--context-tokens", "64", "--levels", "2", "--allocation", "off",
+                  "--texts", "GPL-3", "--ablation", "exact-V", "sinks-0", "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    assert "kvwire+rope[exact-V]" in text and "kvwire+rope[sinks-0]" in text and "[exact-K]" not in text
+    assert "[exact-V] oracle: values exact" in text
+    assert _main(["bench", "quality", "--model", llama_dir, "--ablation", "exact-nothing", "--no-plot"]) == 2
+    assert "unknown ablation" in capsys.readouterr().err

@@ -43,6 +43,7 @@ import codec
 from codec import allocation as allocation_
 from codec import baselines
 
+from streamer.model import ablation as ablation_
 from streamer.model import hf, sensitivity
 
 
@@ -62,6 +63,8 @@ class QualityRow:
     rotary: bool | None = None       # kvwire: whether the profile removes RoPE from the keys
     allocation: bool | None = None   # kvwire: whether the profile weights its sections' targets
     target_distortion: float | None = None   # kvwire: the level's MSE/var target
+    #: kvwire: the ablation (``streamer.model.ablation``) this row measures, None for the plain level
+    ablation: str | None = None
     #: per measured window: its text, and (decoders) its perplexity change and top-1 agreement
     windows: list[dict] = field(default_factory=list)
 
@@ -257,6 +260,13 @@ def continuation_nll(logits: torch.Tensor, continuation: Sequence[int]) -> tuple
     return float(-logp.gather(1, targets.unsqueeze(1)).sum()), len(targets)
 
 
+def python_source() -> str:
+    """``argparse.py`` from Python's standard library: source code, unlike every text calibrated on."""
+    import argparse
+
+    return Path(argparse.__file__).read_text(encoding="utf-8")
+
+
 def python_reference() -> str:
     """Python's language reference as ``pydoc`` shows it (``pydoc_data.topics``, which ships
     with Python): technical documentation, unlike the license texts calibrated on."""
@@ -269,8 +279,11 @@ def python_reference() -> str:
 MEASURE_SOURCES: dict[str, tuple[str, Callable[[], str]]] = {
     "GPL-3": ("legal prose", lambda: hf.read_text([hf.MEASURE_TEXT])),
     "python-reference": ("technical docs", python_reference),
+    "python-source": ("source code", python_source),
 }
-DEFAULT_TEXTS = tuple(MEASURE_SOURCES)
+DEFAULT_TEXTS = ("GPL-3", "python-reference")
+#: ``--ablation`` measures a third kind of text by default: source code
+ABLATION_TEXTS = ("GPL-3", "python-reference", "python-source")
 
 
 def measure_source(name: str) -> tuple[str, str]:
@@ -325,12 +338,23 @@ def _prepare(model, tokenizer, window_ids: list[int], context_tokens: int | None
 _BASELINES = {"fp16": baselines.raw_fp16, "int8": baselines.int8, "cachegen": baselines.cachegen}
 
 
+def _described(row: QualityRow, profile: codec.Profile | None, level: int | None,
+               ablation: str | None = None) -> QualityRow:
+    """``row`` with what its profile does (RoPE removal, weights), its level's target and its ablation."""
+    row.rotary = None if profile is None else profile.rotary is not None
+    row.allocation = None if profile is None else profile.weights is not None
+    if profile is not None and level is not None:
+        row.target_distortion = profile.targets[level]
+    row.ablation = ablation
+    return row
+
+
 def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_tokens: int = 8192,
         windows: int = 6, window_tokens: int | None = None, context_tokens: int | None = None,
         levels: Sequence[int] | None = None, baselines_too: bool = True,
         calibration_text: Sequence[Path] = hf.CALIBRATION_TEXTS,
         texts: Sequence[str] | None = None, model_name: str = "",
-        rotary: str = "auto", allocation: str = "auto") -> QualityReport:
+        rotary: str = "auto", allocation: str = "auto", ablations: Sequence[str] = ()) -> QualityReport:
     """Measure every level of ``profile`` (calibrated here when None) on ``windows`` windows
     of each of ``texts`` (``MEASURE_SOURCES`` names or text files; default DEFAULT_TEXTS).
 
@@ -339,6 +363,8 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
     "auto" follows ROTARY_DEFAULT, "on"/"off" force RoPE removal from the keys, "both"
     measures a profile of each kind side by side. ``allocation`` likewise for per-section
     target weights (ALLOCATION_DEFAULT; with "both", each rotary choice with and without).
+    ``ablations`` (``streamer.model.ablation.ABLATIONS`` names) adds after each kvwire row
+    one row per ablation of that level; their default texts are ABLATION_TEXTS.
     """
     if rotary not in ROTARY_MODES:
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
@@ -362,7 +388,8 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         context_tokens = context_tokens or DECODER_CONTEXT_TOKENS
         window_tokens = context_tokens + DECODER_CONTINUATION_TOKENS
     window_tokens = window_tokens or ENCODER_WINDOW_TOKENS
-    sources = {name: measure_source(name) for name in (texts or DEFAULT_TEXTS)}
+    chosen = ablation_.resolve(ablations) if ablations else []
+    sources = {name: measure_source(name) for name in (texts or (ABLATION_TEXTS if chosen else DEFAULT_TEXTS))}
     prepared = [_prepare(model, tokenizer, w, context_tokens, name)
                 for name, (_, text) in sources.items()
                 for w in measure_windows(hf.tokenize(tokenizer, text), windows, window_tokens)]
@@ -389,7 +416,8 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
                 "calibration_text": [str(p) for p in calibration_text],
                 "texts": [{"name": name, "kind": kind, "windows": sum(w.source == name for w in prepared)}
                           for name, (kind, _) in sources.items()],
-                "scored_tokens_per_window": len(prepared[0].continuation) - 1 if decoder else None},
+                "scored_tokens_per_window": len(prepared[0].continuation) - 1 if decoder else None,
+                "ablations": {a.name: {"kind": a.kind, "description": a.description} for a in chosen}},
         levels=profile_levels(profile), reference=reference)
     methods: list[tuple[str, int | None, codec.Profile | None]] = []
     if baselines_too:
@@ -399,19 +427,22 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
     for method, level, prof in methods:
         acc = _Accumulator(layers)
         targets = None if prof is None or level is None else torch.tensor(prof.targets_by_section(level))
+        plain: list[ablation_.Window] = []
         for w in prepared:
             if method == "kvwire":
                 blob = codec.encode(w.kv, level, prof)  # each window's context starts at position 0
                 decoded, nbytes = codec.decode(blob, prof).float(), len(blob)
+                plain.append(ablation_.Window(w.kv, w.queries, [m["scaling"] for m in w.meta], decoded, nbytes))
             else:
                 encoded = _BASELINES[method](w.kv)
                 decoded, nbytes = encoded.reconstruction, encoded.nbytes
             acc.add(w, decoded, nbytes, model, targets)
-        row = acc.row(method, level, reference_ppl)
-        row.rotary = None if prof is None else prof.rotary is not None
-        row.allocation = None if prof is None else prof.weights is not None
-        if prof is not None and level is not None:
-            row.target_distortion = prof.targets[level]
-        report.rows.append(row)
+        report.rows.append(_described(acc.row(method, level, reference_ppl), prof, level))
+        for chosen_one in (chosen if method == "kvwire" else ()):
+            acc = _Accumulator(layers)
+            for w, base in zip(prepared, plain):
+                decoded, nbytes = chosen_one.apply(base, prof, level)
+                acc.add(w, decoded, nbytes, model, targets)
+            report.rows.append(_described(acc.row(method, level, reference_ppl), prof, level, chosen_one.name))
     report.config["seconds"] = round(time.perf_counter() - started, 2)
     return report

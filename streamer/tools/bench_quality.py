@@ -14,9 +14,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _label(row) -> str:
-    """The method, marked ``+rope`` for a profile that removes RoPE from the keys and
-    ``+alloc`` for one that weights its sections' targets (codec.allocation)."""
-    return row.method + ("+rope" if row.rotary else "") + ("+alloc" if row.allocation else "")
+    """The method, marked ``+rope`` for a profile that removes RoPE from the keys,
+    ``+alloc`` for one that weights its sections' targets (codec.allocation), and
+    ``[name]`` for an ablation's row (``streamer.model.ablation``)."""
+    return (row.method + ("+rope" if row.rotary else "") + ("+alloc" if row.allocation else "")
+            + (f"[{row.ablation}]" if row.ablation else ""))
 
 
 def _spread(row, key: str) -> tuple[float, float] | None:
@@ -48,7 +50,7 @@ def _target_lines(report: QualityReport) -> list[str]:
     the nominal target."""
     lines = []
     for r in report.rows:
-        if r.target_distortion is None:
+        if r.target_distortion is None or r.ablation:
             continue
         parts = []
         for text, (value, implied) in _per_text(r).items():
@@ -80,7 +82,8 @@ def render(report: QualityReport) -> str:
     per_layer = len(report.rows[0].attention_error) <= _PER_LAYER_COLUMNS if report.rows else False
     end = (f"{'ppl':>9}{'ppl chg':>9}{'windows min..max':>18}{'top-1':>8}{'min':>7}" if decoder
            else f"{'cosine':>10}{'min cos':>10}")
-    lines.append(f"{'method':<18}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'target':>9}{'attn err':>10}   "
+    width = max([18] + [len(_label(r)) + 1 for r in report.rows])
+    lines.append(f"{'method':<{width}}{'lvl':>4}{'bits/el':>9}{'MSE/var':>10}{'target':>9}{'attn err':>10}   "
                  + (f"{'attention error per layer':<34}" if per_layer else "") + end)
     for r in report.rows:
         layers = f"{' '.join(f'{e:.1e}' for e in r.attention_error):<34}" if per_layer else ""
@@ -93,13 +96,18 @@ def render(report: QualityReport) -> str:
                     + f"{_fmt(r.top1_agreement, '.4f'):>8}{_fmt(low and low[0], '.3f'):>7}")
         else:
             tail = f"{_fmt(r.cosine, '.6f'):>10}{_fmt(r.cosine_min, '.6f'):>10}"
-        lines.append(f"{_label(r):<18}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
+        lines.append(f"{_label(r):<{width}}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
                      f"{_fmt(r.target_distortion, '.1e'):>9}{r.attention_error_mean:>10.2e}   {layers}{tail}")
     if decoder and report.reference.get("perplexity"):
         lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
                      f"{report.reference['scored_tokens']} tokens; ppl chg pooled over all windows, "
                      "min..max across windows (%); top-1 pooled, min across windows")
     lines += _target_lines(report)
+    ablations = c.get("ablations") or {}
+    if ablations:
+        lines.append("ablations (codec: the real encoder run so, its bits charged; oracle: the level's decoded KV "
+                     "with original values put back, charged the level's bits):")
+        lines += [f"  [{name}] {a['kind']}: {a['description']}" for name, a in ablations.items()]
     lines.append("attn err: ||A_hat - A||_F / ||A||_F of softmax(QK^T/sqrt(d))V with the model's own "
                  "queries (mean over layers" + ("; per layer alongside)." if per_layer else "; per layer in --json).")
                  + " cachegen: CacheGen's design (groups of 10, 8-bit anchors, binned deltas) at its entropy.")

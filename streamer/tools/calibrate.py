@@ -82,11 +82,20 @@ def _bench_quality(args: argparse.Namespace) -> int:
                            profile_path=args.profile, calibration_tokens=args.calibration_tokens,
                            windows=args.windows, window_tokens=args.window_tokens,
                            context_tokens=args.context_tokens, levels=args.levels, rotary=args.rotary,
-                           allocation=args.allocation, texts=args.texts)
+                           allocation=args.allocation, texts=args.texts, ablations=_ablations(args.ablation))
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"kvwire bench quality: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _ablations(names: list[str] | None) -> tuple[str, ...]:
+    """--ablation's names: none without the flag, every ablation for the bare flag."""
+    if names is None:
+        return ()
+    from streamer.model import ablation
+
+    return tuple(a.name for a in ablation.resolve(names))
 
 
 def _positive(text: str) -> int:
@@ -140,8 +149,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     q.add_argument("--calibration-tokens", type=_positive, default=DEFAULT_CALIBRATION_TOKENS,
                    help=f"tokens of other text the profile is fitted on (default {DEFAULT_CALIBRATION_TOKENS})")
     q.add_argument("--texts", nargs="+", default=None, metavar="TEXT",
-                   help="measured texts: GPL-3, python-reference (streamer.model.quality.MEASURE_SOURCES) "
-                        "or text files (default: both of those)")
+                   help="measured texts: GPL-3, python-reference, python-source "
+                        "(streamer.model.quality.MEASURE_SOURCES) or text files (default: GPL-3 and "
+                        "python-reference; with --ablation all three)")
     q.add_argument("--windows", type=_positive, default=6, help="measured windows per text (default 6)")
     q.add_argument("--window-tokens", type=_positive, default=None,
                    help="tokens per window (default: 512; decoders: the context and 2049 continuation "
@@ -156,6 +166,11 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     q.add_argument("--allocation", choices=("auto", "on", "off", "both"), default="auto",
                    help="profiles whose (layer, K/V) targets are weighted by measured sensitivity: 'auto' "
                         "(the calibrate default), 'on', 'off', or 'both' side by side (ignored with --profile)")
+    q.add_argument("--ablation", nargs="*", default=None, metavar="NAME",
+                   help="after each level's row, one row per ablation of it (streamer.model.ablation: sinks-0, "
+                        "sinks-16, recent-finer on the real encoder; exact-K, exact-V, exact-layers-1/3..3/3, "
+                        "exact-first, exact-recent, exact-high-attention and controls as upper bounds); the bare "
+                        "flag runs them all, and measures source code as a third kind of text")
     q.add_argument("--json", action="store_true", help="print JSON instead of a table")
     q.add_argument("--plot", default="quality.png", help="PNG path (default quality.png)")
     q.add_argument("--no-plot", action="store_true", help="do not write the PNG")
