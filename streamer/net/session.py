@@ -229,8 +229,7 @@ class StreamSession:
         except BaseException:   # not retryable (too large, too few chunks, cancelled): no leak
             self._drop_client()
             raise
-        client.abort()
-        self._client = None
+        self._drop_client()
         return False
 
     def _drop_client(self) -> None:
@@ -271,13 +270,12 @@ class StreamSession:
                 raise  # a wrong token, a context too large here or too short: retrying cannot help
             except ServerError as exc:
                 if exc.code in ("not_found", "bad_request"):
+                    self._drop_client()
                     raise  # no such context, or an invalid id: retrying elsewhere cannot help
                 last = exc
             except ConnectionLost as exc:
                 last = exc
-            if self._client is not None:
-                self._client.abort()
-                self._client = None
+            self._drop_client()
             self._server_index = (self._server_index + 1) % len(self._servers)
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.config.max_backoff)
