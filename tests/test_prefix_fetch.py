@@ -200,6 +200,7 @@ async def test_several_lookups_on_one_connection_answer_in_order(stored) -> None
             # a prompt of more chunks than one lookup carries looks up its first MAX_LOOKUP_CHAIN
             long_prompt = _prompt(stored, CHUNKS, (MAX_LOOKUP_CHAIN + 10) * CHUNK_TOKENS)
             assert (await lookup(client, prefix_chain(identity, long_prompt), 5.0)).chunks == CHUNKS
+            assert await lookup(client, [], 5.0) is None   # an empty chain matches nothing, unasked
             assert client.reusable
         finally:
             await client.close()

@@ -31,8 +31,12 @@ class PrefixMismatch(StreamError):
 
 async def lookup(client: ClientConnection, chain: Sequence[str], timeout: float) -> PrefixMatch | None:
     """The longest stored prefix of ``chain`` (its first ``MAX_LOOKUP_CHAIN`` hashes) on an
-    idle handshaken connection; None when not even the first chunk is stored."""
-    answer = await client.lookup(list(chain)[:MAX_LOOKUP_CHAIN], timeout)
+    idle handshaken connection; None when not even the first chunk is stored (or the
+    chain is empty: nothing is sent)."""
+    hashes = list(chain)[:MAX_LOOKUP_CHAIN]
+    if not hashes:
+        return None
+    answer = await client.lookup(hashes, timeout)
     if answer.context_id is None:
         return None
     return PrefixMatch(context_id=answer.context_id, chunks=answer.chunks)
