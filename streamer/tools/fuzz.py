@@ -311,7 +311,10 @@ def seed_inputs(target: str) -> list[bytes]:
         more_server, more_client = more_server + lookup_server, more_client + lookup_client
         if target == "frames":
             frames = to_server + to_client + more_server + more_client
-            return [b"\x00" + f for f in frames] + [b"\x05" + b"".join(to_client), b"\x05" + b"".join(more_client)]
+            # first byte 0: fed a byte at a time; a frame of kilobytes (the largest LOOKUP)
+            # 442 bytes at a time, or each of its cases would cost a read per byte
+            return ([bytes([0 if len(f) < 4096 else 0xFC]) + f for f in frames]
+                    + [b"\x05" + b"".join(to_client), b"\x05" + b"".join(more_client)])
         out = []
         for i, (name, _) in enumerate(PROTOCOL_STATES):
             for stream in ((to_server, more_server) if name.startswith("server") else (to_client, more_client)):
