@@ -391,3 +391,23 @@ async def test_authentication_comes_before_any_lookup(stored) -> None:
         async with session:
             await session.fetch()
     assert rec.position == (CHUNKS, 0)
+
+
+# ----------------------------------------------------------------------------- every store
+async def test_a_prefix_is_looked_up_and_fetched_from_every_store(stored, store_url: str) -> None:
+    """The same lookup and 2-chunk fetch over a sender on the file store, a real redis and
+    a real cluster (``store_url``)."""
+    store = await streamer.open_store(store_url)
+    await put_prefix(store, stored["identity"], stored["kv"], stored["tokens"], stored["profile"], budget_bytes=None)
+    prompt = _prompt(stored, 2, CHUNK_TOKENS)
+    rec = Recorder()
+    async with Served("", store=store) as served:
+        assert await lookup_prefix("127.0.0.1", served.port, prefix_chain(stored["identity"], _prompt(stored, 0, 9))) \
+            is None
+        session, match = await open_prefix_session("127.0.0.1", served.port, stored["identity"], prompt, slo=10.0,
+                                                   policy="fixed:1", on_layer=rec.on_layer)
+        assert match == PrefixMatch(context_id=stored["match"].context_id, chunks=2)
+        async with session:
+            await session.fetch()
+    assert rec.position == (2, 0)
+    assert _same_layers(rec.layers, _stored_layers(stored, 1, 2))
