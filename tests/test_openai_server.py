@@ -486,3 +486,13 @@ async def test_with_a_token_every_request_but_healthz_needs_it(served) -> None:
                 assert r.status == 401   # the token is checked before the body is read
     finally:
         await server.close()
+
+
+def test_the_command_refuses_to_listen_off_loopback_without_a_token(capsys, monkeypatch) -> None:
+    """Before the model loads: nothing is loaded when the answer is no."""
+    from streamer.llmserver.protocol import API_TOKEN_ENV
+    from streamer.tools.cli import main
+
+    monkeypatch.delenv(API_TOKEN_ENV, raising=False)
+    assert main(["serve-openai", "--listen", "0.0.0.0:0"]) == 2
+    assert "without an API token" in capsys.readouterr().err

@@ -5,7 +5,9 @@
                           usage's ``kvwire`` object says how many prompt tokens came from
                           fetched KV, at which levels, and why none did when none did
 ``GET  /v1/models``       the served model
-``GET  /healthz``         200 {"status": "ok", ...}: the model is loaded and answering
+``GET  /healthz``         200 {"status": "ok", ...}: the model is loaded and answering; its
+                          ``prefix_identity`` is what the prefix hashes cover (``kvwire put
+                          --by-tokens --model M --tokenizer T`` stores prefixes it finds)
 
 Errors are OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``,
 with 400 for a request the server cannot serve as asked (``streamer.llmserver.protocol``),
@@ -186,10 +188,16 @@ async def models(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return web.json_response({"status": "ok", "model": engine.config.served_name,
-                              "chunk_tokens": engine.config.chunk_tokens, "requests": engine.active,
+    identity = engine.identity
+    return web.json_response({"status": "ok", "model": engine.config.served_name, "requests": engine.active,
                               "fetches_in_flight": len(engine.flights),
-                              "prefix_source": engine.source is not None, "write_back": engine.store is not None})
+                              "prefix_source": engine.source is not None,
+                              "write_back": engine.store is not None and engine.config.write_back,
+                              # what `kvwire put --by-tokens` needs to store prefixes this server finds
+                              "prefix_identity": {"model": identity.model, "tokenizer": identity.tokenizer,
+                                                  "profile_id": identity.profile_id,
+                                                  "chunk_tokens": identity.chunk_tokens,
+                                                  "format_version": identity.format_version}})
 
 
 STARTED_KEY: web.AppKey[int] = web.AppKey("started")
