@@ -341,6 +341,9 @@ async def test_concurrent_requests_share_one_fetch_per_prefix(served) -> None:
         assert [a.usage.kvwire["reason"] for a in answers[8:]] == ["no stored prefix"] * 2
         assert (server.engine.fetches, server.engine.joins) == (2, 6)
         assert sorted(counting.opens.values()) == [1, 1] and len(counting.opens) == 2
+        # both in flight at once (each began before either could open: the gate held them)
+        (a_start, a_end), (b_start, b_end) = {tuple(a.usage.kvwire["fetch_window"]) for a in answers[:8]}
+        assert max(a_start, b_start) < min(a_end, b_end)
         await client.close()
         await _settled(server.engine)
     finally:

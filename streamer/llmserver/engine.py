@@ -124,6 +124,8 @@ class FetchedPrefix:
     levels: list[int | str]
     chunk_tokens: list[int]
     report: "FetchReport"
+    #: wall-clock (Unix) seconds the fetch started (lookup done) and ended: requests that
+    #: share it report the same window, so overlapping fetches show as overlapping windows
     started: float
     ended: float
 
@@ -335,6 +337,7 @@ class Engine:
         usage.update(prefix="joined" if joined else "fetched", fetched_tokens=prefix.tokens - prefix.recomputed_tokens,
                      recomputed_tokens=prefix.recomputed_tokens, prefilled_tokens=len(ids) - prefix.tokens,
                      levels=list(prefix.levels), fetch_seconds=round(prefix.ended - prefix.started, 6),
+                     fetch_window=[round(prefix.started, 6), round(prefix.ended, 6)],
                      deadline_met=prefix.report.deadline_met, slo=prefix.report.slo)
         return prefix, usage
 
@@ -376,7 +379,7 @@ class Engine:
         config = dataclasses.replace(self.session_config, slo=slo,
                                      recompute_seconds_per_token=self._recompute_rate
                                      or self.session_config.recompute_seconds_per_token)
-        started = time.monotonic()
+        started = time.time()
         async with self.source.session(match, config) as session:
             manifest = session.manifest
             assert manifest is not None
@@ -394,7 +397,7 @@ class Engine:
             session.set_callbacks(on_layer=assembler.on_layer, on_text=on_text)
             report = await session.fetch()
         return FetchedPrefix(match.context_id, match.chunks, assembler.kv, [c.level for c in report.chunks],
-                             [c.end - c.start for c in manifest.chunks], report, started, time.monotonic())
+                             [c.end - c.start for c in manifest.chunks], report, started, time.time())
 
     # ------------------------------------------------------------------ the model (worker thread)
     def _prefill(self, prefix: FetchedPrefix | None, ids: list[int]) -> dict[str, Any]:
