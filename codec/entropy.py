@@ -130,6 +130,12 @@ def slot_lookup(tables: np.ndarray) -> np.ndarray:
     return lut
 
 
+def packed_coder(tables: np.ndarray) -> np.ndarray:
+    """u32 [classes, ALPHABET]: each symbol's frequency (low 16 bits) and cumulative
+    frequency (high 16 bits), so a decode step loads both at once."""
+    return tables.astype(np.uint32) | (cumulative(tables).astype(np.uint32) << 16)
+
+
 def validate_tables(tables: np.ndarray) -> None:
     """Raise ValueError unless ``tables`` is a usable set of frequency tables."""
     if tables.ndim != 2 or tables.shape[1] != ALPHABET or tables.dtype != np.uint16:

@@ -56,6 +56,7 @@ class CoderTables:
     freq: np.ndarray
     cdf: np.ndarray
     lut: np.ndarray
+    coder: np.ndarray       # u32 [classes, ALPHABET]: freq | cdf << 16, what the CPU decoder loads
     cost: np.ndarray        # f64 [classes, ALPHABET]: entropy.symbol_cost_bits
     value_bits: np.ndarray  # f64 [classes, PROB_BITS + 1]: rans.min_value_bits
 
@@ -69,6 +70,7 @@ def coder_tables(profile: Profile) -> CoderTables:
     if tables is None:
         tables = CoderTables(freq=profile.tables, cdf=entropy.cumulative(profile.tables),
                              lut=entropy.slot_lookup(profile.tables),
+                             coder=entropy.packed_coder(profile.tables),
                              cost=entropy.symbol_cost_bits(profile.tables),
                              value_bits=rans.min_value_bits(profile.tables))
         _coder_tables[profile] = tables
@@ -408,9 +410,12 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
     plan = lanes.plan
     coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
     tables = coder_tables(profile)
+    tasks = np.empty((plan.lanes, 2), dtype=np.int64)
+    n_tasks = rans.lane_tasks(plan.kept[0], plan.rows, plan.rows_per_lane, plan.piece_tokens, coded_tokens,
+                              plan.group, tasks)
     status = parallel.launch(rans.decode_lanes, lanes.words, lanes.lane_start, lanes.states, plan.kept[0],
                              plan.rows_per_lane, plan.piece_tokens, plan.step, plan.group, plan.table,
-                             plan.shift, tables.freq, tables.cdf, tables.lut, coef)
+                             plan.shift, tables.lut, tables.coder, tasks, n_tasks, coef)
     if status != rans.OK:
         raise CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {status})")
     return coef

@@ -277,10 +277,14 @@ def encode_lanes(q, group, table, shift, freq, cdf, kept_k, rows_per_lane, piece
 
 @njit(cache=True, nogil=True, inline="always")
 def _renorm(x, words, pos, end):
-    """Refill one word if the state fell below STATE_LOW; pos > end flags overrun."""
+    """Refill one word if the state fell below STATE_LOW; pos > end flags overrun.
+
+    The word is loaded whether or not it is needed (the branch on ``pos < end`` is
+    all but always taken, so it predicts well), leaving the refill itself a select:
+    a branch on the state would mispredict on about one value in five."""
+    word = np.int64(words[pos]) if pos < end else np.int64(0)
     if x < STATE_LOW:
-        if pos < end:
-            x = (x << WORD_BITS) | np.int64(words[pos])
+        x = (x << WORD_BITS) | word
         pos += 1
     return x, pos
 
@@ -295,68 +299,169 @@ def _get_uniform(x, bits, words, pos, end):
     return value, x, pos
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _get_value(x, pos, end, tab, b, words, lut, coder):
+    """One value (FORMAT.md, "Values in a row") of a row with table ``tab`` and shift
+    ``b``: (q, state, word position, status). ``coder[tab, s]`` packs the symbol's
+    frequency (low 16 bits) and cumulative frequency (high 16 bits): one load."""
+    slot = x & SLOT_MASK
+    sym = np.int64(lut[tab, slot])
+    packed = np.int64(coder[tab, sym])
+    x = (packed & WORD_MASK) * (x >> PROB_BITS) + slot - (packed >> WORD_BITS)
+    x, pos = _renorm(x, words, pos, end)
+    err = OK
+    if sym == ESCAPE:
+        z = np.int64(0)
+        for c in range(ESCAPE_CHUNKS):
+            chunk, x, pos = _get_uniform(x, PROB_BITS, words, pos, end)
+            z |= chunk << (PROB_BITS * c)
+        v = (z >> 1) ^ -(z & 1)
+        if abs(v) >= MAX_ABS_Q:
+            err = BAD_ESCAPE
+            v = 0
+    else:
+        v = (sym - ZERO_SYMBOL) << b
+        if b > 0:
+            low, x, pos = _get_uniform(x, b, words, pos, end)
+            v += low
+    return v, x, pos, err
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lane_end(x, pos, end, err):
+    """A lane's status once its values are decoded: it must have read exactly its
+    words and come back to the encoder's initial state."""
+    if err == OK and pos > end:
+        return OUT_OF_WORDS
+    if err == OK and (pos != end or x != STATE_LOW):
+        return BAD_FINAL
+    return err
+
+
+#: lanes one thread decodes in lockstep: a value's decode is a chain of dependent loads
+#: and a multiply (~20 cycles), so one lane at a time leaves the core mostly idle;
+#: four independent chains fill it
+WAYS = 4
+
+
+@njit(cache=True, nogil=True)
+def lane_tasks(kept_k, rows, rows_per_lane, piece, tokens, group, tasks):
+    """Split the lanes into tasks for :func:`decode_lanes`: ``tasks[i] = (first lane,
+    lanes)``, either WAYS lanes of equal shape (the same token span and row count, no
+    delta rows) decoded in lockstep, or one lane. Returns the number of tasks."""
+    n_lanes = tasks.shape[0]
+    count = 0
+    lane = 0
+    while lane < n_lanes:
+        ways = WAYS if lane + WAYS <= n_lanes else 1
+        r0, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
+        for j in range(ways):
+            s0, s1, u0, u1 = lane_span(lane + j, kept_k, rows, rows_per_lane, piece, tokens)
+            for r in range(s0, s1):
+                if group[r] != 0:
+                    ways = 1
+            if s1 - s0 != r1 - r0 or u0 != t0 or u1 != t1:
+                ways = 1
+            if ways == 1:
+                break
+        tasks[count, 0] = lane
+        tasks[count, 1] = ways
+        count += 1
+        lane += ways
+    return count
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _decode_lane(lane, words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, group, table,
+                 shift, lut, coder, out):
+    """Decode one lane (any rows, delta rows included) into ``out``; its status."""
+    rows, tokens = out.shape
+    r0, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
+    x = np.int64(final_state[lane])
+    pos = lane_word_start[lane]
+    end = lane_word_start[lane + 1]
+    err = OK
+    if x < STATE_LOW:
+        err = BAD_FINAL
+    for r in range(r0, r1):
+        if err != OK:
+            break
+        s = step[r]
+        g = group[r]
+        anchor = np.float32(0.0)
+        # a view indexed from 0: LLVM then proves the index non-negative and drops
+        # numba's wraparound check from the per-value store
+        dst = out[r, t0:t1]
+        for i in range(t1 - t0):
+            kind = _symbol_kind(t0 + i, g)
+            v, x, pos, e = _get_value(x, pos, end, table[r, kind], np.int64(shift[r, kind]), words, lut, coder)
+            err |= e
+            value = np.float32(v) * s
+            if kind == 1:
+                value = anchor + value
+            elif g > 0:
+                anchor = value
+            dst[i] = value
+    return _lane_end(x, pos, end, err)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _decode_ways(lane, words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, table,
+                 shift, lut, coder, out, status):
+    """Decode WAYS (4) lanes of equal shape without delta rows in lockstep (lane_tasks)."""
+    rows, tokens = out.shape
+    ra, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
+    rb = lane_span(lane + 1, kept_k, rows, rows_per_lane, piece, tokens)[0]
+    rc = lane_span(lane + 2, kept_k, rows, rows_per_lane, piece, tokens)[0]
+    rd = lane_span(lane + 3, kept_k, rows, rows_per_lane, piece, tokens)[0]
+    xa, xb = np.int64(final_state[lane]), np.int64(final_state[lane + 1])
+    xc, xd = np.int64(final_state[lane + 2]), np.int64(final_state[lane + 3])
+    pa, pb, pc, pd = lane_word_start[lane:lane + 4]
+    ea, eb, ec, ed = lane_word_start[lane + 1:lane + 5]
+    errs = OK
+    for k in range(r1 - ra):
+        a, b, c, d = ra + k, rb + k, rc + k, rd + k
+        ta, tb, tc, td = table[a, 0], table[b, 0], table[c, 0], table[d, 0]
+        ba, bb = np.int64(shift[a, 0]), np.int64(shift[b, 0])
+        bc, bd = np.int64(shift[c, 0]), np.int64(shift[d, 0])
+        sa, sb, sc, sd = step[a], step[b], step[c], step[d]
+        da, db, dc, dd = out[a, t0:t1], out[b, t0:t1], out[c, t0:t1], out[d, t0:t1]
+        for i in range(t1 - t0):
+            va, xa, pa, e1 = _get_value(xa, pa, ea, ta, ba, words, lut, coder)
+            vb, xb, pb, e2 = _get_value(xb, pb, eb, tb, bb, words, lut, coder)
+            vc, xc, pc, e3 = _get_value(xc, pc, ec, tc, bc, words, lut, coder)
+            vd, xd, pd, e4 = _get_value(xd, pd, ed, td, bd, words, lut, coder)
+            errs |= e1 | e2 | e3 | e4
+            da[i] = np.float32(va) * sa
+            db[i] = np.float32(vb) * sb
+            dc[i] = np.float32(vc) * sc
+            dd[i] = np.float32(vd) * sd
+    for j, (x, pos, end) in enumerate(((xa, pa, ea), (xb, pb, eb), (xc, pc, ec), (xd, pd, ed))):
+        start_bad = BAD_FINAL if final_state[lane + j] < STATE_LOW else OK
+        status[lane + j] = _lane_end(x, pos, end, errs | start_bad)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def decode_lanes(words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, group, table,
-                 shift, freq, cdf, lut, out):
-    """Decode every lane into dequantized float32 coefficients ``out`` [R, T].
+                 shift, lut, coder, tasks, n_tasks, out):
+    """Decode every lane into dequantized float32 coefficients ``out`` [R, T], task by
+    task (``lane_tasks``: ``tasks[:n_tasks]``).
 
-    Never reads outside a lane's words; returns OK or the first error code seen
-    (the caller turns any non-OK status into CorruptBitstream).
+    Never reads outside the section's words (a lane past its own reads zeros), never
+    writes outside ``out``; returns OK or the first error code seen (the caller turns
+    any non-OK status into CorruptBitstream). A lane decoded in lockstep with others
+    reports a corrupt value in any of them: the section is corrupt either way.
     """
     n_lanes = final_state.shape[0]
-    rows, tokens = out.shape
     status = np.zeros(max(n_lanes, 1), dtype=np.int32)  # a layer may have no lanes at all
-    for lane in prange(n_lanes):
-        r0, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
-        x = np.int64(final_state[lane])
-        pos = lane_word_start[lane]
-        end = lane_word_start[lane + 1]
-        err = OK
-        if x < STATE_LOW:
-            err = BAD_FINAL
-        for r in range(r0, r1):
-            if err != OK:
-                break
-            s = step[r]
-            g = group[r]
-            anchor = np.float32(0.0)
-            # a view indexed from 0: LLVM then proves the index non-negative and drops
-            # numba's wraparound check from the per-value store (range(t0, t1) kept it;
-            # ~7% of the L1 decode, single thread)
-            dst = out[r, t0:t1]
-            for i in range(t1 - t0):
-                kind = _symbol_kind(t0 + i, g)
-                tab = table[r, kind]
-                slot = x & SLOT_MASK
-                sym = np.int64(lut[tab, slot])
-                x = np.int64(freq[tab, sym]) * (x >> PROB_BITS) + slot - np.int64(cdf[tab, sym])
-                x, pos = _renorm(x, words, pos, end)
-                if sym == ESCAPE:
-                    z = np.int64(0)
-                    for c in range(ESCAPE_CHUNKS):
-                        chunk, x, pos = _get_uniform(x, PROB_BITS, words, pos, end)
-                        z |= chunk << (PROB_BITS * c)
-                    v = (z >> 1) ^ -(z & 1)
-                    if abs(v) >= MAX_ABS_Q:
-                        err = BAD_ESCAPE
-                        v = 0
-                else:
-                    b = np.int64(shift[r, kind])
-                    v = (sym - ZERO_SYMBOL) << b
-                    if b > 0:
-                        low, x, pos = _get_uniform(x, b, words, pos, end)
-                        v += low
-                value = np.float32(v) * s
-                if kind == 1:
-                    value = anchor + value
-                elif g > 0:
-                    anchor = value
-                dst[i] = value
-            if pos > end:
-                err = OUT_OF_WORDS
-        if err == OK and (pos != end or x != STATE_LOW):
-            err = BAD_FINAL
-        status[lane] = err
+    for i in prange(n_tasks):
+        lane = tasks[i, 0]
+        if tasks[i, 1] == WAYS:
+            _decode_ways(lane, words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, table,
+                         shift, lut, coder, out, status)
+        else:
+            status[lane] = _decode_lane(lane, words, lane_word_start, final_state, kept_k, rows_per_lane, piece,
+                                        step, group, table, shift, lut, coder, out)
     return status.max()
 
 

@@ -21,7 +21,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
+import numpy as np
 import torch
+from numba import njit
 
 ROPE_TYPES = ("default", "linear", "llama3")
 #: Positions are u32 in the blob header: a chunk's tokens lie in [0, 2^32).
@@ -210,3 +212,31 @@ def rotate(keys: torch.Tensor, rotary: Rotary, angles: tuple[torch.Tensor, torch
         out[..., :half] = x1 * c1 - x2 * s1
         out[..., half:rotary.dim] = x2 * c2 + x1 * s2
     return out.reshape(keys.shape)
+
+
+def rotate_in_place(keys: torch.Tensor, rotary: Rotary, angles: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """RoPE of float32 keys [tokens, heads * head_dim] (contiguous), in place: what
+    :func:`rotate` returns, bit for bit (the same float32 products and sums, no fused
+    multiply-add), in one pass over the keys and without temporaries. The decoder's form."""
+    cos, sin = angles
+    tokens, channels = keys.shape
+    if channels % rotary.head_dim or cos.shape != (tokens, rotary.dim) or not keys.is_contiguous() \
+            or keys.dtype != torch.float32:
+        raise ValueError(f"keys {keys.dtype} [{tokens}, {channels}] do not fit rotary head_dim "
+                         f"{rotary.head_dim}, angles {tuple(cos.shape)}")
+    _rope_rows(keys.numpy(), cos.numpy(), sin.numpy(), rotary.head_dim)
+
+
+@njit(cache=True, nogil=True)
+def _rope_rows(keys: np.ndarray, cos: np.ndarray, sin: np.ndarray, head_dim: int) -> None:
+    """keys [tokens, C] rotated in place by cos, sin [tokens, dim]: per head, channel
+    ``i < dim / 2`` pairs with ``i + dim / 2`` (transformers' ``rotate_half``)."""
+    tokens, channels = keys.shape
+    half = cos.shape[1] // 2
+    for t in range(tokens):
+        for head in range(0, channels, head_dim):
+            for i in range(half):
+                x1 = keys[t, head + i]
+                x2 = keys[t, head + half + i]
+                keys[t, head + i] = x1 * cos[t, i] - x2 * sin[t, i]
+                keys[t, head + half + i] = x2 * cos[t, half + i] + x1 * sin[t, half + i]

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .rotary import Rotary, rotate
+from .rotary import Rotary, rotate_in_place
 
 #: float32's unit roundoff
 _UNIT = 2.0 ** -24
@@ -147,7 +147,8 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
     else:
         result = torch.addmm(bias, coef.T, basis[:kept])
     if rope is not None:
-        result = rotate(result, rope[0], rope[1])
+        result = result.contiguous()  # an identity profile's sum may keep coef's transposed strides
+        rotate_in_place(result, rope[0], rope[1])
     out.copy_(clamp_to(result, out.dtype))
 
 

@@ -1,7 +1,7 @@
 """Compile, or load from numba's on-disk cache, every codec kernel before anything is timed.
 
 numba compiles a kernel once per distinct combination of argument types, at its first
-call in a process. With ``cache=True`` (set on every kernel in ``rans.py`` and ``control.py``) the machine
+call in a process. With ``cache=True`` (set on every kernel in ``rans.py``, ``rotary.py`` and ``control.py``) the machine
 code goes to an on-disk cache (``codec/__pycache__``, or ``$NUMBA_CACHE_DIR``) and later
 processes load it instead of compiling. Either way the first call in a process pays:
 about 3 s per specialization on 2 cores when compiling (a fresh clone, a new deploy,
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from . import container, control, rans
+from . import container, control, rans, rotary
 from .api import decode_section, encode, parse_header
 from .levels import DEFAULT_TARGETS
 from .profile import calibrate
@@ -37,9 +37,9 @@ log = logging.getLogger("kvwire.codec")
 
 #: the numba kernels of the encode and decode paths, as ``module.name`` (numba's cache
 #: index names; ``rans.ideal_bits`` is benchmark-only)
-KERNELS = ("rans.quantize_rows", "rans.lane_spans", "rans.encode_lanes", "rans.decode_lanes",
-           "control.weigh_sample")
-_MODULES = {"rans": rans, "control": control}
+KERNELS = ("rans.quantize_rows", "rans.lane_spans", "rans.encode_lanes", "rans.lane_tasks", "rans.decode_lanes",
+           "rotary._rope_rows", "control.weigh_sample")
+_MODULES = {"rans": rans, "control": control, "rotary": rotary}
 
 _LAYERS, _HEADS, _HEAD_DIM, _SINKS, _TOKENS = 2, 2, 4, 4, 68
 
@@ -122,7 +122,9 @@ def _exercise() -> None:
     # an outlier (the escape path), ~4x the data's largest value: one the step control
     # codes; 1e3 made the misfit check store the layer raw (and warn on every start-up)
     kv[0, 0, _SINKS, 0, 0] = 30.0
-    profile = calibrate([kv], targets=(DEFAULT_TARGETS[0],), sink_tokens=_SINKS)
+    # a rotary profile: the decoder re-applies RoPE to keys (rotary._rope_rows)
+    profile = calibrate([kv], targets=(DEFAULT_TARGETS[0],), sink_tokens=_SINKS,
+                        rotary=rotary.Rotary(head_dim=_HEAD_DIM, dim=_HEAD_DIM, theta=10000.0))
     blob = encode(kv.to(torch.float16), 0, profile)
     header = parse_header(blob)
     for layer in range(header.layers):

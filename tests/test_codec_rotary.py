@@ -13,7 +13,7 @@ import torch
 
 import codec
 from codec.profile import CodedBody
-from codec.rotary import rotate
+from codec.rotary import rotate, rotate_in_place
 from streamer.model import hf, rotary_of
 
 ROPE = codec.Rotary(head_dim=16, dim=16, theta=10000.0)
@@ -86,6 +86,20 @@ def test_rotating_all_layers_at_once_gives_each_layers_bits(inverse: bool) -> No
     stacked = rotate(keys, ROPE, angles, inverse=inverse)
     for layer in range(3):
         assert torch.equal(stacked[layer], rotate(keys[layer], ROPE, angles, inverse=inverse))
+
+
+@pytest.mark.parametrize("rotary", [ROPE, codec.Rotary(head_dim=16, dim=8, theta=500000.0, rope_type="linear",
+                                                        factor=4.0)])
+def test_the_decoders_in_place_rotation_is_rotates_bit_for_bit(rotary) -> None:
+    """The decoder re-applies RoPE in place (one pass, no temporaries): the same float32
+    operations as ``rotate``, so the same bits, partial rotary included."""
+    keys = torch.randn(70, 3 * 16, generator=torch.Generator().manual_seed(3)) * 50
+    angles = rotary.angles(4321, 70)
+    expected = rotate(keys, rotary, angles)
+    rotate_in_place(keys, rotary, angles)
+    assert torch.equal(keys, expected)
+    with pytest.raises(ValueError):
+        rotate_in_place(keys.T, rotary, angles)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
