@@ -16,6 +16,7 @@ level-0 KV, while the exact KV gives the full prefill's answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from typing import Any
@@ -93,6 +94,22 @@ def test_streamed_text_never_splits_a_character() -> None:
     stream = TextStream(decode)
     sent = [stream.push(t) for t in (1, 2, 3, 4)]
     assert sent == ["a", "", "\u00e9", "b"] and "".join(sent) + stream.flush() == stream.text == "a\u00e9b"
+
+
+def test_text_already_sent_is_never_contradicted() -> None:
+    """A decoding that rewrites what was sent holds the stream until it agrees again."""
+    texts = {(1,): "ab", (1, 2): "Ab c", (1, 2, 3): "ab cd"}
+    stream = TextStream(lambda ids: texts[tuple(ids)])
+    assert [stream.push(1), stream.push(2), stream.push(3)] == ["ab", "", " cd"]
+
+
+def test_an_engine_config_is_checked() -> None:
+    from streamer.llmserver.engine import EngineConfig
+
+    for bad in ({"chunk_tokens": 0}, {"slo": 0}, {"max_tokens": True}, {"served_name": ""},
+                {"store_budget_bytes": -1}):
+        with pytest.raises(ValueError):
+            EngineConfig(**{"served_name": "m", **bad})
 
 
 def test_sse_events_are_one_line_of_json_each() -> None:
@@ -179,29 +196,27 @@ class CountingStore:
 
 
 class GatedSource:
-    """A ``SenderSource`` whose fetches wait until ``release`` is set: concurrent requests
-    all look up before any fetch can finish, so sharing is deterministic."""
+    """A ``SenderSource`` whose sessions, once open, wait until ``release`` is set before
+    the engine may fetch: concurrent requests all have their lookup answered before any
+    fetch can finish, so sharing is deterministic, and a fetch can be caught in flight."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.release = asyncio.Event()
         self.lookups = 0
+        self.opened = 0
 
     async def lookup(self, chain: Any) -> Any:
-        self.lookups += 1
-        return await self.inner.lookup(chain)
+        match = await self.inner.lookup(chain)
+        self.lookups += 1   # counted once answered: its fetch is then started or joined at once
+        return match
 
-    def session(self, match: Any, config: Any) -> Any:
-        session = self.inner.session(match, config)
-        enter = session.__aenter__
-        release = self.release
-
-        async def gated_enter() -> Any:
-            await release.wait()
-            return await enter()
-
-        session.__aenter__ = gated_enter
-        return session
+    @contextlib.asynccontextmanager
+    async def session(self, match: Any, config: Any) -> Any:
+        async with self.inner.session(match, config) as session:
+            self.opened += 1
+            await self.release.wait()
+            yield session
 
 
 async def _serve(served: dict[str, Any], *, sender: Any = None, source: Any = None, store: Any = None,
@@ -328,7 +343,7 @@ async def test_concurrent_requests_share_one_fetch_per_prefix(served) -> None:
         client = _client(server)
         requests = [asyncio.create_task(client.completions.create(model=NAME, prompt=p, max_tokens=MAX_TOKENS))
                     for p in prompts]
-        for _ in range(400):   # every request has looked its prefix up
+        for _ in range(400):   # every request's lookup is answered
             if source.lookups == len(prompts):
                 break
             await asyncio.sleep(0.05)
@@ -341,7 +356,7 @@ async def test_concurrent_requests_share_one_fetch_per_prefix(served) -> None:
         assert [a.usage.kvwire["reason"] for a in answers[8:]] == ["no stored prefix"] * 2
         assert (server.engine.fetches, server.engine.joins) == (2, 6)
         assert sorted(counting.opens.values()) == [1, 1] and len(counting.opens) == 2
-        # both in flight at once (each began before either could open: the gate held them)
+        # both in flight at once (each began before either could finish: the gate held them)
         (a_start, a_end), (b_start, b_end) = {tuple(a.usage.kvwire["fetch_window"]) for a in answers[:8]}
         assert max(a_start, b_start) < min(a_end, b_end)
         await client.close()
@@ -416,11 +431,12 @@ async def test_a_client_that_goes_away_leaks_nothing(served) -> None:
         source.release.clear()
         request = asyncio.create_task(client.completions.create(model=NAME, prompt=served["prefixes"][1] + [13],
                                                                 max_tokens=4))
-        for _ in range(400):
-            if server.engine.flights:
+        for _ in range(400):   # the fetch's session is open at the sender
+            if source.opened == 2:
                 break
             await asyncio.sleep(0.05)
         (flight,) = server.engine.flights.values()
+        assert sender.sessions >= 1
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request

@@ -11,8 +11,8 @@
 
 Errors are OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``,
 with 400 for a request the server cannot serve as asked (``streamer.llmserver.protocol``),
-401 for a missing or wrong token, 404 for an unknown model or path, 405, 413 for a body
-over ``protocol.MAX_BODY``, 429 when ``max_requests`` requests are being answered
+401 for a missing or wrong token, 404 for an unknown model or path, 405, 408 for a body
+that does not arrive within ``BODY_TIMEOUT``, 413 for one over ``protocol.MAX_BODY``, 429 when ``max_requests`` requests are being answered
 already, 500 for anything unexpected (logged; the server goes on).
 
 Exposure, the daemons' rule: off loopback the API needs a token (``api_token``, which
@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvwire.llmserver")
 
+#: seconds a request's body may take to arrive (a slow sender of bodies is answered 408)
+BODY_TIMEOUT = 10.0
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine")
 CONFIG_KEY: web.AppKey["ServeConfig"] = web.AppKey("config")
 
@@ -143,9 +145,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     config = request.app[CONFIG_KEY]
     try:
-        body = await request.read()
+        async with asyncio.timeout(BODY_TIMEOUT):
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"the body may be at most {MAX_BODY} bytes", code="request_too_large") from None
+    except TimeoutError:
+        raise APIError(408, f"the body did not arrive within {BODY_TIMEOUT:.0f} s") from None
     parsed = parse_body(body, max_tokens_limit=engine.config.max_tokens)
     if parsed.model != engine.config.served_name:
         raise APIError(404, f"the model {parsed.model!r} is not served here (GET /v1/models): "
@@ -171,6 +176,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         outcome = await engine.complete(parsed, ids, send)
     except APIError as exc:   # the status went out already: the error is the stream's last event
         await response.write(sse_data(exc.body()))
+        return response
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        log.exception("a streamed completion failed")
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+        await response.write(sse_data(error.body()))
         return response
     await response.write(sse_data(stream_chunk(completion_id, created, name, "", outcome.finish_reason)))
     if parsed.include_usage:

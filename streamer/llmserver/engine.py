@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Awaitable, Callable, Protocol, Sequence
 
 from streamer.llmserver.protocol import APIError, CompletionRequest, TextStream
 
@@ -60,9 +60,9 @@ class PrefixSource(Protocol):
     async def lookup(self, chain: Sequence[str]) -> "PrefixMatch | None":
         """The longest stored prefix of ``chain``, or None."""
 
-    def session(self, match: "PrefixMatch", config: "SessionConfig") -> "StreamSession":
-        """A (not yet entered) session fetching the first ``match.chunks`` chunks of
-        ``match.context_id``."""
+    def session(self, match: "PrefixMatch", config: "SessionConfig") -> AsyncContextManager["StreamSession"]:
+        """A session fetching the first ``match.chunks`` chunks of ``match.context_id``, to
+        enter (``async with``: open) and ``fetch()``."""
 
 
 class SenderSource:
@@ -167,6 +167,18 @@ class EngineConfig:
     write_back: bool = True
     #: bytes of content-addressed contexts the store keeps (``put_prefix`` evicts beyond it)
     store_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        from streamer.net.config import require_int, require_positive
+
+        if not isinstance(self.served_name, str) or not self.served_name:
+            raise ValueError(f"EngineConfig.served_name must be a non-empty string, got {self.served_name!r}")
+        require_int("EngineConfig", "chunk_tokens", self.chunk_tokens, 1)
+        require_positive("EngineConfig", "slo", self.slo)
+        require_int("EngineConfig", "max_tokens", self.max_tokens, 1)
+        for name in ("max_prompt_tokens", "store_budget_bytes"):
+            if getattr(self, name) is not None:
+                require_int("EngineConfig", name, getattr(self, name), 1)
 
 
 @dataclass
@@ -329,6 +341,10 @@ class Engine:
             prefix, joined = await self._shared_fetch(match, left, len(ids))
         except (StreamError, FetchFailed, OSError, TimeoutError, ValueError) as exc:
             usage.update(prefix="failed", reason=f"fetch: {type(exc).__name__}: {exc}"[:300])
+            return None, usage
+        except Exception as exc:   # a fault of ours: logged, and the request is still answered
+            log.exception("fetching the prefix %s failed", match.context_id)
+            usage.update(prefix="failed", reason=f"fetch: internal error: {type(exc).__name__}: {exc}"[:300])
             return None, usage
         if prefix.tokens > len(ids):   # the chain matched, so this is a store's or sender's fault
             usage.update(prefix="failed", reason=f"the stored prefix has {prefix.tokens} tokens, the prompt "

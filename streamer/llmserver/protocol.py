@@ -224,25 +224,29 @@ class TextStream:
     """Token ids in, text out, piece by piece: each ``push`` returns what the ids so far
     add to the text, holding back a trailing incomplete UTF-8 sequence (the tokenizer
     decodes it as U+FFFD until its last byte comes) so that no piece is a broken
-    character. ``text`` is the whole decoded text."""
+    character. A decoding that rewrites text already sent (not the case for byte-level
+    tokenizers) sends nothing until it agrees with it again. ``text`` is the whole text."""
 
     def __init__(self, decode: Any) -> None:
         self._decode = decode
         self.ids: list[int] = []
-        self._sent = 0
+        self._sent = ""
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
         text = self._decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        piece, self._sent = text[self._sent:], len(text)
-        return piece
+        return self._advance(text)
 
     def flush(self) -> str:
         """What is left to send at the end (an incomplete character, as decoded)."""
-        text = self._decode(self.ids)
-        piece, self._sent = text[self._sent:], len(text)
+        return self._advance(self._decode(self.ids))
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self._sent):
+            return ""
+        piece, self._sent = text[len(self._sent):], text
         return piece
 
     @property
