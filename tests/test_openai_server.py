@@ -302,9 +302,11 @@ async def test_a_stored_prefix_is_fetched_and_the_answer_equals_a_full_prefill(s
     try:
         client = _client(server)
         prompt = served["prefixes"][0] + served["ids"][2000:2007]
-        answer = await client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS)
+        answer = await client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                 extra_body={"kvwire": {"slo": 3.0}})
         usage = answer.usage.kvwire
         assert usage["prefix"] == "fetched" and usage["chunks"] == 2, usage
+        assert usage["slo"] <= 3.0 < served["config"].slo   # the request's deadline, less its lookup
         assert (usage["fetched_tokens"], usage["recomputed_tokens"], usage["prefilled_tokens"]) == (2 * CHUNK, 0, 7)
         assert usage["levels"] == [0, 0]
         assert answer.choices[0].text == reference(served, prompt)
