@@ -517,3 +517,37 @@ def test_the_command_refuses_to_listen_off_loopback_without_a_token(capsys, monk
     monkeypatch.delenv(API_TOKEN_ENV, raising=False)
     assert main(["serve-openai", "--listen", "0.0.0.0:0"]) == 2
     assert "without an API token" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_over_max_requests_a_request_is_refused_and_a_huge_body_too(served) -> None:
+    import aiohttp
+
+    from streamer.llmserver.engine import SenderSource
+    from streamer.net.config import SessionConfig
+
+    sender, _ = await _sender(served)
+    source = GatedSource(SenderSource([("127.0.0.1", sender.port)], SessionConfig()))
+    server = await _serve(served, source=source, max_requests=1)
+    try:
+        client = _client(server)
+        held = asyncio.create_task(client.completions.create(model=NAME, prompt=served["prefixes"][0] + [13],
+                                                             max_tokens=2))
+        for _ in range(400):   # the first request holds its fetch open
+            if source.opened:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(openai.RateLimitError):
+            await client.completions.create(model=NAME, prompt="hi", max_tokens=1)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(server.url + "/v1/completions", data=b"x" * (2 << 20)) as r:
+                assert r.status == 413 and "error" in await r.json()
+            async with http.get(server.url + "/v1/nowhere") as r:
+                assert r.status == 404 and "error" in await r.json()
+        source.release.set()
+        assert (await held).usage.kvwire["prefix"] == "fetched"
+        await client.close()
+    finally:
+        await server.close()
+        await sender.close()
