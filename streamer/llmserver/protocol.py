@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 #: the API's default port (vLLM's and the openai examples')
@@ -72,8 +72,6 @@ class CompletionRequest:
     include_usage: bool = False
     #: the prefix fetch's deadline in seconds (None: the server's)
     slo: float | None = None
-    #: fields accepted without effect (``seed``, ``user``)
-    ignored: tuple[str, ...] = field(default=())
 
 
 def parse_body(body: bytes, *, max_tokens_limit: int) -> CompletionRequest:
@@ -174,9 +172,8 @@ def parse_completion(doc: Any, *, max_tokens_limit: int) -> CompletionRequest:
         slo = extension.get("slo")
         if slo is not None and (not _is_number(slo) or slo <= 0):
             raise _bad("kvwire", f"kvwire.slo must be a finite number of seconds > 0, got {slo!r:.40}")
-    ignored = tuple(name for name in ("seed", "user") if doc.get(name) is not None)
     return CompletionRequest(model=model, prompt=prompt, max_tokens=max_tokens, stream=bool(stream),
-                             include_usage=include_usage, slo=None if slo is None else float(slo), ignored=ignored)
+                             include_usage=include_usage, slo=None if slo is None else float(slo))
 
 
 # ------------------------------------------------------------------------ responses
