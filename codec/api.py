@@ -20,6 +20,7 @@ import torch
 import zstandard
 
 from . import backends, container, control, layer_codec
+from .stages import CONVERT, CRC, LANE_TABLE, stage
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
@@ -358,10 +359,12 @@ _Checked = tuple[memoryview, "memoryview | layer_codec.LanePayload"]
 def _check_section(header: BlobHeader, profile: Profile, slot: int, layer: int,
                    section: bytes | memoryview) -> _Checked:
     """(sink bytes, raw token bytes or parsed lanes) of a section, every length verified."""
-    sink_bytes, rest = container.split_section(section, header, layer)
+    with stage(CRC):
+        sink_bytes, rest = container.split_section(section, header, layer)
     if header.is_raw(layer):
         return sink_bytes, rest
-    return sink_bytes, layer_codec.parse_lanes(profile, slot, layer, header.coded_tokens, rest, header.version)
+    with stage(LANE_TABLE):
+        return sink_bytes, layer_codec.parse_lanes(profile, slot, layer, header.coded_tokens, rest, header.version)
 
 
 def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _Checked,
@@ -371,10 +374,11 @@ def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _
     flat = out.view(2, header.tokens, header.channels)
     if isinstance(rest, layer_codec.LanePayload):
         layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:], header.start + sinks)
-    else:
-        flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
-    if sinks:
-        flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
+    with stage(CONVERT):
+        if not isinstance(rest, layer_codec.LanePayload):
+            flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
+        if sinks:
+            flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
 
 
 def _section_slices(blob: bytes | memoryview, header: BlobHeader) -> Iterator[tuple[int, memoryview]]:

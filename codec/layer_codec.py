@@ -22,6 +22,7 @@ import torch
 from . import control, entropy, parallel, rans, transform
 from .errors import CorruptBitstream
 from .profile import Profile
+from .stages import ENTROPY, stage
 
 #: ideal bits the encoder aims to put in one lane (FORMAT.md, "The encoder's choice")
 LANE_BITS = 2048
@@ -410,12 +411,13 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
     plan = lanes.plan
     coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
     tables = coder_tables(profile)
-    tasks = np.empty((plan.lanes, 2), dtype=np.int64)
-    n_tasks = rans.lane_tasks(plan.kept[0], plan.rows, plan.rows_per_lane, plan.piece_tokens, coded_tokens,
-                              plan.group, tasks)
-    status = parallel.launch(rans.decode_lanes, lanes.words, lanes.lane_start, lanes.states, plan.kept[0],
-                             plan.rows_per_lane, plan.piece_tokens, plan.step, plan.group, plan.table,
-                             plan.shift, tables.lut, tables.coder, tasks, n_tasks, coef)
+    with stage(ENTROPY):
+        tasks = np.empty((plan.lanes, 2), dtype=np.int64)
+        n_tasks = rans.lane_tasks(plan.kept[0], plan.rows, plan.rows_per_lane, plan.piece_tokens, coded_tokens,
+                                  plan.group, tasks)
+        status = parallel.launch(rans.decode_lanes, lanes.words, lanes.lane_start, lanes.states, plan.kept[0],
+                                 plan.rows_per_lane, plan.piece_tokens, plan.step, plan.group, plan.table,
+                                 plan.shift, tables.lut, tables.coder, tasks, n_tasks, coef)
     if status != rans.OK:
         raise CorruptBitstream(f"layer {layer}: entropy-coded data is corrupt (code {status})")
     return coef

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .rotary import Rotary, rotate_in_place
+from .stages import CONVERT, ROPE, TRANSFORM, stage
 
 #: float32's unit roundoff
 _UNIT = 2.0 ** -24
@@ -140,16 +141,19 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
     """
     kept, tokens = coef.shape
     bias = mean.expand(tokens, mean.shape[0])
-    if basis is None:
-        result = coef.T + mean
-    elif kept == 0:
-        result = bias.clone()
-    else:
-        result = torch.addmm(bias, coef.T, basis[:kept])
+    with stage(TRANSFORM):
+        if basis is None:
+            result = coef.T + mean
+        elif kept == 0:
+            result = bias.clone()
+        else:
+            result = torch.addmm(bias, coef.T, basis[:kept])
     if rope is not None:
-        result = result.contiguous()  # an identity profile's sum may keep coef's transposed strides
-        rotate_in_place(result, rope[0], rope[1])
-    out.copy_(clamp_to(result, out.dtype))
+        with stage(ROPE):
+            result = result.contiguous()  # an identity profile's sum may keep coef's transposed strides
+            rotate_in_place(result, rope[0], rope[1])
+    with stage(CONVERT):
+        out.copy_(clamp_to(result, out.dtype))
 
 
 def clamp_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -60,3 +60,34 @@ def test_coder_cost_without_coded_sections_is_zero(small) -> None:
     profile, chunks = small
     cost = bench_codec.coder_cost(profile, 0, [], [])
     assert (cost.lanes, cost.sections, cost.overhead, cost.lane_cost_bits) == (0, 0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rotary"])
+def test_stage_table_adds_up_to_the_recorded_decode(small, small_rotary, rope) -> None:
+    """``kvwire bench codec --stages``: every stage the decoder marks gets a row, the rows
+    (the remainder included) add up to the recorded decode, and the work-bound stages
+    carry a bound; RoPE only with a rotary profile."""
+    from codec import stages
+
+    profile, chunks = small_rotary if rope else small
+    report = bench_codec.measure_stages(profile, 2, chunks, repeat=1)
+    names = [row.stage for row in report.rows]
+    assert names[:-1] == list(stages.STAGES)
+    assert sum(row.seconds for row in report.rows) == pytest.approx(report.config["seconds"])
+    assert sum(row.share for row in report.rows) == pytest.approx(1.0)
+    by_name = {row.stage: row for row in report.rows}
+    for name in (stages.CRC, stages.ENTROPY, stages.TRANSFORM, stages.CONVERT):
+        assert by_name[name].seconds > 0 and by_name[name].bound_seconds > 0, name
+    assert (by_name[stages.ROPE].seconds > 0) == rope
+    assert report.decode_mb_s > 0 and report.encode_mb_s > 0
+    assert "inverse transform" in bench_codec.render_stages(report)
+
+
+def test_stage_marks_cost_nothing_outside_a_recording() -> None:
+    from codec import stages
+
+    assert stages.stage(stages.ENTROPY) is stages.stage(stages.CRC)  # one shared no-op context
+    with stages.recording() as times:
+        with stages.stage(stages.ENTROPY):
+            pass
+    assert set(times) == {stages.ENTROPY}

@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import math
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numba
 import numpy as np
 import torch
+from numba import njit, prange
 
-from codec import api, baselines, container, layer_codec
+from codec import api, baselines, container, entropy, layer_codec, stages
 from codec.levels import DEFAULT_LEVEL
 from codec.profile import CodedBody, Profile, calibrate
 from codec.synthetic import synthetic_kv
@@ -332,6 +335,187 @@ def _targets(report: Report, real: bool) -> list[dict]:
     return targets
 
 
+# --------------------------------------------------------------------------- stages
+@dataclass
+class StageRow:
+    """One stage of the CPU decode: its wall seconds over the chunks, its share of the
+    decode, and the seconds this CPU needs at least for its work (``bound_seconds``;
+    None where there is no meaningful bound), measured as ``bound`` says."""
+
+    stage: str
+    seconds: float
+    share: float
+    bound_seconds: float | None = None
+    bound: str = ""
+
+
+@dataclass
+class StageReport:
+    config: dict
+    decode_mb_s: float   # fp16 MB of KV per second, the decode not recorded (best of the repeats)
+    encode_mb_s: float
+    rows: list[StageRow] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What the coded sections of the blobs ask of each stage."""
+
+    flops: float = 0.0         # inverse transform: 2 * N * kept * C per K/V
+    shape: tuple[int, int, int] = (1, 1, 1)  # (N, kept, C) of the largest product
+    steps: float = 0.0         # coder steps: a symbol per value, one more per value with low bits
+    crc_bytes: float = 0.0
+    rope_bytes: float = 0.0    # float32 keys read and written
+    convert_bytes: float = 0.0  # float32 read, the blob's dtype written
+
+
+def _work(profile: Profile, level: int, blobs: Sequence[bytes]) -> _Work:
+    flops = steps = crc = rope = convert = 0.0
+    shape = (1, 1, 1)
+    for blob in blobs:
+        header = api.parse_header(blob)
+        crc += header.total_size - header.size
+        convert += (4 + header.dtype.itemsize) * header.layers * 2 * header.tokens * header.channels
+        for layer in range(header.layers):
+            if header.is_raw(layer):
+                continue
+            payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
+            plan = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version).plan
+            n, c = header.coded_tokens, header.channels
+            flops += 2.0 * n * sum(plan.kept) * c if profile.basis is not None else 0.0
+            shape = max(shape, (n, max(plan.kept), c), key=lambda s: s[0] * s[1] * s[2])
+            steps += n * float((1 + (plan.shift[:, 0] > 0)).sum())
+            rope += 8.0 * n * c if profile.rotary is not None else 0.0
+    return _Work(flops, shape, steps, crc, rope, convert)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tight_step(x, lut, coder, words, pos):
+    """One rANS decode step (FORMAT.md's widths: 12-bit slots, one 16-bit refill at most)."""
+    slot = x & 4095
+    packed = np.int64(coder[np.int64(lut[slot])])
+    x = (packed & 0xFFFF) * (x >> 12) + slot - (packed >> 16)
+    word = np.int64(words[pos])
+    if x < 65536:
+        x = (x << 16) | word
+        pos += 1
+    return x, pos
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _tight_rans(words, lut, coder, groups, steps):
+    """The rANS decode step and nothing else (no dequantization, escapes, low bits,
+    status or bounds on the words), four lanes in lockstep per task as the decoder runs
+    them: the coder's ceiling on this CPU. Returns the final states' sum so that no step
+    is optimized away."""
+    total = np.zeros(groups, np.int64)
+    span = words.shape[0] // (4 * groups)
+    for g in prange(groups):
+        pa, pb, pc, pd = 4 * g * span, (4 * g + 1) * span, (4 * g + 2) * span, (4 * g + 3) * span
+        xa = xb = xc = xd = np.int64(1 << 16) + g
+        for _ in range(steps):
+            xa, pa = _tight_step(xa, lut, coder, words, pa)
+            xb, pb = _tight_step(xb, lut, coder, words, pb)
+            xc, pc = _tight_step(xc, lut, coder, words, pc)
+            xd, pd = _tight_step(xd, lut, coder, words, pd)
+        total[g] = xa + xb + xc + xd
+    return total.sum()
+
+
+def _coder_steps_per_s(profile: Profile, repeat: int) -> float:
+    """Decode steps per second of ``_tight_rans`` on random words with the profile's
+    busiest table (the class most rows of its default level use), on numba's threads."""
+    classes = np.bincount(profile.table[DEFAULT_LEVEL].ravel(), minlength=len(profile.tables))
+    table = profile.tables[int(classes.argmax())][None]
+    lut, coder = entropy.slot_lookup(table)[0], entropy.packed_coder(table)[0]
+    groups, steps = 16 * numba.get_num_threads(), 100_000
+    words = np.random.default_rng(0).integers(0, 1 << 16, groups * 4 * steps, dtype=np.uint16)
+    _tight_rans(words, lut, coder, groups, 10)  # compiled or loaded before the clock starts
+    seconds, _ = _best_time(lambda: _tight_rans(words, lut, coder, groups, steps), repeat)
+    return 4.0 * groups * steps / seconds
+
+
+def _gemm_flops_per_s(shape: tuple[int, int, int], repeat: int) -> float:
+    """float32 FLOP/s of torch's matmul [N, kept] x [kept, C] into a preallocated output,
+    the inverse transform's largest product, on torch's threads."""
+    n, kept, c = shape
+    a, b, out = torch.randn(n, kept), torch.randn(kept, c), torch.empty(n, c)
+    seconds, _ = _best_time(lambda: [torch.mm(a, b, out=out) for _ in range(10)], repeat)
+    return 10 * 2.0 * n * kept * c / seconds
+
+
+def _copy_bytes_per_s(elements: int, repeat: int) -> float:
+    """Bytes read and written per second by a float32 copy of ``elements`` values."""
+    src, dst = torch.randn(elements), torch.empty(elements)
+    seconds, _ = _best_time(lambda: [dst.copy_(src) for _ in range(10)], repeat)
+    return 10 * 8.0 * elements / seconds
+
+
+def _crc_bytes_per_s(repeat: int) -> float:
+    data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    seconds, _ = _best_time(lambda: [zlib.crc32(data) for _ in range(10)], repeat)
+    return 10.0 * len(data) / seconds
+
+
+def measure_stages(profile: Profile, level: int, chunks: Sequence[torch.Tensor], repeat: int) -> StageReport:
+    """The CPU decode of ``chunks`` at ``level``, stage by stage (``codec.stages``), each
+    against its bound on this CPU: the inverse transform's FLOPs at torch's matmul rate
+    of the same shape, the coder's steps at ``_tight_rans``'s rate, CRC bytes at zlib's
+    rate on a hot buffer, RoPE and the conversion's bytes at a float32 copy's rate."""
+    half = [c.to(torch.float16) for c in chunks]
+    t_enc, blobs = _best_time(lambda: [api.encode(c, level, profile, **args)
+                                       for c, args in zip(half, encode_args(half))], 1)
+    fp16_mb = sum(c.numel() for c in half) * 2 / 1e6
+    t_dec, _ = _best_time(lambda: [api.decode(b, profile) for b in blobs], repeat)
+    runs = []
+    for _ in range(repeat):
+        with stages.recording() as times:
+            total, _ = _best_time(lambda: [api.decode(b, profile) for b in blobs], 1)
+        runs.append((total, dict(times)))
+    total, times = min(runs, key=lambda run: run[0])
+    work = _work(profile, level, blobs)
+    elements = work.shape[0] * work.shape[2]
+    copy_rate = _copy_bytes_per_s(elements, repeat)
+    gemm_rate, coder_rate, crc_rate = (_gemm_flops_per_s(work.shape, repeat), _coder_steps_per_s(profile, repeat),
+                                       _crc_bytes_per_s(repeat))
+    bounds = {
+        stages.CRC: (work.crc_bytes / crc_rate, f"{work.crc_bytes / 1e6:.0f} MB at zlib's {crc_rate / 1e9:.1f} GB/s"),
+        stages.LANE_TABLE: (None, "-"),
+        stages.ENTROPY: (work.steps / coder_rate, f"{work.steps / 1e6:.0f} M steps at a tight loop's "
+                                                  f"{coder_rate / 1e6:.0f} M/s"),
+        stages.TRANSFORM: (work.flops / gemm_rate, f"{work.flops / 1e9:.1f} GFLOP at torch.mm's "
+                                                  f"{gemm_rate / 1e9:.0f} GFLOP/s"),
+        stages.ROPE: (work.rope_bytes / copy_rate, f"{work.rope_bytes / 1e6:.0f} MB at a copy's "
+                                                  f"{copy_rate / 1e9:.1f} GB/s"),
+        stages.CONVERT: (work.convert_bytes / copy_rate, f"{work.convert_bytes / 1e6:.0f} MB at a copy's "
+                                                        f"{copy_rate / 1e9:.1f} GB/s"),
+    }
+    rows = [StageRow(name, times.get(name, 0.0), times.get(name, 0.0) / total, *bounds[name])
+            for name in stages.STAGES]
+    rest = total - sum(row.seconds for row in rows)
+    rows.append(StageRow("python, allocation, glue", rest, rest / total, 0.0, "nothing to wait for"))
+    config = {"level": level, "chunks": len(chunks), "shape": list(chunks[0].shape), "seconds": total,
+              "torch_threads": torch.get_num_threads(), "numba_threads": numba.get_num_threads()}
+    return StageReport(config, fp16_mb / t_dec, fp16_mb / t_enc, rows)
+
+
+def render_stages(report: StageReport) -> str:
+    c = report.config
+    lines = [f"CPU decode by stage: level {c['level']}, {c['chunks']} chunks {c['shape']}, "
+             f"torch {c['torch_threads']} / numba {c['numba_threads']} threads; decode "
+             f"{report.decode_mb_s:.0f} MB/s fp16-equivalent (encode {report.encode_mb_s:.0f} MB/s)",
+             f"{'stage':<30}{'seconds':>9}{'share':>8}{'bound s':>9}{'x bound':>9}  bound measured as"]
+    for r in report.rows:
+        over = None if not r.bound_seconds else r.seconds / r.bound_seconds
+        lines.append(f"{r.stage:<30}{r.seconds:>9.4f}{100 * r.share:>7.1f}%{_fmt(r.bound_seconds, '.4f'):>9}"
+                     f"{_fmt(over, '.2f'):>9}  {r.bound}")
+    lines.append(f"{'total (stages recorded)':<30}{c['seconds']:>9.4f}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- output
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -408,13 +592,19 @@ def plot(report: Report, path: Path) -> None:
 
 def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int = 8192,
          chunk_tokens: int = 1536, repeat: int = 3, as_json: bool = False,
-         plot_path: str | None = "codec_rd.png", variants: bool = True) -> Report:
+         plot_path: str | None = "codec_rd.png", variants: bool = True, stages_only: bool = False
+         ) -> Report | StageReport:
     if workload == "minilm":
         wl = minilm_workload(tokens, calibration_tokens)
     elif workload == "smollm2":
         wl = smollm2_workload(tokens, calibration_tokens)
     else:
         wl = synthetic_workload(workload, tokens)
+    if stages_only:
+        staged = measure_stages(wl.profile or calibrate([wl.calibration]), DEFAULT_LEVEL,
+                                chunks_of(wl.measured, chunk_tokens), repeat)
+        print(staged.to_json() if as_json else render_stages(staged))
+        return staged
     report = run(wl, chunk_tokens, repeat, compare_variants=variants)
     print(report.to_json() if as_json else render(report))
     if plot_path:

@@ -9,7 +9,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     bench.main(workload=args.workload, tokens=args.tokens, calibration_tokens=args.calibration_tokens,
                chunk_tokens=args.chunk_tokens, repeat=args.repeat, as_json=args.json,
-               plot_path=None if args.no_plot else args.plot, variants=not args.quick)
+               plot_path=None if args.no_plot else args.plot, variants=not args.quick, stages_only=args.stages)
     return 0
 
 
@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--chunk-tokens", type=int, default=1536, help="tokens per encoded chunk (default 1536)")
     p.add_argument("--repeat", type=int, default=3, help="timing repetitions, best kept (default 3)")
     p.add_argument("--quick", action="store_true", help="skip the transform and delta comparisons")
+    p.add_argument("--stages", action="store_true",
+                   help="only the CPU decode at the default level, stage by stage (entropy decode, inverse "
+                        "transform, RoPE, conversion, CRC, the rest), each against its bound on this CPU")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default="codec_rd.png", help="rate-distortion PNG path (default codec_rd.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
