@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from streamer.net.json_body import BodyError, load_json_body
+
 #: the API's default port (vLLM's and the openai examples')
 DEFAULT_PORT = 8000
 #: the environment variable ``kvwire serve-openai`` reads the API token from
@@ -76,14 +78,10 @@ class CompletionRequest:
 
 def parse_body(body: bytes, *, max_tokens_limit: int) -> CompletionRequest:
     """A raw body (JSON, at most ``MAX_BODY`` bytes) -> the request; APIError (400, 413)."""
-    if len(body) > MAX_BODY:
-        raise APIError(413, f"the body may be at most {MAX_BODY} bytes, got {len(body)}")
     try:
-        doc = json.loads(body.decode("utf-8"))
-    except ValueError as exc:   # not UTF-8, not JSON, or an integer of over 4300 digits
-        raise APIError(400, f"malformed JSON: {str(exc)[:200]}") from None
-    except RecursionError:
-        raise APIError(400, "malformed JSON: nested too deeply") from None
+        doc = load_json_body(body, MAX_BODY)
+    except BodyError as exc:
+        raise APIError(exc.status, exc.message) from None
     return parse_completion(doc, max_tokens_limit=max_tokens_limit)
 
 

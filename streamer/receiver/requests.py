@@ -28,12 +28,12 @@ Maximum of each size read, each checked before anything of that size is kept:
 from __future__ import annotations
 
 import hmac
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import parse_qsl, unquote_to_bytes
 
+from streamer.net.json_body import BodyError, load_json_body
 from streamer.receiver.fetcher import FetchError, FetchRequest
 
 MAX_REQUEST_LINE = 8190
@@ -205,14 +205,10 @@ def parse_head(method: str, target: str, headers: Mapping[str, str]) -> Head:
 def parse_fetch_body(body: bytes, *, default_slo: float, default_policy: str) -> tuple[FetchRequest, bool]:
     """A POST /fetch body (JSON, at most MAX_BODY bytes): the request and whether to wait
     for its result; ``RequestError`` (400, 413) naming what is wrong."""
-    if len(body) > MAX_BODY:
-        raise RequestError(413, f"the body may be at most {MAX_BODY} bytes, got {len(body)}")
     try:
-        doc = json.loads(body.decode("utf-8"))
-    except ValueError as exc:   # not UTF-8, not JSON, or an integer of over 4300 digits
-        raise RequestError(400, f"malformed JSON: {str(exc)[:200]}") from None
-    except RecursionError:
-        raise RequestError(400, "malformed JSON: nested too deeply") from None
+        doc = load_json_body(body, MAX_BODY)
+    except BodyError as exc:
+        raise RequestError(exc.status, exc.message) from None
     return parse_fetch(doc, default_slo=default_slo, default_policy=default_policy)
 
 

@@ -30,14 +30,15 @@ def parse_servers(text: str) -> list[tuple[str, int]]:
     return [parse_address(p.strip()) for p in parts]
 
 
-def api_token(args: argparse.Namespace) -> bytes | None:
-    """The API token from --api-token-file or, without it, ``$KVWIRE_RECEIVER_TOKEN``
-    (read as the sender's token is; never taken as an argument: ``ps`` shows those)."""
+def api_token(args: argparse.Namespace, env: str = API_TOKEN_ENV) -> bytes | None:
+    """The API token from --api-token-file or, without it, ``$<env>`` (default
+    ``$KVWIRE_RECEIVER_TOKEN``; read as the sender's token is; never taken as an argument:
+    ``ps`` shows those)."""
     from streamer.wire.auth import load_token, normalize_token
 
     if args.api_token_file is not None:
         return load_token(args.api_token_file)
-    value = os.environ.get(API_TOKEN_ENV, "").strip()
+    value = os.environ.get(env, "").strip()
     return normalize_token(value) if value else None
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from streamer.net.budget import DEFAULT_BUDGET_BYTES
-from streamer.tools.receive import parse_bytes, parse_servers
+from streamer.tools.receive import api_token, parse_bytes, parse_servers
 from streamer.tools.serve_fetch import _add_auth_option, _runner, parse_address
 
 #: the shipped model and the codec profile its KV is encoded with
@@ -19,12 +19,8 @@ SHIPPED_NAME = "smollm2-135m-instruct"
 def _api_token(args: argparse.Namespace) -> bytes | None:
     """--api-token-file, else ``$KVWIRE_OPENAI_TOKEN`` (never an argument: ``ps`` shows those)."""
     from streamer.llmserver.protocol import API_TOKEN_ENV
-    from streamer.wire.auth import load_token, normalize_token
 
-    if args.api_token_file is not None:
-        return load_token(args.api_token_file)
-    value = os.environ.get(API_TOKEN_ENV, "").strip()
-    return normalize_token(value) if value else None
+    return api_token(args, API_TOKEN_ENV)
 
 
 async def _serve(args: argparse.Namespace) -> int:
