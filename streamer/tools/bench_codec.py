@@ -460,6 +460,18 @@ def _crc_bytes_per_s(repeat: int) -> float:
     return 10.0 * len(data) / seconds
 
 
+#: seconds a bound waits before it is timed: torch's and numba's thread pools each keep
+#: their idle workers spinning for a while after a parallel region, and a rate timed while
+#: the other pool's workers spin measures the contention, not the CPU
+POOL_SETTLE_S = 0.2
+
+
+def _quiet(measure: Callable[[], float]) -> float:
+    """``measure()`` once the thread pools have gone idle (POOL_SETTLE_S)."""
+    time.sleep(POOL_SETTLE_S)
+    return measure()
+
+
 def measure_stages(profile: Profile, level: int, chunks: Sequence[torch.Tensor], repeat: int) -> StageReport:
     """The CPU decode of ``chunks`` at ``level``, stage by stage (``codec.stages``), each
     against its bound on this CPU: the inverse transform's FLOPs at torch's matmul rate
@@ -478,9 +490,10 @@ def measure_stages(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
     total, times = min(runs, key=lambda run: run[0])
     work = _work(profile, level, blobs)
     elements = work.shape[0] * work.shape[2]
-    copy_rate = _copy_bytes_per_s(elements, repeat)
-    gemm_rate, coder_rate, crc_rate = (_gemm_flops_per_s(work.shape, repeat), _coder_steps_per_s(profile, repeat),
-                                       _crc_bytes_per_s(repeat))
+    copy_rate = _quiet(lambda: _copy_bytes_per_s(elements, repeat))
+    gemm_rate = _quiet(lambda: _gemm_flops_per_s(work.shape, repeat))
+    coder_rate = _quiet(lambda: _coder_steps_per_s(profile, repeat))
+    crc_rate = _quiet(lambda: _crc_bytes_per_s(repeat))
     bounds = {
         stages.CRC: (work.crc_bytes / crc_rate, f"{work.crc_bytes / 1e6:.0f} MB at zlib's {crc_rate / 1e9:.1f} GB/s"),
         stages.LANE_TABLE: (None, "-"),
