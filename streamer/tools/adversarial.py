@@ -24,11 +24,13 @@ RSS while it was rejected (and whether the daemon or sender still answers).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import resource
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -257,15 +259,17 @@ def _peak_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def run_one(name: str) -> dict:
-    """Build and reject one hostile input here (meant for a fresh process)."""
+def run_one(name: str, store: str | None = None) -> dict:
+    """Build and reject one hostile input here (meant for a fresh process); ``store``: the
+    wire inputs' store, filled by ``adversarial_wire.prepare`` (None: filled here)."""
     import codec
 
     if name in adversarial_http.NAMES:
         return adversarial_http.run_one(name, _reset_peak_rss, _peak_rss_kib)
     if name in adversarial_wire.NAMES:
-        codec.warm_up()
-        return adversarial_wire.run_one(name, _reset_peak_rss, _peak_rss_kib)
+        if store is None:
+            codec.warm_up()   # the put encodes here
+        return adversarial_wire.run_one(name, _reset_peak_rss, _peak_rss_kib, store)
     codec.warm_up()
     build, reject = HOSTILE[name]
     data = build()
@@ -283,11 +287,13 @@ def run_one(name: str) -> dict:
             "peak_rss_growth_mb": round((after - before) / 1024, 1)}
 
 
-def hostile_rows(names: tuple[str, ...] = tuple(HOSTILE)) -> list[dict]:
-    """Hostile inputs (default: the codec's), each in its own subprocess."""
+def hostile_rows(names: tuple[str, ...] = tuple(HOSTILE), store: str | None = None) -> list[dict]:
+    """Hostile inputs (default: the codec's), each in its own subprocess (``store``: see
+    ``run_one``)."""
     rows = []
     for name in names:
-        done = subprocess.run([sys.executable, "-m", "streamer.tools.adversarial", "--one", name],
+        done = subprocess.run([sys.executable, "-m", "streamer.tools.adversarial", "--one", name]
+                              + (["--store", store] if store is not None else []),
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             rows.append({"input": name, "error": f"process exited {done.returncode}: {done.stderr[-400:]}",
@@ -295,6 +301,17 @@ def hostile_rows(names: tuple[str, ...] = tuple(HOSTILE)) -> list[dict]:
         else:
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return rows
+
+
+def wire_rows() -> list[dict]:
+    """The wire protocol's hostile inputs, each in its own subprocess, all served from one
+    store filled here first (a child then only starts a sender)."""
+    import codec
+
+    codec.warm_up()
+    with tempfile.TemporaryDirectory(prefix="kvwire-hostile-wire-") as root:
+        asyncio.run(adversarial_wire.prepare(root))
+        return hostile_rows(adversarial_wire.NAMES, root)
 
 
 # ------------------------------------------------------------------------ CLI
@@ -307,7 +324,7 @@ def _handler(args: argparse.Namespace) -> int:
     if args.what in ("http", "all"):
         report["http"] = hostile_rows(adversarial_http.NAMES)
     if args.what in ("wire", "all"):
-        report["wire"] = hostile_rows(adversarial_wire.NAMES)
+        report["wire"] = wire_rows()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -337,4 +354,6 @@ if __name__ == "__main__":  # the per-input subprocess of hostile_rows
     parser = argparse.ArgumentParser()
     parser.add_argument("--one", required=True,
                         choices=sorted(HOSTILE) + list(adversarial_http.NAMES) + list(adversarial_wire.NAMES))
-    print(json.dumps(run_one(parser.parse_args().one)))
+    parser.add_argument("--store", help="the wire inputs' store, filled by adversarial_wire.prepare")
+    arguments = parser.parse_args()
+    print(json.dumps(run_one(arguments.one, arguments.store)))

@@ -310,52 +310,63 @@ NAMES = tuple(INPUTS)
 SENDER_SIDE = tuple(name for name in NAMES if name.startswith(("continuation_", "lookup_")))
 
 
-async def _serve_and_measure(name: str, reset: Callable[[], None], peak: Callable[[], int]) -> dict:
+def _identity(profile_id: str) -> Any:
+    from codec.container import FORMAT_VERSION
+    from streamer.store.prefix import PrefixIdentity
+
+    return PrefixIdentity(model="hostile", tokenizer="hostile", profile_id=profile_id, chunk_tokens=CHUNK_TOKENS,
+                          format_version=FORMAT_VERSION)
+
+
+async def prepare(root: str) -> None:
+    """Put the served context into a file store at ``root``: by name (``ctx``) and
+    content-addressed. Done once for every input (each child process only serves it)."""
     import torch
 
     import codec
     import streamer
     from codec.synthetic import synthetic_kv
-
-    from codec.container import FORMAT_VERSION
-    from streamer.store.prefix import PrefixIdentity, prefix_chain
     from streamer.store.put import put_prefix
 
     profile = codec.calibrate([synthetic_kv(LAYERS, HEADS, HEAD_DIM, 512, seed=1)])
     kv = synthetic_kv(LAYERS, HEADS, HEAD_DIM, CHUNKS * CHUNK_TOKENS, seed=2).to(torch.float16)
-    identity = PrefixIdentity(model="hostile", tokenizer="hostile", profile_id=profile.id, chunk_tokens=CHUNK_TOKENS,
-                              format_version=FORMAT_VERSION)
     token_ids = list(range(CHUNKS * CHUNK_TOKENS))
-    with tempfile.TemporaryDirectory(prefix="kvwire-hostile-wire-") as root:
-        store = await streamer.open_store(root)
-        sender = None
-        try:
-            manifest = await streamer.put_context(store, "ctx", kv, token_ids, profile=profile,
-                                                  chunk_tokens=CHUNK_TOKENS)
-            await put_prefix(store, identity, kv, token_ids, profile, budget_bytes=None)
-            prompt = token_ids + [7] * ((MAX_LOOKUP_CHAIN - CHUNKS) * CHUNK_TOKENS)
-            sender = await streamer.serve(store)
-            served = _Served(manifest, await store.get_chunk("ctx", manifest.version, 0, 0), sender.port, store,
-                             prefix_chain(identity, prompt))
-            await _whole_chunk(served)   # warm: the first answer's imports are not the input's cost
-            reset()
-            before = peak()
-            start = time.perf_counter()
-            error = await INPUTS[name](served)
-            seconds = time.perf_counter() - start
-            growth = (peak() - before) / 1024
-            row = {"input": name, "error": error, "seconds": round(seconds, 4),
-                   "peak_rss_growth_mb": round(growth, 1)}
-            if name in SENDER_SIDE:
-                try:
-                    row["daemon_up"] = await _whole_chunk(served)
-                except (ConnectionError, OSError, TimeoutError, p.ProtocolError):
-                    row["daemon_up"] = False
-            return row
-        finally:
-            if sender is not None:
-                await sender.close()
-            await store.close()
+    async with await streamer.open_store(root) as store:
+        await streamer.put_context(store, "ctx", kv, token_ids, profile=profile, chunk_tokens=CHUNK_TOKENS)
+        await put_prefix(store, _identity(profile.id), kv, token_ids, profile, budget_bytes=None)
+
+
+async def _serve_and_measure(name: str, root: str, reset: Callable[[], None], peak: Callable[[], int]) -> dict:
+    import streamer
+    from streamer.store.prefix import prefix_chain
+
+    store = await streamer.open_store(root)
+    sender = None
+    try:
+        manifest = await store.get_manifest("ctx")
+        prompt = list(range(CHUNKS * CHUNK_TOKENS)) + [7] * ((MAX_LOOKUP_CHAIN - CHUNKS) * CHUNK_TOKENS)
+        sender = await streamer.serve(store)
+        served = _Served(manifest, await store.get_chunk("ctx", manifest.version, 0, 0), sender.port, store,
+                         prefix_chain(_identity(manifest.profile_id), prompt))
+        await _whole_chunk(served)   # warm: the first answer's imports are not the input's cost
+        reset()
+        before = peak()
+        start = time.perf_counter()
+        error = await INPUTS[name](served)
+        seconds = time.perf_counter() - start
+        growth = (peak() - before) / 1024
+        row = {"input": name, "error": error, "seconds": round(seconds, 4),
+               "peak_rss_growth_mb": round(growth, 1)}
+        if name in SENDER_SIDE:
+            try:
+                row["daemon_up"] = await _whole_chunk(served)
+            except (ConnectionError, OSError, TimeoutError, p.ProtocolError):
+                row["daemon_up"] = False
+        return row
+    finally:
+        if sender is not None:
+            await sender.close()
+        await store.close()
 
 
 async def _whole_chunk(served: _Served) -> bool:
@@ -368,7 +379,12 @@ async def _whole_chunk(served: _Served) -> bool:
         client.close()
 
 
-def run_one(name: str, reset: Callable[[], None], peak: Callable[[], int]) -> dict:
-    """Play one hostile input here (meant for a fresh process); ``reset`` and ``peak``
-    reset and read the process's peak RSS (KiB)."""
-    return asyncio.run(_serve_and_measure(name, reset, peak))
+def run_one(name: str, reset: Callable[[], None], peak: Callable[[], int], root: str | None = None) -> dict:
+    """Play one hostile input here (meant for a fresh process) against the store that
+    ``prepare`` filled at ``root`` (None: a temporary one, prepared here first); ``reset``
+    and ``peak`` reset and read the process's peak RSS (KiB)."""
+    if root is not None:
+        return asyncio.run(_serve_and_measure(name, root, reset, peak))
+    with tempfile.TemporaryDirectory(prefix="kvwire-hostile-wire-") as temporary:
+        asyncio.run(prepare(temporary))
+        return asyncio.run(_serve_and_measure(name, temporary, reset, peak))
