@@ -506,6 +506,10 @@ class _ConnectionHandler:
             self.metrics.chunks.labels(level=str(level)).inc()
 
     async def _write(self, *pieces: bytes | memoryview) -> None:
+        if self.writer.transport.is_closing():
+            # the peer went away mid-answer; uvloop's transports raise RuntimeError on a
+            # write after close (asyncio's drop it), so say it as the lost connection it is
+            raise ConnectionResetError("the connection closed while an answer was being sent")
         self.writer.writelines(pieces)
         if self.metrics is not None:
             self.metrics.bytes_sent.inc(sum(len(piece) for piece in pieces))
