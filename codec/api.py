@@ -73,9 +73,17 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
         except layer_codec.NotCodable:
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
-    if lanes is None or len(lanes) >= raw_size:
+    if lanes is None or len(lanes) >= raw_size or _over_decode_bound(len(sink_bytes) + len(lanes), kv_layer.shape[1], body.shape[-1], kv_layer.dtype):
         return sink_bytes + _token_bytes(kv_layer[:, sinks:]), container.MODE_RAW
     return sink_bytes + lanes, container.MODE_CODED
+
+
+def _over_decode_bound(section_bytes: int, tokens: int, channels: int, dtype: torch.dtype) -> bool:
+    """Whether a coded section would claim more output per byte than a decoder accepts
+    (``container.MAX_OUTPUT_PER_BYTE``, its defence against hostile blobs): a near-constant
+    layer can compress that far, and the encoder must never write what the decoder refuses,
+    so such a layer is stored raw."""
+    return container.token_bytes(tokens, channels, dtype) > container.MAX_OUTPUT_PER_BYTE * section_bytes
 
 
 def _coded_rows(profile: Profile, slot: int, layer: int,

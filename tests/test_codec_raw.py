@@ -100,3 +100,21 @@ def test_raw_layers_decode_section_by_section(profile) -> None:
         k, v = codec.decode_section(header, profile, layer, blob[start:start + header.sections[layer][0]])
         assert torch.equal(k, whole[layer, 0]) and torch.equal(v, whole[layer, 1])
     assert torch.equal(whole[1], kv[1])
+
+
+@pytest.mark.parametrize("bound", [4, 16])
+def test_the_encoder_never_writes_a_section_the_decoder_refuses(profile: codec.Profile, monkeypatch,
+                                                                 bound: int) -> None:
+    """A decoder refuses a coded section claiming more than ``MAX_OUTPUT_PER_BYTE`` of output
+    per byte (hostile blobs); a near-constant layer can compress further than that on real
+    KV (SmolLM2's first layer in float32 without sink tokens did). With the bound lowered so
+    that ordinary layers cross it, every blob must still decode: those layers go raw."""
+    from codec import container
+
+    monkeypatch.setattr(container, "MAX_OUTPUT_PER_BYTE", bound)
+    layers, _, heads, head_dim = SHAPE
+    kv = synthetic_kv(layers, heads, head_dim, 512, seed=7).to(torch.float32)
+    for level in range(len(profile.levels)):
+        blob = codec.encode(kv, level, profile, sink_tokens=0)
+        header = codec.api.parse_header(blob)
+        assert codec.decode(blob, profile).shape == kv.shape
