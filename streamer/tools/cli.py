@@ -15,7 +15,7 @@ _COMMAND_MODULES = ("streamer.tools.demo", "streamer.tools.codec_cli",
                     "streamer.tools.put", "streamer.tools.serve_fetch", "streamer.tools.receive",
                     "streamer.tools.serve_openai",
                     "streamer.tools.calibrate", "streamer.tools.bench_stream", "streamer.tools.bench_load",
-                    "streamer.tools.bench_policies", "streamer.tools.netsim_cli", "streamer.tools.fuzz",
+                    "streamer.tools.bench_policies", "streamer.tools.bench_serve", "streamer.tools.netsim_cli", "streamer.tools.fuzz",
                     "streamer.tools.bench_report")
 
 
