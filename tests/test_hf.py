@@ -43,7 +43,7 @@ def test_decoder_capture_shape_and_matches_model_cache(llama):
     kv = hf.capture_kv(llama, None, ids)
     assert kv.shape == (LAYERS, 2, 50, KV_HEADS, HEAD_DIM) and kv.dtype == torch.float32
     out = llama(input_ids=torch.tensor([ids]), use_cache=True)
-    assert torch.equal(hf.cache_to_kv(hf._out_cache(out)), kv)
+    assert torch.equal(hf.cache_to_kv(hf.out_cache(out)), kv)
     # prefill in windows with the cache of the previous ones: the same cache
     assert torch.allclose(hf.capture_kv(llama, None, ids, window=16), kv, atol=1e-5)
 

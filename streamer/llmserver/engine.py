@@ -230,7 +230,7 @@ class Engine:
         profile.check_shape(layers, heads, head_dim)
         self.vocab_size = hf.vocab_size(model)
         self.positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-        self.eos = hf._eos_ids(model)
+        self.eos = hf.eos_ids(model)
         self.identity = prefix_identity(config, tokenizer, profile)
         self.runner = ModelRunner()
         self.flights: dict[tuple[str, int], _Flight] = {}
@@ -389,7 +389,7 @@ class Engine:
         """Fetch ``match`` into a ``CacheAssembler``: PrefixMismatch when the opened context
         is not the prefix the match says (its tokens or its profile differ)."""
         from streamer.model.hf import CacheAssembler
-        from streamer.net.prefix_fetch import PrefixMismatch
+        from streamer.net.prefix_fetch import check_match
 
         assert self.source is not None
         config = dataclasses.replace(self.session_config, slo=slo,
@@ -399,11 +399,7 @@ class Engine:
         async with self.source.session(match, config) as session:
             manifest = session.manifest
             assert manifest is not None
-            tokens = min(match.chunks * self.config.chunk_tokens, prompt_tokens)
-            if manifest.tokens != tokens or manifest.profile_id != self.profile.id:
-                raise PrefixMismatch(f"context {match.context_id!r} holds {manifest.tokens} tokens at profile "
-                                     f"{manifest.profile_id}, not the {tokens} tokens at profile "
-                                     f"{self.profile.id} of the matched prefix")
+            check_match(manifest, match, self.identity, prompt_tokens)
             assembler = CacheAssembler(self.model, manifest, recompute_seconds_per_token=config.recompute_seconds_per_token)
 
             async def on_text(chunk: int, token_ids: list[int]) -> None:
@@ -429,8 +425,8 @@ class Engine:
                 start = min(prefix.tokens, len(ids) - 1)
                 if start:
                     cache = hf.kv_to_cache(prefix.kv[:, :, :start], model=self.model)
-            out = hf._decoder_forward(self.model, ids[start:], cache, logits=True)
-            cache = hf._out_cache(out)
+            out = hf.decoder_forward(self.model, ids[start:], cache, logits=True)
+            cache = hf.out_cache(out)
             state: dict[str, Any] = {"cache": cache, "token": int(out.logits[0, -1].argmax())}
             if prefix is None and self.store is not None and self.config.write_back:
                 state["prompt_kv"] = hf.cache_to_kv(cache)
@@ -442,8 +438,8 @@ class Engine:
         from streamer.model import hf
 
         with torch.no_grad():
-            out = hf._decoder_forward(self.model, [state["token"]], state["cache"], logits=True)
-        return {"cache": hf._out_cache(out), "token": int(out.logits[0, -1].argmax())}
+            out = hf.decoder_forward(self.model, [state["token"]], state["cache"], logits=True)
+        return {"cache": hf.out_cache(out), "token": int(out.logits[0, -1].argmax())}
 
     # ------------------------------------------------------------------ write-back
     def _write_back(self, ids: list[int], kv: "torch.Tensor | None") -> None:

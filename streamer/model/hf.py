@@ -268,7 +268,8 @@ def _cache_arg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _out_cache(out):
+def out_cache(out):
+    """The KV cache a forward pass returned (its key differs across transformers versions)."""
     cache = out.get("cache") if hasattr(out, "get") else None
     return cache if cache is not None else out["past_key_values"]
 
@@ -358,7 +359,10 @@ def cache_to_kv(cache) -> torch.Tensor:
                         for k, v in layers]).float().cpu()
 
 
-def _decoder_forward(model, ids: Sequence[int], cache, *, logits: bool):
+def decoder_forward(model, ids: Sequence[int], cache, *, logits: bool):
+    """One forward pass of ``ids`` over ``cache`` (None: empty), extending it; with
+    ``logits`` through the LM head, else the base model only (the cache is all that is
+    wanted)."""
     base = model if logits else _base(model)
     kwargs: dict[str, Any] = {"input_ids": torch.tensor([list(ids)], device=_model_device(model)),
                               "use_cache": True, _cache_arg(model): cache}
@@ -378,8 +382,8 @@ def _decoder_capture(model, ids: list[int], *, window: int | None,
     _check_positions(model, start + len(ids))
     cache = kv_to_cache(past, model=model) if past is not None and start else None
     for piece in windows(ids, window or len(ids)):
-        out = _decoder_forward(model, piece, cache, logits=False)
-        cache = _out_cache(out)
+        out = decoder_forward(model, piece, cache, logits=False)
+        cache = out_cache(out)
     kv = cache_to_kv(cache)
     return kv[:, :, start:]
 
@@ -425,7 +429,7 @@ def greedy_generate(model, tokenizer, text_or_ids: str | Sequence[int], max_new_
     return _greedy(model, ids, None, max_new_tokens)
 
 
-def _eos_ids(model) -> frozenset[int]:
+def eos_ids(model) -> frozenset[int]:
     """The model's end-of-sequence token ids (its config may name one, several or none)."""
     config = getattr(model, "generation_config", None) or model.config
     eos = getattr(config, "eos_token_id", None)
@@ -440,10 +444,10 @@ def _greedy(model, prompt: list[int], cache, max_new_tokens: int) -> list[int]:
     """Up to ``max_new_tokens`` greedy tokens; stops after the model's end-of-sequence token."""
     generated: list[int] = []
     feed = prompt
-    eos = _eos_ids(model)
+    eos = eos_ids(model)
     for _ in range(max_new_tokens):
-        out = _decoder_forward(model, feed, cache, logits=True)
-        cache = _out_cache(out)
+        out = decoder_forward(model, feed, cache, logits=True)
+        cache = out_cache(out)
         token = int(out.logits[0, -1].argmax())
         generated.append(token)
         if token in eos:
@@ -483,7 +487,7 @@ def generate_with_kv(model, tokenizer, kv: torch.Tensor, prompt: str | Sequence[
 def continuation_logits(model, kv: torch.Tensor | None, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits [len(token_ids), vocab] (float32) for ``token_ids`` run after the context ``kv``."""
     cache = kv_to_cache(kv, model=model) if kv is not None and kv.shape[2] else None
-    return _decoder_forward(model, list(token_ids), cache, logits=True).logits[0].float().cpu()
+    return decoder_forward(model, list(token_ids), cache, logits=True).logits[0].float().cpu()
 
 
 # ------------------------------------------------------------------- recomputation

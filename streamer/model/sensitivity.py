@@ -81,7 +81,7 @@ def fisher_traces(model, kv: torch.Tensor, continuation: Sequence[int], *, draws
     (summed over heads and head_dim) for ``continuation`` run after the context ``kv``."""
     def score(leaf: torch.Tensor) -> torch.Tensor:
         cache = hf.kv_to_cache(leaf, model=model)
-        logits = hf._decoder_forward(model, list(continuation), cache, logits=True).logits[0]
+        logits = hf.decoder_forward(model, list(continuation), cache, logits=True).logits[0]
         logp = torch.log_softmax(logits.double(), dim=-1)
         drawn = torch.multinomial(logp.detach().exp().float().cpu(), 1, generator=generator)
         return logp.gather(1, drawn.to(logp.device)).sum()
