@@ -22,6 +22,7 @@ from streamer.net.client import ClientConnection, StreamError
 from streamer.net.config import SessionConfig
 from streamer.net.session import StreamSession, connect
 from streamer.store.prefix import MAX_LOOKUP_CHAIN, PrefixIdentity, PrefixMatch, prefix_chain
+from streamer.wire.manifest import Manifest
 
 
 class PrefixMismatch(StreamError):
@@ -81,13 +82,22 @@ async def open_prefix_session(host: str, port: int, identity: PrefixIdentity, to
     await session.__aenter__()   # on failure the session has dropped the connection
     manifest = session.manifest
     assert manifest is not None
-    tokens = min(match.chunks * identity.chunk_tokens, len(token_ids))
-    if manifest.tokens != tokens or manifest.profile_id != identity.profile_id:
+    try:
+        check_match(manifest, match, identity, len(token_ids))
+    except PrefixMismatch:
         await session.close()
-        raise PrefixMismatch(f"{host}:{port} matched {match.chunks} chunks in context {match.context_id!r}, which "
-                             f"holds {manifest.tokens} tokens at profile {manifest.profile_id} there, not the "
-                             f"{tokens} tokens at profile {identity.profile_id} of the prompt's prefix")
+        raise
     return session, match
 
 
-__all__ = ["PrefixMismatch", "lookup", "lookup_prefix", "open_prefix_session"]
+def check_match(manifest: Manifest, match: PrefixMatch, identity: PrefixIdentity, prompt_tokens: int) -> None:
+    """PrefixMismatch unless ``manifest`` (of the opened, cut session) holds the matched
+    chunks of a ``prompt_tokens``-token prompt at the identity's profile."""
+    tokens = min(match.chunks * identity.chunk_tokens, prompt_tokens)
+    if manifest.tokens != tokens or manifest.profile_id != identity.profile_id:
+        raise PrefixMismatch(f"matched {match.chunks} chunks in context {match.context_id!r}, which holds "
+                             f"{manifest.tokens} tokens at profile {manifest.profile_id}, not the {tokens} "
+                             f"tokens at profile {identity.profile_id} of the prompt's prefix")
+
+
+__all__ = ["PrefixMismatch", "check_match", "lookup", "lookup_prefix", "open_prefix_session"]
