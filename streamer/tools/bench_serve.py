@@ -96,8 +96,6 @@ class Answer:
     first_token_seconds: float
     text: str
     usage: dict[str, Any]
-    started: float                  # client's monotonic clock at the request
-    ended: float
 
 
 async def _complete(session: Any, url: str, prompt: list[int], cfg: Config) -> Answer:
@@ -125,7 +123,7 @@ async def _complete(session: Any, url: str, prompt: list[int], cfg: Config) -> A
                     pieces.append(choice["text"])
             usage = event.get("usage") or usage
     text = "".join(pieces)
-    return Answer(first if first is not None else time.monotonic() - began, text, usage, began, time.monotonic())
+    return Answer(first if first is not None else time.monotonic() - began, text, usage)
 
 
 def _prompts(tokenizer: Any, document: list[int], tokens: int, questions: Sequence[str]) -> list[list[int]]:
@@ -151,14 +149,19 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
     return {"cold": values[0], "warm": statistics.median(values[1:]) if len(values) > 1 else values[0]}
 
 
+def _engine_config(cfg: Config) -> Any:
+    """What every server of the bench serves with (its prefix identity is the store's)."""
+    from streamer.llmserver.engine import EngineConfig
+
+    return EngineConfig(served_name="smollm2", chunk_tokens=cfg.chunk_tokens, slo=cfg.slo,
+                        max_tokens=max(cfg.max_tokens, 1), write_back=False)
+
+
 async def _serve(model: Any, tokenizer: Any, profile: Any, cfg: Config, senders: Sequence[tuple[str, int]]):
     from streamer.llmserver.app import start_server
-    from streamer.llmserver.engine import EngineConfig
     from streamer.net.config import SessionConfig
 
-    engine_config = EngineConfig(served_name="smollm2", chunk_tokens=cfg.chunk_tokens, slo=cfg.slo,
-                                 max_tokens=max(cfg.max_tokens, 1), write_back=False)
-    return await start_server(model, tokenizer, profile, engine_config, SessionConfig(),
+    return await start_server(model, tokenizer, profile, _engine_config(cfg), SessionConfig(),
                               senders=senders, port=0)
 
 
@@ -172,7 +175,7 @@ async def _row_requests(url: str, prompts: list[list[int]], cfg: Config) -> list
 async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """The bench; ``loaded``: SmolLM2's (model, tokenizer) when the caller holds them."""
     import codec
-    from streamer.llmserver.engine import prefix_identity, EngineConfig
+    from streamer.llmserver.engine import prefix_identity
     from streamer.model import hf
     from streamer.tools.demo_common import LinkProcess
     from streamer.tools.demo_llm import PROFILE
@@ -186,7 +189,7 @@ async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = No
     if len(document) < stored or len(second) < cfg.concurrent_tokens or any(n % cfg.chunk_tokens for n in cfg.sizes):
         raise ValueError(f"sizes must be multiples of {cfg.chunk_tokens} within the texts' tokens "
                          f"({len(document)} and {len(second)})")
-    identity = prefix_identity(EngineConfig(served_name="smollm2", chunk_tokens=cfg.chunk_tokens), tokenizer, profile)
+    identity = prefix_identity(_engine_config(cfg), tokenizer, profile)
     out: dict[str, Any] = {"config": asdict(cfg), "machine": platform.node(), "rows": [], "concurrent": None}
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-serve-") as root:
         store_url = f"file://{root}"
