@@ -112,6 +112,19 @@ def test_a_stall_reconnects_and_too_many_reconnects_fail_the_fetch() -> None:
     assert "giving up after 1 reconnects" in actions[0].message
 
 
+def test_a_pause_in_reading_is_not_counted_as_the_links_time() -> None:
+    """1 MB arrives in 30 ms of reading around a 1 s pause (the receiver's backlog over
+    budget): the sample is the link's 30 ms, not 1.03 s, and no look judges the chunk
+    while the silence is ours."""
+    ctl = controller([[1_000_000]] * 2, policy="mpc", slo=5.0)
+    feed(ctl, ev.Started(0.01, 0.04, 0.0))
+    feed(ctl, ev.AnswerBegan(0, 1_000_000, 0.02), ev.PartArrived(0, 100_000, 1, 0.03), ev.ReadingPaused(0.03))
+    assert ctl.timer() is None
+    feed(ctl, ev.ReadingResumed(1.03), ev.PartArrived(0, 1_000_000, 4, 1.05), ev.AnswerEnded(0, False, 1.05))
+    sample = ctl.history[-1]
+    assert sample.bytes == 1_000_000 and sample.busy_seconds == pytest.approx(0.04)
+
+
 def test_a_corrupt_section_refetches_and_a_third_one_sends_the_chunk_as_text() -> None:
     ctl = controller([[400_000]])
     feed(ctl, ev.Started(0.01, 0.04, 0.0), ev.AnswerBegan(0, 400_000, 0.01), ev.PartArrived(0, 100_000, 1, 0.02),

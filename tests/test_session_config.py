@@ -13,7 +13,9 @@ from streamer.receiver import ReceiverConfig
 @pytest.mark.parametrize("field, value, error", [
     ("slo", 0, ValueError), ("slo", float("nan"), ValueError), ("policy", "bogus", ValueError),
     ("device", "tpu", ValueError), ("device", "not a device", ValueError),
-    ("recompute_seconds_per_token", -1e-4, ValueError), ("prior_bps", 0.0, ValueError),
+    ("recompute_seconds_per_token", -1e-4, ValueError), ("recompute_seconds_per_token", 0.0, ValueError),
+    ("recompute_context_seconds", -1e-9, ValueError), ("recompute_overlaps", 1, TypeError),
+    ("prior_bps", 0.0, ValueError),
     ("decode_prior", 2e-5, TypeError),
     ("connect_timeout", 0, ValueError), ("stall_timeout", -1, ValueError),
     ("max_reconnects", -1, ValueError), ("max_reconnects", 1.5, ValueError),

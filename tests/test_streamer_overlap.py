@@ -31,6 +31,21 @@ def test_text_in_front_is_recomputed_while_the_rest_streams() -> None:
     assert overlap.finish([0.2], [0.0], busy=0.3) == pytest.approx(0.3)
 
 
+def test_where_recompute_shares_the_decoders_cores_only_series_plans_fit() -> None:
+    """Text in front hides behind two 0.5 s transfers when recompute runs beside them
+    (1.0 s); on shared cores each second of recompute is one the decoder loses (1.4 s)."""
+    link = np.array([[0.5, 0.0]] * 3)
+    recompute, costs = np.array([0.4] * 3), np.array([[0.01, 1.0]] * 3)
+    beside = overlap.solve(link, recompute, costs, 1.1)
+    assert beside.feasible and beside.columns == (1, 0, 0) and beside.seconds == pytest.approx(1.0)
+    shared = overlap.solve(link, recompute, costs, 1.1, overlaps=False)
+    assert not shared.feasible
+    assert np.isinf(overlap.first_option_costs(link, recompute, costs, 1.1, overlaps=False)).all()
+    # with room for it, the series plan, timed after the recompute still owed
+    roomy = overlap.solve(link, recompute, costs, 2.0, busy=0.2, overlaps=False)
+    assert roomy.feasible and roomy.columns == (0, 0, 0) and roomy.seconds == pytest.approx(1.7)
+
+
 def _finish_of(link: np.ndarray, recompute: np.ndarray, columns, busy: float) -> float:
     """:func:`overlap.finish` of the plan ``columns`` (the last column: text)."""
     cols = np.array(columns)

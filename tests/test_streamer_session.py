@@ -482,7 +482,7 @@ async def test_decisions_plan_text_at_the_callers_measured_recompute_rate(contex
     decide = controller_module.decide
 
     def recording_decide(*args, **kwargs):
-        planned.append(kwargs["recompute_seconds_per_token"])
+        planned.append(kwargs["recompute"].per_token)
         return decide(*args, **kwargs)
 
     monkeypatch.setattr(controller_module, "decide", recording_decide)

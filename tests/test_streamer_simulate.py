@@ -23,6 +23,7 @@ from streamer.adapt.policies import TEXT, Observation, PlanInput, get_policy, pr
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES
 from streamer.fetch.links import VectorLink
 from streamer.fetch.simulate import Simulator, oracle
+from streamer.adapt.recompute import RecomputeCost
 
 TARGETS = (2.5e-4, 1e-3, 4.2e-3, 1.3e-2, 3.5e-2)
 
@@ -322,12 +323,42 @@ def test_a_cancel_the_fade_holds_up_is_dropped_once_overdue(monkeypatch, escalat
 def test_no_time_left_is_text_and_says_whether_the_deadline_passed() -> None:
     m = make_manifest([[5_000_000]] * 2, [128] * 2)
     policy = get_policy("fixed:0")
-    kwargs = dict(time_left=-1.0, history=[], prior_bps=None, recompute_seconds_per_token=1e-4)
+    kwargs = dict(time_left=-1.0, history=[], prior_bps=None, recompute=RecomputeCost(1e-4))
     assert decide(policy, m, 0, until_deadline=-0.1, **kwargs) == (TEXT, "deadline passed")
     choice, reason = decide(policy, m, 0, until_deadline=2.0, **kwargs)
     assert choice == TEXT and reason.startswith("no time left") and "2 s to the deadline" in reason
     assert decide(policy, m, 0, time_left=0.5, history=[], prior_bps=None,
-                  recompute_seconds_per_token=1e-4, until_deadline=2.0) == (0, None)
+                  recompute=RecomputeCost(1e-4), until_deadline=2.0) == (0, None)
+
+
+@pytest.mark.parametrize("per_token, per_context, start, want", [
+    (1e-4, 0.0, 0, TEXT),        # a GPU host: text is the fastest way to finish
+    (1e-3, 0.0, 0, 1),           # a CPU host: 0.26 s of recompute against 0.04 s at level 1
+    (1e-4, 1e-7, 3840, 1),       # cheap tokens, but attention over a long prefix makes text dear
+    (1e-4, 1e-7, 0, TEXT),       # the same host at the front of a prefix
+])
+def test_past_the_deadline_a_chunk_goes_at_whatever_finishes_it_soonest(per_token, per_context, start, want) -> None:
+    """Once the deadline is out of reach the objective's quality term is moot and every
+    second is the caller's: text where recomputing is cheap, the fastest level where it is
+    dear (issue #43: text after the deadline made a 4K prefix as slow as a full prefill)."""
+    tokens = ([start] if start else []) + [256, 256]
+    m = make_manifest([[8_000_000, 4_000_000]] * len(tokens), tokens, text_bytes=600)
+    history = [Observation(10_000_000, 0.1)]   # 100 MB/s
+    choice, reason = decide(get_policy("mpc"), m, len(tokens) - 2, time_left=-0.5, history=history, prior_bps=None,
+                            recompute=RecomputeCost(per_token, per_context), until_deadline=-0.5)
+    assert choice == want
+    assert reason.startswith("deadline passed")
+
+
+def test_past_the_deadline_text_waits_for_the_recompute_already_owed() -> None:
+    """Text 26 ms of recompute would do, but 1 s of earlier text is still being recomputed:
+    a level finishes first."""
+    m = make_manifest([[8_000_000, 4_000_000]], [256], text_bytes=600)
+    history = [Observation(10_000_000, 0.1)]
+    kwargs = dict(time_left=-0.5, history=history, prior_bps=None, recompute=RecomputeCost(1e-4),
+                  until_deadline=-0.5)
+    assert decide(get_policy("mpc"), m, 0, **kwargs)[0] == TEXT
+    assert decide(get_policy("mpc"), m, 0, recompute_busy=1.0, **kwargs)[0] == 1
 
 
 def test_past_the_deadline_the_rest_is_text() -> None:

@@ -92,6 +92,11 @@ class PlanInput:
     #: the level the chunk before row 0 was requested at in this fetch (None: it was text,
     #: or row 0 is the fetch's first): mpc may hold it against a small step (``adapt.mpc``)
     previous_level: int | None = None
+    #: the caller's recompute runs beside the decoder and the link (a GPU recomputing while
+    #: a CPU decodes: text overlaps later transfers, ``adapt.overlap``); False where both
+    #: share the same cores (a CPU-only host), so each second of recompute is a second the
+    #: decoder loses and every plan is timed in series
+    recompute_overlaps: bool = True
 
     def __post_init__(self) -> None:
         # Shape checks only (cheap, O(chunks)): a mismatch here would otherwise

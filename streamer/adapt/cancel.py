@@ -221,7 +221,10 @@ class _Timing:
     def finish(self, link: float, recompute: float = 0.0) -> float:
         """If the chunk in flight takes ``link`` more seconds of link time (and ``recompute``
         as text): the later chunks at their cheapest in series, or all at levels, streaming
-        while what is owed is recomputed (``adapt.overlap``); whichever is sooner."""
+        while what is owed is recomputed (``adapt.overlap``; not where recompute shares the
+        decoder's cores: ``PlanInput.recompute_overlaps``); whichever is sooner."""
+        if not self.plan.recompute_overlaps:
+            return self.plan.recompute_busy + link + recompute + self.later_series
         done = max(self.plan.recompute_busy, link) + recompute
         return min(done + self.later_series, max(done, link + self.later_levels))
 

@@ -117,7 +117,7 @@ def mpc_plan(inp: PlanInput, window: int = DEFAULT_WINDOW,
     if estimate is None:
         return None
     return overlap.solve(link_seconds(inp, estimate), inp.text_seconds, plan_costs(inp), inp.time_left,
-                         inp.recompute_busy, bins, any_mix)
+                         inp.recompute_busy, bins, any_mix, inp.recompute_overlaps)
 
 
 def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WINDOW,
@@ -148,7 +148,7 @@ def expected_costs(inp: PlanInput, costs: np.ndarray, window: int = DEFAULT_WIND
     fits = np.zeros(inp.levels + 1, dtype=bool)
     for rate, weight in zip(rates, weights):
         first = overlap.first_option_costs(link_seconds(inp, float(rate)), inp.text_seconds, costs,
-                                           inp.time_left, inp.recompute_busy, bins, any_mix)
+                                           inp.time_left, inp.recompute_busy, bins, any_mix, inp.recompute_overlaps)
         finite = np.isfinite(first)
         fits |= finite
         if not finite.all():   # only then is the way out asked about (a decision's hot path)
@@ -213,7 +213,7 @@ def probe(inp: PlanInput, estimate: float, safe: np.ndarray, costs: np.ndarray,
         if not hopeful > estimate:
             return None
         first = overlap.first_option_costs(link_seconds(inp, hopeful), inp.text_seconds, costs,
-                                           inp.time_left, inp.recompute_busy, bins, any_mix)
+                                           inp.time_left, inp.recompute_busy, bins, any_mix, inp.recompute_overlaps)
         if not np.isfinite(first[column]):
             return None   # the bet cannot win: even at the hopeful rate it misses
     return column if safe[column] else None
@@ -284,8 +284,8 @@ def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS, any_mi
     # the objective alone: the tie-breaks would price moving the text behind the held link
     objective = np.tile(option_costs(inp), (len(inp.sizes), 1))
     now = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins,
-                                     any_mix)
+                                     any_mix, inp.recompute_overlaps)
     link[0, -1] = max(link[0, -1], inp.recompute_busy)
     later = overlap.first_option_costs(link, inp.text_seconds, objective, inp.time_left, inp.recompute_busy, bins,
-                                       any_mix)
+                                       any_mix, inp.recompute_overlaps)
     return probe_level(inp) if later[-1] <= now[-1] + 1e-12 else None

@@ -340,7 +340,7 @@ def _walk_mix(tab: _Tables, mix: _Mix, row: int) -> np.ndarray:
 
 
 def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float, busy: float = 0.0,
-          bins: int = DEFAULT_BINS, any_mix: bool = True) -> Plan:
+          bins: int = DEFAULT_BINS, any_mix: bool = True, overlaps: bool = True) -> Plan:
     """Minimum-cost plan finishing within ``budget`` under the overlap model, else the fastest.
 
     ``link`` [chunks, options] is each option's link seconds (the last column: text,
@@ -348,12 +348,17 @@ def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float
     ``busy`` the recompute still owed for earlier chunks. ``Plan.seconds`` is the
     plan's :func:`finish`. Ties go to the series shape (text as late as the costs put
     it), then the text prefix. A budget of zero or less fits nothing. ``any_mix=False``
-    leaves the any-mix shape out (text between KV chunks is then timed in series).
+    leaves the any-mix shape out (text between KV chunks is then timed in series);
+    ``overlaps=False`` (recompute shares the decoder's cores) leaves only the series shape.
     """
     tab = _tables(link, recompute, costs, budget, busy, bins)
     t, c, r = tab.t, tab.c, tab.r
     serial = _serial(t, r)
     series = solve_series(serial, c, budget - busy, bins) if budget - busy > 0 else None
+    if not overlaps:   # recompute and decode take turns on the same cores: nothing overlaps
+        if series is None or not series.feasible:
+            return fastest(serial, c)
+        return Plan(series.columns, series.cost, busy + series.seconds, True)
     q = int(np.argmin(tab.prefix))
     incumbent = min(series.cost if series is not None and series.feasible else np.inf, tab.prefix[q])
     mix, mixed, row = None, np.inf, 0
@@ -380,10 +385,12 @@ def solve(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float
 
 
 def first_option_costs(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, budget: float,
-                       busy: float = 0.0, bins: int = DEFAULT_BINS, any_mix: bool = True) -> np.ndarray:
-    """For each option of chunk 0, the least total cost of a plan (of any shape, or of the
-    series and text-prefix shapes with ``any_mix=False``) that starts with it and
-    finishes within ``budget`` (inf where none does)."""
+                       busy: float = 0.0, bins: int = DEFAULT_BINS, any_mix: bool = True,
+                       overlaps: bool = True) -> np.ndarray:
+    """For each option of chunk 0, the least total cost of a plan (of any shape, of the
+    series and text-prefix shapes with ``any_mix=False``, of the series shape alone with
+    ``overlaps=False``) that starts with it and finishes within ``budget`` (inf where none
+    does)."""
     tab = _tables(link, recompute, costs, budget, busy, bins)
     t, c, r = tab.t, tab.c, tab.r
     out = np.full(t.shape[1], np.inf)
@@ -391,7 +398,7 @@ def first_option_costs(link: ArrayLike, recompute: ArrayLike, costs: ArrayLike, 
         need = bins_needed(_serial(t, r), budget - busy, bins)
         best = value_table(c, need, bins, first=0)
         out = c[0] + best[1, need[0]]
-    if tab.levels is None:
+    if tab.levels is None or not overlaps:
         return out
     if busy <= budget:
         out = np.minimum(out, tab.barred[0] + tab.levels[1, tab.need[0]])

@@ -58,7 +58,7 @@ from streamer.adapt.decide import MAX_QUEUED_AHEAD, decide, plan_input, time_lef
 from streamer.adapt.decoding import DecodeCost
 from streamer.adapt.estimator import MIN_SAMPLE_BYTES, LinkMemory
 from streamer.adapt.policies import get_policy
-from streamer.adapt.recompute import recompute_rate
+from streamer.adapt.recompute import RecomputeCost, recompute_cost
 from streamer.fetch import events as ev
 from streamer.fetch.report import ChunkReport, FetchReport
 from streamer.wire.manifest import Manifest
@@ -79,6 +79,10 @@ class FetchSettings:
     policy: str = "mpc"
     cancels: bool = True
     recompute_seconds_per_token: float = 1e-4
+    #: recompute seconds per token for each token before it (``adapt.recompute``)
+    recompute_context_seconds: float = 0.0
+    #: the caller's recompute runs beside the decoder (``PlanInput.recompute_overlaps``)
+    recompute_overlaps: bool = True
     stall_timeout: float = 2.0
     max_reconnects: int = 4
     #: chunks can be delivered as text (the consumer has ``on_text``, or consumes nothing)
@@ -102,7 +106,8 @@ class Beliefs:
     prior_is_lower_bound: bool = False
     history: tuple[Observation, ...] = ()
     decodes: tuple[tuple[int, int, float], ...] = ()
-    recomputes: tuple[tuple[int, float], ...] = ()
+    #: (first token, tokens, seconds) of the caller's recent recomputes
+    recomputes: tuple[tuple[int, int, float], ...] = ()
     decode_prior: DecodeCost | None = None
 
 
@@ -150,6 +155,8 @@ class _Chunk:
     refetch: bool = False       # re-request when the current answer ends
     cancelling: bool = False    # CANCEL sent; re-requested when its answer ends
     switch_to: Choice | None = None   # what to re-request a cancelled chunk at (None: decide afresh)
+    #: seconds reading was paused while this answer arrived: not the link's time
+    paused_seconds: float = 0.0
     #: the cancel rule's looks at the current answer: (time, bytes), from its busy start
     marks: list[tuple[float, int]] = field(default_factory=list)
     #: (arrival time, bytes received) after each part: the partial sample's curve
@@ -188,13 +195,14 @@ class FetchController:
         self._past_decodes = list(beliefs.decodes)
         self._past_recomputes = list(beliefs.recomputes)
         self._decode_prior = beliefs.decode_prior
-        #: (tokens, bytes, seconds) of each section this fetch decoded; (tokens, seconds) of
-        #: each recompute: what the next fetch of the session starts from
+        #: (tokens, bytes, seconds) of each section this fetch decoded; (first token, tokens,
+        #: seconds) of each recompute: what the next fetch of the session starts from
         self.decodes: list[tuple[int, int, float]] = []
-        self.recomputes: list[tuple[int, float]] = []
+        self.recomputes: list[tuple[int, int, float]] = []
         self._owed: dict[tuple[int, int], int] = {}   # sections in the decoder: bytes
         self.rtt = self.connect_seconds = 0.0
         self.connected, self.paused = False, False
+        self.paused_at: float | None = None   # when reading was paused, while it is
         self.continuations = False   # the connection takes REQUESTs from a first layer
         self.pending_sample: Observation | None = None
         self.response_latency = 0.0
@@ -278,7 +286,9 @@ class FetchController:
         report.total_seconds = (self.delivered_at if self.delivered_at is not None else at) - self.start
         report.first_layer_seconds = None if self.first_layer_at is None else self.first_layer_at - self.start
         report.reconnects, report.cancels = self.reconnects, self.cancels
-        report.recompute_seconds_per_token = self._recompute_rate()
+        cost = self._recompute_cost()
+        report.recompute_seconds_per_token = cost.per_token
+        report.recompute_context_seconds = cost.per_context_token
         report.chunks = [c.report for c in self.chunks if c.report is not None]
         for chunk in self.chunks:
             if chunk.report is not None:
@@ -447,7 +457,7 @@ class FetchController:
         at, abort = event.at, self._aborting
         self.rtt, self.connect_seconds = event.rtt, event.connect_seconds
         self.continuations = self.settings.continuations and event.continuations
-        self.connected, self.paused, self._aborting = True, False, False
+        self.connected, self.paused, self.paused_at, self._aborting = True, False, None, False
         self.last_activity, self.last_end, self.escalate_at = at, None, None
         pending = [i for i in sorted(self.inflight) if not self.chunks[i].done]   # a delivered chunk's end is moot
         self.inflight.clear()
@@ -468,12 +478,32 @@ class FetchController:
         return True
 
     def _paused(self, event: ev.ReadingPaused) -> bool:
-        self.paused = True
+        self.paused, self.paused_at = True, event.at
         return False
 
     def _resumed(self, event: ev.ReadingResumed) -> bool:
-        self.paused, self.last_activity = False, event.at   # the stall timer restarts
+        if self.paused_at is not None:
+            self._skip_pause(self.paused_at, event.at)
+        self.paused, self.paused_at, self.last_activity = False, None, event.at   # the stall timer restarts
         return True
+
+    def _skip_pause(self, began: float, ended: float) -> None:
+        """Take a pause in reading out of the link's measure. While the receiver does not
+        read (its decoded backlog is over budget: a consumer or a text chunk's recompute
+        holding up ordered delivery), the sender's bytes wait in socket buffers, so the
+        answer arriving then would measure the receiver, not the link: a 2 MB chunk read
+        across a 1 s pause looks like 16 Mbit/s on a 1 Gbit/s link, the cancel rule gives
+        it up, and the next fetch starts from that rate. So for each answer that was
+        arriving, its busy start and its looks and arrivals from before the pause move
+        forward by the pause: its rate is what the link did while it was read."""
+        gap = ended - began
+        for index in self.inflight:
+            chunk = self.chunks[index]
+            if chunk.begin_at is None or chunk.begin_at > began or chunk.choice == TEXT:
+                continue
+            chunk.paused_seconds += gap
+            chunk.marks = [(at + gap if at <= began else at, count) for at, count in chunk.marks]
+            chunk.arrivals = [(at + gap if at <= began else at, count) for at, count in chunk.arrivals]
 
     # ------------------------------------------------------------------ delivery inputs
     def _corrupt(self, event: ev.Corrupt) -> bool:
@@ -521,7 +551,7 @@ class FetchController:
 
     def _recompute_finished(self, event: ev.RecomputeFinished) -> bool:
         self.chunks[event.chunk].recompute_seconds = event.seconds
-        self.recomputes.append((event.tokens, event.seconds))
+        self.recomputes.append((self.manifest.chunks[event.chunk].start, event.tokens, event.seconds))
         return False
 
     def _chunk_done(self, event: ev.ChunkDone) -> bool:
@@ -563,7 +593,8 @@ class FetchController:
 
     def _look_due(self) -> float | None:
         head = self._head_in_progress()
-        if not self.settings.cancels or head is None or head.cancelling or self.escalate_at is not None:
+        if not self.settings.cancels or head is None or head.cancelling or self.escalate_at is not None \
+                or self.paused:   # the silence is ours: nothing to judge the link by
             return None
         return head.marks[-1][0] + cancel.RECONSIDER_S if head.marks else head.begin_at
 
@@ -572,8 +603,9 @@ class FetchController:
         """When the link started carrying ``chunk``: not before its request could have been
         answered (request + one round trip), nor before the previous chunk finished. Not
         the first byte's arrival: bytes queued in socket and shaper buffers arrive in one
-        burst, which would make a small chunk look arbitrarily fast."""
-        return max(chunk.requested_at + self.rtt, self.last_end or 0.0)
+        burst, which would make a small chunk look arbitrarily fast. Later by the time
+        reading was paused while it arrived (``_skip_pause``)."""
+        return max(chunk.requested_at + self.rtt, self.last_end or 0.0) + chunk.paused_seconds
 
     def _head_in_progress(self) -> _Chunk | None:
         """The chunk whose answer is arriving now, if it is a level (not text)."""
@@ -622,19 +654,19 @@ class FetchController:
         decoder, and those of the chunks in flight still to arrive."""
         return self._decoder_owed(cost) + sum(self._unarrived_decode(self.chunks[i], cost) for i in self.inflight)
 
-    def _recompute_rate(self) -> float:
-        return recompute_rate(self.settings.recompute_seconds_per_token,
-                              [*self._past_recomputes, *self.recomputes])
+    def _recompute_cost(self) -> RecomputeCost:
+        configured = RecomputeCost(self.settings.recompute_seconds_per_token, self.settings.recompute_context_seconds)
+        return recompute_cost(configured, [*self._past_recomputes, *self.recomputes])
 
     def _pending_recompute(self, now: float) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text: each
         not yet done, less what the one being recomputed has had. It overlaps the transfers
         (``adapt.overlap``), and says by when a chunk in flight can still be given up for
         text at no cost (``adapt.cancel``)."""
-        per_token, owed = self._recompute_rate(), 0.0
+        cost, owed = self._recompute_cost(), 0.0
         for chunk in self.chunks:
             if chunk.choice == TEXT and not chunk.done:
-                whole = per_token * chunk.tokens
+                whole = cost.seconds(self.manifest.chunks[chunk.index].start, chunk.tokens)
                 began = chunk.recompute_began
                 owed += whole if began is None else max(whole - (now - began), 0.0)
         return owed
@@ -666,9 +698,10 @@ class FetchController:
             return decide(self._policy, self.manifest, index, time_left=left, history=history,
                           prior_bps=self.prior, prior_errors=self.prior_errors,
                           abandon=Abandon(self.rtt, self.connect_seconds) if self.settings.cancels else None,
-                          recompute_busy=recompute_busy, recompute_seconds_per_token=self._recompute_rate(),
+                          recompute_busy=recompute_busy, recompute=self._recompute_cost(),
                           until_deadline=until_deadline, decode_cost=cost, decode_busy=decode_busy,
-                          previous=self.chunks[index - 1].choice if index else None)
+                          previous=self.chunks[index - 1].choice if index else None,
+                          recompute_overlaps=self.settings.recompute_overlaps)
 
         choice, reason = choose(cost)
         if choice == TEXT and reason is None and self._decoder_untimed():
@@ -677,7 +710,8 @@ class FetchController:
                 choice, reason = probe, "the decoder is not timed yet: this chunk times it (its prior alone said text)"
         if choice == TEXT and reason is None and self._link_unmeasured():
             choice = probe_level(plan_input(self.manifest, index, time_left=left, history=[], prior_bps=None,
-                                            recompute_seconds_per_token=self._recompute_rate()))
+                                            recompute=self._recompute_cost(),
+                                            recompute_overlaps=self.settings.recompute_overlaps))
             reason = "the link is not measured yet: this chunk measures it (the handshake's lower bound said text)"
         self.decisions.append(Decision(index, now, left, tuple(history), self.prior, estimate, choice, reason,
                                        recompute_busy))
@@ -760,7 +794,7 @@ class FetchController:
             report.layer_levels = runs if runs and runs[-1][1] == choice else [*runs, (first, choice)]
         chunk.received = chunk.partial = 0
         chunk.sections = first
-        chunk.marks, chunk.arrivals = [], []
+        chunk.marks, chunk.arrivals, chunk.paused_seconds = [], [], 0.0
         chunk.refetch = chunk.cancelling = False
         chunk.switch_to = None
         if not self.inflight:
@@ -815,8 +849,9 @@ class FetchController:
         cost = self._decode_cost()
         plan = plan_input(self.manifest, head.index, time_left=self.deadline - now, history=[],
                           prior_bps=None, prior_errors=(), recompute_busy=self._pending_recompute(now),
-                          recompute_seconds_per_token=self._recompute_rate(), decode_cost=cost,
-                          decode_busy=0.0 if cost is None else self._decoder_owed(cost))
+                          recompute=self._recompute_cost(), decode_cost=cost,
+                          decode_busy=0.0 if cost is None else self._decoder_owed(cost),
+                          recompute_overlaps=self.settings.recompute_overlaps)
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - head.progress,
                                     delivered_layers=head.delivered, layers=self.manifest.layers,

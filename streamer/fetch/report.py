@@ -64,6 +64,8 @@ class FetchReport:
     #: the recompute rate (s/token) the last decisions planned text at: the configured one,
     #: or the caller's recent on_text calls when slower (``streamer.adapt.recompute``)
     recompute_seconds_per_token: float = 0.0
+    #: and the seconds per token it added for each token before it (attention)
+    recompute_context_seconds: float = 0.0
 
     @property
     def deadline_met(self) -> bool:

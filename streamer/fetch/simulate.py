@@ -38,6 +38,7 @@ from streamer.adapt.cancel import cancels_by_default
 from streamer.adapt.decide import DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN, decide
 from streamer.adapt.decoding import DecodeCost
 from streamer.adapt.policies import get_policy
+from streamer.adapt.recompute import RecomputeCost
 from streamer.fetch import events as ev
 from streamer.fetch.controller import Beliefs, Decision, FetchController, FetchSettings, Switch
 from streamer.fetch.links import (BEGIN, END, PARTIAL, POINT, SECTION, TEXT_END, Link, LinkEvent, TraceLink,
@@ -389,7 +390,7 @@ class Simulator:
         fn, _ = _as_policy(policy)
         return decide(fn, self.manifest, chunk, time_left=time_left, history=history,
                       prior_bps=prior_bps, prior_errors=prior_errors, abandon=abandon,
-                      recompute_busy=recompute_busy, recompute_seconds_per_token=self.recompute,
+                      recompute_busy=recompute_busy, recompute=RecomputeCost(self.recompute),
                       until_deadline=until_deadline, decode_cost=decode_cost, decode_busy=decode_busy,
                       previous=previous)
 

@@ -57,6 +57,14 @@ class SessionConfig:
     device: str = "cpu"
     #: the caller's cost of recomputing one token from text (plans weigh text against KV)
     recompute_seconds_per_token: float = DEFAULT_RECOMPUTE_SECONDS_PER_TOKEN
+    #: and what each token before it adds to that (attention over the cache: dear on a CPU
+    #: host, where a chunk late in a long prefix costs several times the first one;
+    #: ``streamer.adapt.recompute``, ``streamer.model.hf.recompute_cost`` measures both)
+    recompute_context_seconds: float = 0.0
+    #: the caller recomputes beside the decoder (a GPU model while the CPU decodes), so
+    #: text overlaps the transfers of later chunks; False where both share the same cores
+    #: (a CPU-only host): plans are then timed in series (``PlanInput.recompute_overlaps``)
+    recompute_overlaps: bool = True
     #: abandon a chunk in flight when finishing it would sink the deadline (CANCEL, or a
     #: fresh connection, then a lower level or text: ``streamer.adapt.cancel``); None: on
     #: for mpc, off for greedy (CacheGen's rule), fixed:N and text, which promise a rule
@@ -111,8 +119,8 @@ class SessionConfig:
             raise ValueError(f"SessionConfig.device: {exc}") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"SessionConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        require_positive(owner, "recompute_seconds_per_token", self.recompute_seconds_per_token,
-                         allow_zero=True)
+        require_positive(owner, "recompute_seconds_per_token", self.recompute_seconds_per_token)
+        require_positive(owner, "recompute_context_seconds", self.recompute_context_seconds, allow_zero=True)
         if self.prior_bps is not None:
             require_positive(owner, "prior_bps", self.prior_bps)
         if self.decode_prior is not None and not isinstance(self.decode_prior, DecodeCost):
@@ -120,8 +128,9 @@ class SessionConfig:
                             f"got {self.decode_prior!r}")
         if self.max_context_bytes is not None:
             require_int(owner, "max_context_bytes", self.max_context_bytes, 1)
-        if not isinstance(self.record, bool):
-            raise TypeError(f"{owner}.record must be a bool, got {self.record!r}")
+        for name in ("record", "recompute_overlaps"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{owner}.{name} must be a bool, got {getattr(self, name)!r}")
         if self.cancel is not None and not isinstance(self.cancel, bool):
             raise TypeError(f"{owner}.cancel must be a bool or None, got {self.cancel!r}")
         if not isinstance(self.continuations, bool):

@@ -151,9 +151,10 @@ class StreamSession:
         #: the level (or "text") each chunk was last requested at, as soon as it is requested:
         #: lets a consumer label layers before the chunk's report exists
         self.levels: dict[int, Choice] = {}
-        #: (tokens, seconds) of the caller's last on_text calls, across fetches: its compute
-        #: outlives a fetch, so the next one plans text at the rate it showed (adapt.recompute)
-        self.recomputes: collections.deque[tuple[int, float]] = collections.deque(maxlen=RECENT)
+        #: (first token, tokens, seconds) of the caller's last on_text calls, across fetches:
+        #: its compute outlives a fetch, so the next one plans text at the cost it showed
+        #: (adapt.recompute)
+        self.recomputes: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=RECENT)
         #: (tokens, bytes, seconds) of the last sections decoded, across fetches: the decoder's
         #: cost, so the next fetch's first plan is timed by it too (adapt.decoding)
         self.decodes: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=RECENT_SECTIONS)
@@ -354,6 +355,8 @@ class StreamSession:
         config = self.config
         return FetchSettings(slo=config.slo, policy=config.policy, cancels=config.cancels,
                              recompute_seconds_per_token=config.recompute_seconds_per_token,
+                             recompute_context_seconds=config.recompute_context_seconds,
+                             recompute_overlaps=config.recompute_overlaps,
                              stall_timeout=config.stall_timeout, max_reconnects=config.max_reconnects,
                              continuations=config.continuations,
                              text_consumable=self._on_text is not None or self._on_layer is None)
