@@ -338,6 +338,16 @@ def test_recompute_rate_is_measured_once_per_model_and_length(llama):
     assert 512 in hf._measured_rates[llama]
 
 
+def test_recompute_cost_has_a_term_per_token_of_context(llama):
+    """A decoder's chunk late in a prefix attends to everything before it: the two terms
+    come from a chunk timed over no context and over some, measured once."""
+    cost = hf.recompute_cost(llama, 32, context=128)
+    assert cost.per_token > 0 and cost.per_context_token >= 0
+    assert hf.recompute_cost(llama, 32, context=128) is cost                    # remembered, not re-timed
+    # the two timings it was solved from are reproduced (up to the floor on per_token)
+    assert cost.seconds(0, 32) >= hf.recompute_seconds_per_token(llama, 32) * 32 * (1 - 1e-9)
+
+
 async def test_assembler_attach_sets_the_callbacks_and_the_measured_rate(llama, stored_context):
     """attach(): the session's policy weighs text at the model's own rate (one chunk's
     prefill, measured before fetch()), or at the rate the caller gave."""

@@ -357,6 +357,7 @@ async def test_concurrent_requests_share_one_fetch_per_prefix(served) -> None:
         assert [a.usage.kvwire["prefix"] for a in answers[:8]].count("joined") == 6
         assert [a.usage.kvwire["reason"] for a in answers[8:]] == ["no stored prefix"] * 2
         assert (server.engine.fetches, server.engine.joins) == (2, 6)
+        assert server.engine.decode_prior is not None   # the next fetch plans at the decoder's measured cost
         assert sorted(counting.opens.values()) == [1, 1] and len(counting.opens) == 2
         # both in flight at once (each began before either could finish: the gate held them)
         (a_start, a_end), (b_start, b_end) = {tuple(a.usage.kvwire["fetch_window"]) for a in answers[:8]}

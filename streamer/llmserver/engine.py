@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     import torch
 
     import codec
+    from streamer.adapt.decoding import DecodeCost
+    from streamer.adapt.recompute import RecomputeCost
     from streamer.fetch.report import FetchReport
     from streamer.net.config import SessionConfig
     from streamer.net.session import StreamSession
@@ -231,6 +233,8 @@ class Engine:
         self.vocab_size = hf.vocab_size(model)
         self.positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos = hf.eos_ids(model)
+        #: the model computes off the CPU, so recomputing text does not slow the CPU decoder
+        self._on_device = next(model.parameters()).device.type != "cpu"
         self.identity = prefix_identity(config, tokenizer, profile)
         self.runner = ModelRunner()
         self.flights: dict[tuple[str, int], _Flight] = {}
@@ -241,19 +245,22 @@ class Engine:
         self.joins = 0
         self.write_backs = 0
         self._writes: dict[str, asyncio.Task[None]] = {}
-        self._recompute_rate: float | None = None
+        self._recompute: "RecomputeCost | None" = None
+        #: the decoder's cost as the last fetch measured it: the next fetch's first chunks are
+        #: planned at it (``SessionConfig.decode_prior``), as the receiver daemon does
+        self.decode_prior: "DecodeCost | None" = None
 
     # ------------------------------------------------------------------ set-up
     async def warm_up(self) -> None:
-        """Measure the model's recompute rate (the policy weighs text chunks at it) and make
-        the codec's kernels ready, before the first request is timed."""
+        """Measure the model's recompute cost, per token and per token of context before it
+        (the policy weighs text chunks at it: ``hf.recompute_cost``), and make the codec's
+        kernels ready, before the first request is timed."""
         from codec import warmup
 
         from streamer.model import hf
 
         await asyncio.to_thread(warmup.warm_up)
-        self._recompute_rate = await self.runner.run(hf.recompute_seconds_per_token, self.model,
-                                                     self.config.chunk_tokens)
+        self._recompute = await self.runner.run(hf.recompute_cost, self.model, self.config.chunk_tokens)
 
     # ------------------------------------------------------------------ requests
     def prompt_ids(self, request: CompletionRequest) -> list[int]:
@@ -388,13 +395,18 @@ class Engine:
     async def _fetch(self, match: "PrefixMatch", slo: float, prompt_tokens: int) -> FetchedPrefix:
         """Fetch ``match`` into a ``CacheAssembler``: PrefixMismatch when the opened context
         is not the prefix the match says (its tokens or its profile differ)."""
+        from streamer.adapt import decoding
         from streamer.model.hf import CacheAssembler
         from streamer.net.prefix_fetch import check_match
 
         assert self.source is not None
+        # a model on the CPU recomputes text on the cores that decode KV: nothing overlaps
         config = dataclasses.replace(self.session_config, slo=slo,
-                                     recompute_seconds_per_token=self._recompute_rate
-                                     or self.session_config.recompute_seconds_per_token)
+                                     recompute_overlaps=self.session_config.recompute_overlaps and self._on_device,
+                                     decode_prior=self.decode_prior or self.session_config.decode_prior)
+        if self._recompute is not None:
+            config = dataclasses.replace(config, recompute_seconds_per_token=self._recompute.per_token,
+                                         recompute_context_seconds=self._recompute.per_context_token)
         started = time.time()
         async with self.source.session(match, config) as session:
             manifest = session.manifest
@@ -408,6 +420,7 @@ class Engine:
 
             session.set_callbacks(on_layer=assembler.on_layer, on_text=on_text)
             report = await session.fetch()
+            self.decode_prior = decoding.measure(session.decodes) or self.decode_prior
         return FetchedPrefix(match.context_id, match.chunks, assembler.kv, [c.level for c in report.chunks],
                              [c.end - c.start for c in manifest.chunks], report, started, time.time())
 

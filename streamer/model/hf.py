@@ -33,6 +33,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from streamer.adapt.recompute import RecomputeCost
 from streamer.model.rotary import rotary_of  # noqa: F401  (also streamer.hf.rotary_of)
 
 #: Debian ships these English texts on every system: real text without a download.
@@ -571,6 +572,47 @@ def recompute_seconds_per_token(model, tokens: int = RATE_TOKENS) -> float:
         recompute_chunk(model, None, ids)
         known[tokens] = (time.perf_counter() - began) / tokens
     return known[tokens]
+
+
+#: context a chunk's recompute is timed after, to measure attention's share of its cost
+#: (capped at half the model's positions): long enough that the attention term is a large
+#: part of the timing, short enough to measure in a few seconds on a small CPU host
+CONTEXT_TOKENS = 2048
+_measured_costs: "weakref.WeakKeyDictionary[object, dict[tuple[int, int], RecomputeCost]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def recompute_cost(model, tokens: int = RATE_TOKENS, context: int = CONTEXT_TOKENS) -> RecomputeCost:
+    """What recomputing a chunk of ``tokens`` tokens costs this model here, per token and
+    per token before it (``streamer.adapt.recompute``), measured once per (model, chunk
+    length, context) in a process and remembered.
+
+    A decoder's chunk attends to every token before it, so a chunk late in a long prefix
+    costs several times the first (SmolLM2 on 2 cores: 1.0 ms/token at position 0, 4.1 at
+    3840) and a rate timed on one chunk over an empty cache prices text far too low.
+    Timed twice, over no context and over ``context`` tokens (capped at half the model's
+    positions), and solved for the two terms. Encoders (no cache across chunks) and models
+    too short for a context cost per token only.
+    """
+    limit = int(getattr(model.config, "max_position_embeddings", None) or tokens + context)
+    tokens = max(1, min(int(tokens), limit // 2))
+    context = max(0, min(int(context), limit // 2))
+    known = _measured_costs.setdefault(model, {})
+    if (tokens, context) not in known:
+        first = recompute_seconds_per_token(model, tokens) * tokens
+        if not is_decoder(model) or context == 0:
+            known[tokens, context] = RecomputeCost(first / tokens)
+        else:
+            vocab = vocab_size(model)
+            ids = [(7 + 31 * i) % vocab for i in range(context + tokens)]
+            past = recompute_chunk(model, None, ids[:context])
+            began = time.perf_counter()
+            recompute_chunk(model, past, ids[context:], start=context)
+            later = time.perf_counter() - began
+            per_context = max(later - first, 0.0) / (tokens * context)
+            per_token = max(first - tokens * (tokens - 1) / 2 * per_context, 0.0) / tokens
+            known[tokens, context] = RecomputeCost(max(per_token, first / tokens / 10), per_context)
+    return known[tokens, context]
 
 
 class CacheAssembler:
