@@ -125,6 +125,21 @@ def test_a_pause_in_reading_is_not_counted_as_the_links_time() -> None:
     assert sample.bytes == 1_000_000 and sample.busy_seconds == pytest.approx(0.04)
 
 
+@pytest.mark.parametrize("overlaps, busy", [(True, 1.035), (False, 0.035)])
+def test_a_recompute_on_the_decoders_cores_is_not_the_links_time(overlaps, busy) -> None:
+    """Chunk 1's megabyte arrives around a 1 s recompute of chunk 0. Where recompute runs
+    beside the receiver (a GPU) that is the link's time; where it shares the receiver's
+    cores, the receiver was starved meanwhile and the link is measured without it."""
+    ctl = controller([[1_000_000]] * 2, policy="fixed:0", slo=5.0, recompute_overlaps=overlaps)
+    feed(ctl, ev.Started(0.01, 0.04, 0.0))
+    feed(ctl, ev.AnswerBegan(0, 1_000_000, 0.005), ev.PartArrived(0, 1_000_000, 4, 0.005),
+         ev.AnswerEnded(0, False, 0.005))
+    feed(ctl, ev.AnswerBegan(1, 1_000_000, 0.02), ev.PartArrived(1, 100_000, 1, 0.03),
+         ev.RecomputeStarted(0, 0.03), ev.RecomputeFinished(0, 256, 1.0, 1.03),
+         ev.PartArrived(1, 1_000_000, 4, 1.05), ev.AnswerEnded(1, False, 1.05))
+    assert ctl.history[-1].busy_seconds == pytest.approx(busy)
+
+
 def test_a_corrupt_section_refetches_and_a_third_one_sends_the_chunk_as_text() -> None:
     ctl = controller([[400_000]])
     feed(ctl, ev.Started(0.01, 0.04, 0.0), ev.AnswerBegan(0, 400_000, 0.01), ev.PartArrived(0, 100_000, 1, 0.02),

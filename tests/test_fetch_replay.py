@@ -82,7 +82,7 @@ async def test_a_recorded_fetch_replays_to_the_same_actions(context, trace: Trac
     replayed = sim.run("mpc", None, slo=slo, beliefs=beliefs, link=world.link(), decode_time=world.decode_time,
                        decode_done=world.decode_done,
                        recompute_time=world.recompute_time, wakes=world.wakes, connects=world.connects,
-                       continuations=world.continuations)
+                       pauses=world.pauses, continuations=world.continuations)
     assert replayed.actions == world.actions
     assert replayed.choices == [c.level for c in report.chunks]
     assert len({c for c in replayed.choices}) >= 2, "a fetch of one choice would prove little"

@@ -155,7 +155,7 @@ class _Chunk:
     refetch: bool = False       # re-request when the current answer ends
     cancelling: bool = False    # CANCEL sent; re-requested when its answer ends
     switch_to: Choice | None = None   # what to re-request a cancelled chunk at (None: decide afresh)
-    #: seconds reading was paused while this answer arrived: not the link's time
+    #: seconds the receiver was held while this answer arrived: not the link's time (``_hold``)
     paused_seconds: float = 0.0
     #: the cancel rule's looks at the current answer: (time, bytes), from its busy start
     marks: list[tuple[float, int]] = field(default_factory=list)
@@ -202,7 +202,10 @@ class FetchController:
         self._owed: dict[tuple[int, int], int] = {}   # sections in the decoder: bytes
         self.rtt = self.connect_seconds = 0.0
         self.connected, self.paused = False, False
-        self.paused_at: float | None = None   # when reading was paused, while it is
+        #: what holds the receiver now (reading paused; a recompute on the decoder's cores)
+        #: and since when: time the link is not measured by (``_hold``)
+        self._holds: set[object] = set()
+        self._held_since = 0.0
         self.continuations = False   # the connection takes REQUESTs from a first layer
         self.pending_sample: Observation | None = None
         self.response_latency = 0.0
@@ -457,7 +460,8 @@ class FetchController:
         at, abort = event.at, self._aborting
         self.rtt, self.connect_seconds = event.rtt, event.connect_seconds
         self.continuations = self.settings.continuations and event.continuations
-        self.connected, self.paused, self.paused_at, self._aborting = True, False, None, False
+        self._release("paused", at)
+        self.connected, self.paused, self._aborting = True, False, False
         self.last_activity, self.last_end, self.escalate_at = at, None, None
         pending = [i for i in sorted(self.inflight) if not self.chunks[i].done]   # a delivered chunk's end is moot
         self.inflight.clear()
@@ -478,24 +482,39 @@ class FetchController:
         return True
 
     def _paused(self, event: ev.ReadingPaused) -> bool:
-        self.paused, self.paused_at = True, event.at
+        self.paused = True
+        self._hold("paused", event.at)
         return False
 
     def _resumed(self, event: ev.ReadingResumed) -> bool:
-        if self.paused_at is not None:
-            self._skip_pause(self.paused_at, event.at)
-        self.paused, self.paused_at, self.last_activity = False, None, event.at   # the stall timer restarts
+        self._release("paused", event.at)
+        self.paused, self.last_activity = False, event.at   # the stall timer restarts
         return True
 
-    def _skip_pause(self, began: float, ended: float) -> None:
-        """Take a pause in reading out of the link's measure. While the receiver does not
-        read (its decoded backlog is over budget: a consumer or a text chunk's recompute
-        holding up ordered delivery), the sender's bytes wait in socket buffers, so the
-        answer arriving then would measure the receiver, not the link: a 2 MB chunk read
-        across a 1 s pause looks like 16 Mbit/s on a 1 Gbit/s link, the cancel rule gives
-        it up, and the next fetch starts from that rate. So for each answer that was
-        arriving, its busy start and its looks and arrivals from before the pause move
-        forward by the pause: its rate is what the link did while it was read."""
+    def _hold(self, what: object, at: float) -> None:
+        """The receiver is held by ``what`` from ``at``: reading paused (its decoded backlog
+        over budget, e.g. behind a text chunk's recompute in ordered delivery), or, where
+        recompute shares the decoder's cores (``recompute_overlaps=False``), a recompute
+        running. Bytes arriving meanwhile measure the receiver, not the link: a 2 MB chunk
+        read across a 1 s pause looks like 16 Mbit/s on a 1 Gbit/s link, the cancel rule
+        gives it up for text (more recompute), and the next fetch starts from that rate."""
+        if not self._holds:
+            self._held_since = at
+        self._holds.add(what)
+
+    def _release(self, what: object, at: float) -> None:
+        """``what`` no longer holds the receiver; when nothing does, the held time is taken
+        out of the link's measure (``_skip_held``)."""
+        if what not in self._holds:
+            return
+        self._holds.discard(what)
+        if not self._holds:
+            self._skip_held(self._held_since, at)
+
+    def _skip_held(self, began: float, ended: float) -> None:
+        """For each answer that was arriving, its busy start and its looks and arrivals from
+        before ``began`` move forward by the held time: its rate is what the link did while
+        the receiver was free to read it."""
         gap = ended - began
         for index in self.inflight:
             chunk = self.chunks[index]
@@ -547,9 +566,12 @@ class FetchController:
 
     def _recompute_started(self, event: ev.RecomputeStarted) -> bool:
         self.chunks[event.chunk].recompute_began = event.at
+        if not self.settings.recompute_overlaps:
+            self._hold(("recompute", event.chunk), event.at)
         return False
 
     def _recompute_finished(self, event: ev.RecomputeFinished) -> bool:
+        self._release(("recompute", event.chunk), event.at)
         self.chunks[event.chunk].recompute_seconds = event.seconds
         self.recomputes.append((self.manifest.chunks[event.chunk].start, event.tokens, event.seconds))
         return False
@@ -594,7 +616,7 @@ class FetchController:
     def _look_due(self) -> float | None:
         head = self._head_in_progress()
         if not self.settings.cancels or head is None or head.cancelling or self.escalate_at is not None \
-                or self.paused:   # the silence is ours: nothing to judge the link by
+                or self._holds:   # the receiver is held: nothing to judge the link by
             return None
         return head.marks[-1][0] + cancel.RECONSIDER_S if head.marks else head.begin_at
 
@@ -604,7 +626,7 @@ class FetchController:
         answered (request + one round trip), nor before the previous chunk finished. Not
         the first byte's arrival: bytes queued in socket and shaper buffers arrive in one
         burst, which would make a small chunk look arbitrarily fast. Later by the time
-        reading was paused while it arrived (``_skip_pause``)."""
+        the receiver was held while it arrived (``_hold``)."""
         return max(chunk.requested_at + self.rtt, self.last_end or 0.0) + chunk.paused_seconds
 
     def _head_in_progress(self) -> _Chunk | None:

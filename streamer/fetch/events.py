@@ -114,7 +114,8 @@ class Connected:
 
 @dataclass(frozen=True)
 class ReadingPaused:
-    """The driver stopped reading the socket (its buffer limit): silence is not a stall."""
+    """The driver stopped reading the socket (its buffer limit): silence is not a stall, and
+    the time until ReadingResumed is not the link's (``FetchController._hold``)."""
 
     at: float
 

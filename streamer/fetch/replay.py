@@ -43,6 +43,9 @@ class Recording:
     wakes: list[float] = field(default_factory=list)
     #: each new connection after a reconnect: (when it was ready, its rtt, what it took)
     connects: list[tuple[float, float, float]] = field(default_factory=list)
+    #: (when, paused) each time the recorded driver paused (True) or resumed (False)
+    #: reading: its backlog over budget, which the simulator's receiver does not model
+    pauses: list[tuple[float, bool]] = field(default_factory=list)
 
     def link(self) -> RecordedLink:
         return RecordedLink(self.answers)
@@ -111,6 +114,8 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
             out.wakes.append(at)
         elif isinstance(item, ev.Connected):
             out.connects.append((at, item.rtt, item.connect_seconds))
+        elif isinstance(item, (ev.ReadingPaused, ev.ReadingResumed)):
+            out.pauses.append((at, isinstance(item, ev.ReadingPaused)))
         elif isinstance(item, ev.SectionDecoded) and item.seconds is not None:
             decodes[(item.chunk, item.layer)].append(item.seconds)
             decoded_at[(item.chunk, item.layer)].append(at)

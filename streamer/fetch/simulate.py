@@ -233,13 +233,16 @@ class _Run:
 
     def __init__(self, sim: "Simulator", controller: FetchController, link: Link, receiver: _Receiver,
                  wakes: Sequence[float] | None = None,
-                 connects: Sequence[tuple[float, float, float]] | None = None, continuations: bool = True) -> None:
+                 connects: Sequence[tuple[float, float, float]] | None = None, continuations: bool = True,
+                 pauses: Sequence[tuple[float, bool]] = ()) -> None:
         self.sim, self.ctl, self.link, self.receiver = sim, controller, link, receiver
         self.continuations = continuations   # the sender takes REQUESTs from a first layer
         #: a recorded driver's wake-ups, in place of the controller's timers, and its new
         #: connections (ready at, rtt, seconds taken), in place of the reconnect model (a replay)
         self.wakes = None if wakes is None else deque(wakes)
         self.connects = deque(connects or ())
+        #: a recorded driver's pauses in reading, (when, paused), fed as they come (a replay)
+        self.pauses = deque(pauses)
         self.connection = (sim.rtt, sim.reconnect_seconds)
         self.now = 0.0
         self.connect_at: float | None = None
@@ -313,7 +316,8 @@ class _Run:
                 timer = min(math.inf if timer is None else timer, self.link.when(*wanted))
         sources = [self.link.next_time(), self.receiver.next_time(),
                    math.inf if self.connect_at is None else self.connect_at,
-                   math.inf if timer is None else timer]
+                   math.inf if timer is None else timer,
+                   self.pauses[0][0] if self.pauses else math.inf]
         source = int(np.argmin(sources))
         if not math.isfinite(sources[source]):
             raise RuntimeError("simulated fetch waits for nothing: a controller or model bug")
@@ -326,6 +330,9 @@ class _Run:
         elif source == 2:
             self.connect_at = None
             self.feed(ev.Connected(*self.connection, self.now, continuations=self.continuations))
+        elif source == 4:
+            _, paused = self.pauses.popleft()
+            self.feed(ev.ReadingPaused(self.now) if paused else ev.ReadingResumed(self.now))
         else:
             if self.wakes:
                 self.wakes.popleft()
@@ -428,6 +435,7 @@ class Simulator:
             decode_time: DecodeTime | None = None, recompute_time: RecomputeTime | None = None,
             decode_done: DecodeDone | None = None,
             wakes: Sequence[float] | None = None, connects: Sequence[tuple[float, float, float]] | None = None,
+            pauses: Sequence[tuple[float, bool]] = (),
             continuations: bool = True, beliefs: Beliefs | None = None, record: bool = False) -> SimResult:
         """Simulate one fetch starting at trace time ``start``.
 
@@ -441,7 +449,8 @@ class Simulator:
         (``decode_done``: each section done when a recording says, the decoder's threads
         however many it had);
         ``wakes`` the controller's timers by a recorded driver's wake-up times, and
-        ``connects`` the reconnect model by its new connections (``fetch.replay``).
+        ``connects`` the reconnect model by its new connections, and ``pauses`` its pauses
+        in reading ((when, paused), fed as ReadingPaused / ReadingResumed: ``fetch.replay``).
         ``continuations``: the sender takes REQUESTs from a first layer (protocol version 2),
         so the cancel rule may continue a chunk's remaining layers at a lower level.
         ``beliefs`` replaces what the fetch starts from (``prior_bps``, ``prior_errors`` and
@@ -469,7 +478,7 @@ class Simulator:
             link = TraceLink(trace, start=start, owd=self.rtt / 2, layers=layers)
         receiver = _Receiver(self.manifest, decode_time or (lambda chunk, _l, _b: float(self.decode[chunk]) / layers),
                              recompute_time or (lambda _c, tokens: self.recompute * tokens), decode_done)
-        run = _Run(self, controller, link, receiver, wakes, connects, continuations)
+        run = _Run(self, controller, link, receiver, wakes, connects, continuations, pauses)
         run.feed(ev.Started(self.rtt, self.reconnect_seconds, 0.0, continuations=continuations))
         for _ in range(_MAX_STEPS_PER_CHUNK * len(self.sizes)):
             if not run.step():
