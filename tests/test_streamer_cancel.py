@@ -192,6 +192,23 @@ def test_mpc_tries_a_chunk_it_would_send_as_text_while_the_caller_recomputes() -
     assert mpc_plan(tight).columns[0] == 2 and mpc(tight) == TEXT
 
 
+def test_on_shared_cores_a_chunk_text_would_finish_first_is_tried_while_the_recompute_runs() -> None:
+    """Nothing fits (0.3 s left) and the estimate (1 MB/s, after a stall) makes text the
+    quickest. Where recompute shares the decoder's cores, each text chunk costs a prefill
+    there, and deciding every chunk left as text at once on one estimate is irrevocable:
+    while 1 s of earlier text is still being recomputed, chunk 0 is tried at its smallest
+    level, which the cancel rule can give up in time. Not with nothing owed, not without
+    the cancel rule, and not where recompute runs beside the decoder (text is cheap there)."""
+    history = [Observation(MB, 1.0)] * 4
+    plan = PlanInput(sizes=[[10 * MB, 5 * MB]] * 4, text_bytes=[2000] * 4, text_seconds=[0.5] * 4,
+                     distortion=[0.001, 0.01], time_left=0.3, history=history, recompute_busy=1.0,
+                     abandon=Abandon(rtt=0.005, reconnect_seconds=0.02), recompute_overlaps=False)
+    assert mpc(plan) == 1
+    assert mpc(dataclasses.replace(plan, recompute_busy=0.0)) == TEXT
+    assert mpc(dataclasses.replace(plan, abandon=None)) == TEXT
+    assert mpc(dataclasses.replace(plan, recompute_overlaps=True)) == TEXT
+
+
 def test_time_left_counts_at_least_the_round_trip() -> None:
     assert time_left(1.0, 0, None, 0.01) == pytest.approx(0.99)
     assert time_left(1.0, 500_000, MB, 0.01) == pytest.approx(0.5)

@@ -229,7 +229,10 @@ def mpc(inp: PlanInput, window: int = DEFAULT_WINDOW, bins: int = DEFAULT_BINS, 
     costs = plan_costs(inp)
     totals = expected_costs(inp, costs, window, bins, any_mix)
     if not np.isfinite(totals).any():   # nothing fits: miss by as little as possible
-        return choice_of(fastest(option_seconds(inp, estimate), costs).columns[0], inp.levels)
+        quickest = choice_of(fastest(option_seconds(inp, estimate), costs).columns[0], inp.levels)
+        if quickest == TEXT and not inp.recompute_overlaps:
+            return shared_cores_probe(inp, estimate) or TEXT
+        return quickest
     ok = guarded(inp, window)
     safe = np.where(ok, totals, np.inf)
     best = safe if np.isfinite(safe).any() else totals
@@ -258,6 +261,25 @@ def held(inp: PlanInput, totals: np.ndarray, choice: int) -> int:
         return choice
     step = abs(inp.distortion[previous] - inp.distortion[choice])
     return previous if totals[previous] - totals[choice] <= HOLD_SHARE * step else choice
+
+
+def shared_cores_probe(inp: PlanInput, estimate: float) -> Choice | None:
+    """The smallest level of chunk 0 where nothing fits and text would be quickest, as a
+    try, on a host where recompute and decoding share the cores; or None.
+
+    There every text chunk costs a prefill on the cores the receiver needs, and text
+    requests are tiny, so after a stall has pulled the estimate down (one upper-bound
+    sample of a starved receiver is enough) every chunk left would be decided as text at
+    once, at the same estimate, and each costs far more than its KV would once the link
+    is measured again. Chunk 0's recompute cannot start before the one owed is done, so
+    with the cancel rule on it is tried at its smallest level while that runs, if giving
+    it up takes less (``cancel.give_up_seconds``): the rule judges it once the receiver
+    is free again, and gives it up for text then if the link is still slow."""
+    if inp.abandon is None:
+        return None
+    if inp.recompute_busy < give_up_seconds(estimate, inp.abandon.rtt, inp.abandon.reconnect_seconds):
+        return None
+    return probe_level(inp)
 
 
 def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS, any_mix: bool = ANY_MIX) -> Choice | None:

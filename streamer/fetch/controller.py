@@ -512,17 +512,21 @@ class FetchController:
             self._skip_held(self._held_since, at)
 
     def _skip_held(self, began: float, ended: float) -> None:
-        """For each answer that was arriving, its busy start and its looks and arrivals from
-        before ``began`` move forward by the held time: its rate is what the link did while
-        the receiver was free to read it."""
-        gap = ended - began
+        """Take the held time out of each answer arriving: its busy start, and its looks and
+        arrivals, move forward by the part of the hold after its busy start (all of it for
+        an answer that was arriving, the rest for one that began meanwhile), so its rate is
+        what the link did while the receiver was free to read it."""
         for index in self.inflight:
             chunk = self.chunks[index]
-            if chunk.begin_at is None or chunk.begin_at > began or chunk.choice == TEXT:
+            if chunk.begin_at is None or chunk.choice == TEXT:
                 continue
-            chunk.paused_seconds += gap
-            chunk.marks = [(at + gap if at <= began else at, count) for at, count in chunk.marks]
-            chunk.arrivals = [(at + gap if at <= began else at, count) for at, count in chunk.arrivals]
+            since = max(began, self._busy_start(chunk))
+            shift = ended - since
+            if shift <= 0:
+                continue
+            chunk.paused_seconds += shift
+            chunk.marks = [(at + shift if at <= since else max(at, ended), count) for at, count in chunk.marks]
+            chunk.arrivals = [(at + shift if at <= since else max(at, ended), count) for at, count in chunk.arrivals]
 
     # ------------------------------------------------------------------ delivery inputs
     def _corrupt(self, event: ev.Corrupt) -> bool:
@@ -837,8 +841,9 @@ class FetchController:
                 self._reconnect("cancel: the abandoned chunk's queued bytes are not draining", abort=True)
             return
         head = self._head_in_progress()
-        if head is None or head.cancelling or head.marks and now - head.marks[-1][0] < cancel.MIN_LOOK_S:
-            return
+        if head is None or head.cancelling or self._holds \
+                or head.marks and now - head.marks[-1][0] < cancel.MIN_LOOK_S:
+            return   # (while the receiver is held its arrivals do not measure the link)
         if not head.marks:
             head.marks.append((self._busy_start(head), 0))
         head.marks.append((now, head.progress))
