@@ -189,7 +189,8 @@ async def test_a_fetch_never_delivers_ids_outside_the_vocabulary(tmp_path: Path,
 @pytest.mark.parametrize("how", ["slo", "sender_error"])
 async def test_a_text_chunk_without_on_text_is_a_typed_error_not_a_silent_gap(
         tmp_path: Path, profile, how: str) -> None:
-    """A chunk that must come as text (an SLO no level can meet; or the sender cannot
+    """A chunk that must come as text (an SLO no level can meet, with recomputing far
+    quicker than any level, so past the deadline text finishes first; or the sender cannot
     send its blob) while the consumer gave no ``on_text``: the fetch raises
     ``TextNotConsumed`` naming the chunk and the cause, instead of returning with the
     chunk's layers silently missing."""
@@ -197,7 +198,7 @@ async def test_a_text_chunk_without_on_text_is_a_typed_error_not_a_silent_gap(
         manifest = await put_context(store, "doc", KV, IDS[:96], profile=profile, chunk_tokens=32, levels=[2])
     if how == "sender_error":   # chunk 1's blob is gone: the sender answers not_found, the session asks for text
         (tmp_path / "contexts" / "doc" / manifest.version / "chunk-1-L2.kvw").unlink()
-    options = {"slo": 1e-6} if how == "slo" else {"slo": 30.0, "policy": "fixed:2"}
+    options = {"slo": 1e-6, "recompute_seconds_per_token": 1e-12} if how == "slo" else {"slo": 30.0, "policy": "fixed:2"}
     layers: list[tuple[int, int]] = []
     store = FileStore(tmp_path)
     sender = await streamer.serve(store)
