@@ -10,7 +10,7 @@ from typing import Sequence
 from streamer.wire.manifest import Manifest
 import numpy as np
 
-from streamer.adapt.base import Abandon, option_seconds
+from streamer.adapt.base import Abandon, link_seconds
 from streamer.adapt.decoding import DecodeCost
 from streamer.adapt.estimator import DEFAULT_WINDOW, robust_estimate
 from streamer.adapt.policies import TEXT, Choice, Observation, PlanInput, Policy
@@ -111,8 +111,9 @@ def fastest_option(inp: PlanInput) -> Choice:
     estimate = robust_estimate(inp.history, DEFAULT_WINDOW, inp.prior_bps, inp.prior_errors)
     if estimate is None:
         return TEXT
-    seconds = option_seconds(inp, estimate)[0]
-    if inp.recompute_overlaps:   # else the recompute owed holds up every option alike
-        seconds[-1] = max(seconds[-1] - inp.text_seconds[0], inp.recompute_busy) + inp.text_seconds[0]
+    seconds = link_seconds(inp, estimate)[0]
+    # (on shared cores the recompute owed holds up every option alike)
+    text_starts = max(seconds[-1], inp.recompute_busy) if inp.recompute_overlaps else seconds[-1]
+    seconds[-1] = text_starts + inp.text_seconds[0]
     best = int(np.argmin(seconds))
     return TEXT if best == inp.levels else best

@@ -275,11 +275,14 @@ def shared_cores_probe(inp: PlanInput, estimate: float) -> Choice | None:
     with the cancel rule on it is tried at its smallest level while that runs, if giving
     it up takes less (``cancel.give_up_seconds``): the rule judges it once the receiver
     is free again, and gives it up for text then if the link is still slow."""
-    if inp.abandon is None:
-        return None
-    if inp.recompute_busy < give_up_seconds(estimate, inp.abandon.rtt, inp.abandon.reconnect_seconds):
-        return None
-    return probe_level(inp)
+    return probe_level(inp) if _given_up_in_time(inp, estimate) else None
+
+
+def _given_up_in_time(inp: PlanInput, estimate: float) -> bool:
+    """With the cancel rule on, a KV try of chunk 0 can be given up before the recompute
+    owed for earlier text reaches it (``cancel.give_up_seconds``)."""
+    return inp.abandon is not None and \
+        inp.recompute_busy >= give_up_seconds(estimate, inp.abandon.rtt, inp.abandon.reconnect_seconds)
 
 
 def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS, any_mix: bool = ANY_MIX) -> Choice | None:
@@ -298,9 +301,7 @@ def free_probe(inp: PlanInput, estimate: float, bins: int = DEFAULT_BINS, any_mi
     (``cancel.give_up_seconds``) and holding the link that long costs the rest of the
     plan nothing (a KV chunk planned behind the text would be delayed).
     """
-    if inp.abandon is None:
-        return None
-    if inp.recompute_busy < give_up_seconds(estimate, inp.abandon.rtt, inp.abandon.reconnect_seconds):
+    if not _given_up_in_time(inp, estimate):
         return None
     link = link_seconds(inp, estimate)
     # the objective alone: the tie-breaks would price moving the text behind the held link

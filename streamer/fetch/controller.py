@@ -156,7 +156,7 @@ class _Chunk:
     cancelling: bool = False    # CANCEL sent; re-requested when its answer ends
     switch_to: Choice | None = None   # what to re-request a cancelled chunk at (None: decide afresh)
     #: seconds the receiver was held while this answer arrived: not the link's time (``_hold``)
-    paused_seconds: float = 0.0
+    held_seconds: float = 0.0
     #: the cancel rule's looks at the current answer: (time, bytes), from its busy start
     marks: list[tuple[float, int]] = field(default_factory=list)
     #: (arrival time, bytes received) after each part: the partial sample's curve
@@ -194,6 +194,8 @@ class FetchController:
         self._prior_is_lower_bound = beliefs.prior_is_lower_bound
         self._past_decodes = list(beliefs.decodes)
         self._past_recomputes = list(beliefs.recomputes)
+        self._configured_recompute = RecomputeCost(settings.recompute_seconds_per_token,
+                                                   settings.recompute_context_seconds)
         self._decode_prior = beliefs.decode_prior
         #: (tokens, bytes, seconds) of each section this fetch decoded; (first token, tokens,
         #: seconds) of each recompute: what the next fetch of the session starts from
@@ -524,9 +526,12 @@ class FetchController:
             shift = ended - since
             if shift <= 0:
                 continue
-            chunk.paused_seconds += shift
-            chunk.marks = [(at + shift if at <= since else max(at, ended), count) for at, count in chunk.marks]
-            chunk.arrivals = [(at + shift if at <= since else max(at, ended), count) for at, count in chunk.arrivals]
+            chunk.held_seconds += shift
+
+            def moved(points: list[tuple[float, int]]) -> list[tuple[float, int]]:
+                return [(at + shift if at <= since else max(at, ended), n) for at, n in points]
+
+            chunk.marks, chunk.arrivals = moved(chunk.marks), moved(chunk.arrivals)
 
     # ------------------------------------------------------------------ delivery inputs
     def _corrupt(self, event: ev.Corrupt) -> bool:
@@ -631,7 +636,7 @@ class FetchController:
         the first byte's arrival: bytes queued in socket and shaper buffers arrive in one
         burst, which would make a small chunk look arbitrarily fast. Later by the time
         the receiver was held while it arrived (``_hold``)."""
-        return max(chunk.requested_at + self.rtt, self.last_end or 0.0) + chunk.paused_seconds
+        return max(chunk.requested_at + self.rtt, self.last_end or 0.0) + chunk.held_seconds
 
     def _head_in_progress(self) -> _Chunk | None:
         """The chunk whose answer is arriving now, if it is a level (not text)."""
@@ -681,8 +686,7 @@ class FetchController:
         return self._decoder_owed(cost) + sum(self._unarrived_decode(self.chunks[i], cost) for i in self.inflight)
 
     def _recompute_cost(self) -> RecomputeCost:
-        configured = RecomputeCost(self.settings.recompute_seconds_per_token, self.settings.recompute_context_seconds)
-        return recompute_cost(configured, [*self._past_recomputes, *self.recomputes])
+        return recompute_cost(self._configured_recompute, [*self._past_recomputes, *self.recomputes])
 
     def _pending_recompute(self, now: float) -> float:
         """Seconds the caller will still spend recomputing chunks already sent as text: each
@@ -820,7 +824,7 @@ class FetchController:
             report.layer_levels = runs if runs and runs[-1][1] == choice else [*runs, (first, choice)]
         chunk.received = chunk.partial = 0
         chunk.sections = first
-        chunk.marks, chunk.arrivals, chunk.paused_seconds = [], [], 0.0
+        chunk.marks, chunk.arrivals, chunk.held_seconds = [], [], 0.0
         chunk.refetch = chunk.cancelling = False
         chunk.switch_to = None
         if not self.inflight:

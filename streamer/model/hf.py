@@ -611,6 +611,7 @@ def recompute_cost(model, tokens: int = RATE_TOKENS, context: int = CONTEXT_TOKE
             later = time.perf_counter() - began
             per_context = max(later - first, 0.0) / (tokens * context)
             per_token = max(first - tokens * (tokens - 1) / 2 * per_context, 0.0) / tokens
+            # timing noise can leave no per-token share at all: keep a tenth of the whole
             known[tokens, context] = RecomputeCost(max(per_token, first / tokens / 10), per_context)
     return known[tokens, context]
 
