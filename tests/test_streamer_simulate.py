@@ -340,7 +340,8 @@ def test_no_time_left_is_text_and_says_whether_the_deadline_passed() -> None:
 def test_past_the_deadline_a_chunk_goes_at_whatever_finishes_it_soonest(per_token, per_context, start, want) -> None:
     """Once the deadline is out of reach the objective's quality term is moot and every
     second is the caller's: text where recomputing is cheap, the fastest level where it is
-    dear (issue #43: text after the deadline made a 4K prefix as slow as a full prefill)."""
+    dear: text after the deadline would make a CPU host's long prefix as slow as a full
+    prefill."""
     tokens = ([start] if start else []) + [256, 256]
     m = make_manifest([[8_000_000, 4_000_000]] * len(tokens), tokens, text_bytes=600)
     history = [Observation(10_000_000, 0.1)]   # 100 MB/s

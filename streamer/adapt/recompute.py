@@ -5,10 +5,9 @@ A text chunk costs the caller a prefill, and the planners weigh it at a
 seconds per token (the model's weights: MLPs and projections), and seconds per pair of a
 recomputed token and a token before it (attention over the cache). The second is what a
 per-token rate alone misses: chunk ``i`` of a prefix attends to every chunk before it, so
-on a small CPU host the last 256-token chunk of a 4K prefix takes four times as long as
-the first (SmolLM2 on 2 cores: 1.0 ms/token at position 0, 4.1 at 3840), and a rate
-measured on one chunk over an empty cache makes text look several times cheaper than it
-is. A receiver on a GPU may leave the second term at 0.
+on a small CPU host the last 256-token chunk of a 4K prefix takes several times as long
+as the first, and a rate measured on one chunk over an empty cache makes text look
+several times cheaper than it is. A receiver on a GPU may leave the second term at 0.
 
 The configured figures are usually measured on an idle machine; during a fetch the
 caller's compute shares the host with section decoding and the event loop, so on a small

@@ -588,8 +588,8 @@ def recompute_cost(model, tokens: int = RATE_TOKENS, context: int = CONTEXT_TOKE
     length, context) in a process and remembered.
 
     A decoder's chunk attends to every token before it, so a chunk late in a long prefix
-    costs several times the first (SmolLM2 on 2 cores: 1.0 ms/token at position 0, 4.1 at
-    3840) and a rate timed on one chunk over an empty cache prices text far too low.
+    costs several times the first on a CPU host, and a rate timed on one chunk over an
+    empty cache prices text far too low.
     Timed twice, over no context and over ``context`` tokens (capped at half the model's
     positions), and solved for the two terms. Encoders (no cache across chunks) and models
     too short for a context cost per token only.
