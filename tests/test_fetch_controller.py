@@ -63,6 +63,29 @@ def test_the_first_request_goes_out_at_start_and_the_next_one_just_in_time() -> 
     assert feed(ctl, ev.PartArrived(0, wanted, 3, 0.01 + wanted / rate)) == [ev.SendRequest(1, 0)]
 
 
+def test_requests_go_out_as_far_ahead_as_recent_answers_took_to_begin() -> None:
+    """Chunk 1's answer begins 67 ms after its request, 50 ms after the link went idle (a
+    sender slow to read its store): the next request goes out that far ahead of the bytes
+    running out, not one round trip. An answer that begins as the one before it ends
+    waited behind it, which says nothing of the sender's time, and is not counted."""
+    rate = 10e6
+    ctl = controller([[1_000_000]] * 3, beliefs=Beliefs(prior_bps=rate))
+    feed(ctl, ev.Started(0.01, 0.04, 0.0), ev.AnswerBegan(0, 1_000_000, 0.01))
+    assert ctl.response_latency == pytest.approx(0.01)
+    _, wanted = ctl.watermark()  # type: ignore[misc]
+    asked = 0.01 + wanted / rate
+    assert feed(ctl, ev.PartArrived(0, wanted, 3, asked)) == [ev.SendRequest(1, 0)]
+    feed(ctl, ev.PartArrived(0, 1_000_000, 4, 0.11), ev.AnswerEnded(0, False, 0.11))
+    feed(ctl, ev.AnswerBegan(1, 1_000_000, 0.16), ev.PartArrived(1, 100_000, 1, 0.17))
+    assert ctl.response_latency == pytest.approx(0.16 - asked)
+    _, wanted = ctl.watermark()  # type: ignore[misc]
+    _, estimate = ctl._estimate(0.17)
+    assert 1_000_000 - wanted == pytest.approx(estimate * (0.16 - asked) + 64 * 1024, abs=1)
+    feed(ctl, ev.PartArrived(1, wanted, 3, 0.16 + wanted / rate))
+    feed(ctl, ev.PartArrived(1, 1_000_000, 4, 0.27), ev.AnswerEnded(1, False, 0.27), ev.AnswerBegan(2, 1_000_000, 0.27))
+    assert ctl.response_latency == pytest.approx(0.16 - asked)
+
+
 def test_a_text_chunk_is_refused_before_it_is_requested_when_nothing_consumes_text() -> None:
     ctl = controller([[1_000_000]], policy="text", text_consumable=False)
     actions = feed(ctl, ev.Started(0.01, 0.04, 0.0))

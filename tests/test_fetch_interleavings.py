@@ -338,7 +338,7 @@ async def _fetch(stored: dict, script: Script):
         script.looks += 1
         return script.switches.get(script.looks - 1)
 
-    def judged(marks, estimate):   # every look asks the (scripted) rule, however few bytes came
+    def judged(marks, estimate, began=None):   # every look asks the (scripted) rule, however few bytes came
         return Observation(1, 1.0)
 
     session = streamer.StreamSession("127.0.0.1", 1, "ctx", slo=30.0, policy="mpc", cancel=True, record=True,

@@ -143,6 +143,17 @@ def test_nothing_to_judge_before_a_sample_unless_the_chunk_stalls() -> None:
     assert chunk_rate(stalled, estimate=None) is None and chunk_rate([(0.0, 0)], estimate=MB) is None
 
 
+def test_a_stall_is_timed_from_the_answers_first_byte() -> None:
+    """20 ms without a byte since the link was free, but the answer's first byte only now:
+    the wait was the sender's response, not the link's rate, and nothing is judged yet. A
+    stall after the first byte is judged from that byte."""
+    waited = [(0.0, 0), (0.02, 0)]
+    assert chunk_rate(waited, estimate=10 * MB, began=0.02) is None
+    assert chunk_rate(waited, estimate=10 * MB, began=0.0) == Observation(MIN_SAMPLE_BYTES, 0.02, upper_bound=True)
+    stalled = [(0.0, 0), (0.02, 0), (1.02, 10)]
+    assert chunk_rate(stalled, estimate=10 * MB, began=0.02) == Observation(MIN_SAMPLE_BYTES, 1.0, upper_bound=True)
+
+
 def test_abandoning_costs_detection_plus_the_cheaper_way_out() -> None:
     slow = abandon_seconds(100_000, rtt=0.01, reconnect_seconds=0.05)   # reconnecting is cheaper
     fast = abandon_seconds(100 * MB, rtt=0.01, reconnect_seconds=0.05)  # draining is cheaper

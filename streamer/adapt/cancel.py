@@ -85,7 +85,8 @@ def cancels_by_default(policy: str) -> bool:
     return policy == "mpc"
 
 
-def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None) -> Observation | None:
+def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None,
+               began: float | None = None) -> Observation | None:
     """The transfer to judge the chunk in flight by, as a sample, or None to leave it alone.
 
     ``marks`` are (seconds, bytes of the chunk received) at each look, oldest first, the
@@ -95,9 +96,13 @@ def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None) -> Ob
     fade): the slower of its whole transfer so far and its recent arrivals (the last
     ``RECENT_S`` or more, back to a look ``MIN_SAMPLE_BYTES`` ago), where a drop
     mid-chunk shows long before it moves the average. Before that only a chunk already slower
-    than ``estimate`` is judged, as ``MIN_SAMPLE_BYTES`` over the time so far, an upper
-    bound (a stall shows as bytes that do not come); otherwise there is nothing new to
-    decide on. The sample is also what the planner learns when the chunk is abandoned.
+    than ``estimate`` is judged, as ``MIN_SAMPLE_BYTES`` over the time since its answer
+    ``began`` (its first byte; the first mark when not given), an upper bound (a stall
+    shows as bytes that do not come). Not over the time since the first mark: until the
+    first byte the wait is the sender's response, whatever the link's rate, and a sender
+    sharing its cores with a busy receiver answered 10-30 ms late, which read as a link of
+    a few tens of Mbit/s at the first look. Otherwise there is nothing new to decide on.
+    The sample is also what the planner learns when the chunk is abandoned.
     """
     if len(marks) < 2:
         return None
@@ -106,8 +111,9 @@ def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None) -> Ob
     if not elapsed > 0:
         return None
     if received < MIN_SAMPLE_BYTES:
-        if estimate is not None and MIN_SAMPLE_BYTES / elapsed < estimate:
-            return Observation(MIN_SAMPLE_BYTES, elapsed, upper_bound=True)
+        waited = now - max(start, began if began is not None else start)
+        if waited > 0 and estimate is not None and MIN_SAMPLE_BYTES / waited < estimate:
+            return Observation(MIN_SAMPLE_BYTES, waited, upper_bound=True)
         return None
     whole = Observation(received, elapsed)
     # the latest look at least RECENT_S ago with MIN_SAMPLE_BYTES arrived since (the first

@@ -69,6 +69,8 @@ MAX_CORRUPT_RETRIES = 2
 #: estimate moves with every byte of the partial sample, so an exact threshold would be
 #: chased a few bytes at a time by a driver that wakes at the watermark.
 _REQUEST_SLACK_BYTES = 1024
+#: Answers whose wait for their first byte the look-ahead covers (the slowest of them).
+RECENT_RESPONSES = 8
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,9 @@ class FetchController:
         self._held_since = 0.0
         self.continuations = False   # the connection takes REQUESTs from a first layer
         self.pending_sample: Observation | None = None
-        self.response_latency = 0.0
+        #: seconds from a request to its answer's first byte, of recent answers the link
+        #: was idle for (``response_latency``)
+        self._responses: deque[float] = deque(maxlen=RECENT_RESPONSES)
         self.last_end: float | None = None
         self.last_activity = 0.0
         self.start = self.deadline = 0.0
@@ -329,8 +333,9 @@ class FetchController:
     def _answer_began(self, event: ev.AnswerBegan) -> bool:
         chunk = self.chunks[event.chunk]
         self.last_activity = chunk.begin_at = event.at
-        if event.chunk == 0 and chunk.corrupt_retries == 0:
-            self.response_latency = event.at - chunk.requested_at
+        if chunk.corrupt_retries == 0 and not chunk.held_seconds and (self.last_end is None
+                                                                      or event.at > self.last_end):
+            self._responses.append(event.at - chunk.requested_at)
         if chunk.first_layer:
             # a continuation's size was an estimate: the sender's count stands, up to the blob's
             whole = self.manifest.chunks[event.chunk].sizes[chunk.choice]   # type: ignore[index]
@@ -638,6 +643,16 @@ class FetchController:
         the receiver was held while it arrived (``_hold``)."""
         return max(chunk.requested_at + self.rtt, self.last_end or 0.0) + chunk.held_seconds
 
+    @property
+    def response_latency(self) -> float:
+        """How long a request waits for its answer's first byte with nothing queued before
+        it (the round trip and the sender's time to read the store and start): the slowest
+        of the recent answers the link was idle for, which alone show it. The next request
+        goes out that long before the bytes still due run out (``_request_ahead``); asked
+        later, the link idles between answers, and the cancel rule reads the idle time as
+        a slow link. It moves with the sender's load, so the recent answers, not the first."""
+        return max(self._responses, default=0.0)
+
     def _head_in_progress(self) -> _Chunk | None:
         """The chunk whose answer is arriving now, if it is a level (not text)."""
         if not self.inflight:
@@ -874,7 +889,7 @@ class FetchController:
         """The cancel rule's switch for ``head`` as its looks show it, with the sample it
         judged by; None to keep it."""
         _, estimate = self._estimate(now)
-        sample = cancel.chunk_rate(head.marks, estimate)
+        sample = cancel.chunk_rate(head.marks, estimate, began=head.begin_at)
         if sample is None:
             return None
         cost = self._decode_cost()
