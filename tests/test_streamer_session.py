@@ -119,6 +119,28 @@ async def test_every_layer_in_order_exactly_once_at_a_fixed_level(context, sende
     assert _distortion(context["kv"], got) < 2 * context["profile"].targets[1]
 
 
+async def test_a_finished_session_frees_its_consumer_without_the_cyclic_collector(context, sender) -> None:
+    """What a consumer's callbacks hold (in the completions server, a prefix's whole KV)
+    goes with the session, by reference counting alone: held in a cycle through the
+    session, it stayed until the cyclic collector ran, and a server's memory grew by a
+    prefix per request meanwhile."""
+    import gc
+    import weakref
+
+    rec = Recorder()
+    gone = weakref.ref(rec)
+    gc.disable()
+    try:
+        async with streamer.StreamSession("127.0.0.1", sender.port, "ctx", slo=5.0, policy="fixed:1",
+                                          on_layer=rec.on_layer, on_text=rec.on_text) as session:
+            await session.fetch()
+            assert session.delivered_layers(0) == context["manifest"].layers
+        del session, rec
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 async def test_async_callbacks_and_text_policy(context, sender) -> None:
     seen: list[tuple[int, list[int]]] = []
 

@@ -304,7 +304,11 @@ class OrderedDelivery:
         """Let go of what is held: the fetch is over, and a failed or cancelled one leaves
         decoded layers, waiting sections and a stream decoder's chunks behind (a session's
         objects refer to each other, so without this they would wait for the cyclic
-        garbage collector, decoded tensors and all)."""
+        garbage collector, decoded tensors and all). The consumer's callbacks and the
+        observer go too: a caller's callbacks hold what it assembles (a prefix's whole KV),
+        and decodes still running report to nobody."""
+        self._on_layer = self._on_text = None
+        self._observe = _ignore
         for state in self._chunks:
             if not state.done:
                 self._cancel_decode(state)
@@ -387,6 +391,10 @@ class OrderedDelivery:
             state.layers.pop(layer, None)   # gone already if the chunk was retargeted meanwhile
             self._release(index, layer)
         return True
+
+
+def _ignore(event: ev.Event) -> None:
+    """The observer of a closed delivery."""
 
 
 def _timed_decode(decode: SectionDecoder, header: codec.BlobHeader, profile: codec.Profile, layer: int,

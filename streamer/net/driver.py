@@ -147,14 +147,12 @@ class FetchDriver:
         self.wake.clear()
         if getter is not None and not getter.done():
             getter.cancel()
-            try:
-                await getter
-            except asyncio.CancelledError:
-                # ours to absorb only if the getter's: a cancel of this fetch that lands
-                # while the getter unwinds must end the fetch (a shutdown waits for it)
-                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                    raise
-            else:  # the item was taken just as we cancelled: keep it
+            # waited for, not awaited: a cancel of this fetch that lands while the getter
+            # unwinds still ends the fetch (asyncio.wait raises it), and the getter's
+            # CancelledError is not raised here, where its traceback would hold this frame,
+            # and through it the session and its consumer, in a cycle
+            await asyncio.wait({getter})
+            if not getter.cancelled():   # the item was taken just as we cancelled: keep it
                 return getter.result()
         if getter is not None and getter in done:
             return getter.result()

@@ -45,6 +45,7 @@ from streamer.net.client import (MAX_PROFILE_BYTES, AuthenticationFailed, Client
                                  ServerError, StreamError)
 from streamer.net.config import SessionConfig
 from streamer.net.devices import decode_executor, section_decoder
+from streamer.net.delivery import OrderedDelivery
 from streamer.net.driver import ContextChanged, ContextTooLarge, FetchDriver, FetchFailed, TextNotConsumed
 from streamer.wire import protocol as p
 from streamer.wire.manifest import Manifest
@@ -159,7 +160,10 @@ class StreamSession:
         #: cost, so the next fetch's first plan is timed by it too (adapt.decoding)
         self.decodes: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=RECENT_SECTIONS)
         self._executor = decode_executor()
-        self._fetch: FetchDriver | None = None
+        #: the current (or last) fetch's delivery, which says what went out (not its driver:
+        #: the driver refers to the session, and the cycle would keep the consumers'
+        #: callbacks, and what they hold, until the cyclic garbage collector ran)
+        self._delivery: OrderedDelivery | None = None
         #: with ``SessionConfig.record``: the last fetch's controller inputs and actions, in
         #: order (``streamer.fetch.events``), replayable in the simulator with what it started
         #: from (``beliefs``: the prior, the profile download's sample, the decoder's cost)
@@ -336,9 +340,10 @@ class StreamSession:
         self.beliefs = self._beliefs()
         controller = FetchController(self.manifest, self._settings(), context_id=self.context_id,
                                      beliefs=self.beliefs, record=self.config.record)
-        self._fetch = FetchDriver(self, controller)
+        driver = FetchDriver(self, controller)
+        self._delivery = driver.delivery
         try:
-            report = await self._fetch.run()
+            report = await driver.run()
         finally:
             # a re-open during this fetch (a reconnect that downloaded the profile again)
             # measured this fetch's link, not the next one's
@@ -378,7 +383,7 @@ class StreamSession:
     def delivered_layers(self, chunk: int) -> int:
         """Layers of ``chunk`` handed to ``on_layer`` so far in the current (or last) fetch
         (counted from the call): from ``on_text``, non-zero means the text supersedes them."""
-        return self._fetch.delivery.delivered_layers(chunk) if self._fetch is not None else 0
+        return self._delivery.delivered_layers(chunk) if self._delivery is not None else 0
 
 
 #: the fetch's errors are raised by its driver; callers import them from here
