@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import sys
 
+import numba
 import torch
 
 import codec
@@ -32,12 +33,26 @@ _decode_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 def decode_executor() -> concurrent.futures.ThreadPoolExecutor:
     """The threads every session of the process decodes CPU sections on, one per core: a
-    thread per session made memory and contention grow with the number of sessions (the
-    codec's kernels use every core already), and a section now waits its turn instead."""
+    thread per session made memory and contention grow with the number of sessions, and a
+    section now waits its turn instead.
+
+    Each thread runs torch's and numba's kernels on itself alone (both libraries' thread
+    counts are per thread), so sections decode side by side, one per core, rather than
+    each splitting over every core. Split, every thread led its own OpenMP team, the
+    teams outnumbered the cores, and OpenMP then stops its workers spinning between
+    parallel regions: each of a section's many small regions paid a wake-up, decoding on
+    a thread ran at half the speed it has on the main thread, and what spinning was left
+    took cores from the event loop, which stamps the arrivals the link is measured by."""
     global _decode_pool
     if _decode_pool is None:
-        _decode_pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvwire-decode")
+        _decode_pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvwire-decode",
+                                                             initializer=_one_core)
     return _decode_pool
+
+
+def _one_core() -> None:
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
 
 
 def close_devices() -> None:
