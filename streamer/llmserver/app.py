@@ -28,6 +28,7 @@ prefix fetch is released (a fetch nobody waits for is cancelled).
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import secrets
@@ -277,7 +278,13 @@ async def start_server(model: Any, tokenizer: Any, profile: "codec.Profile", con
     else from ``senders`` (none: every prompt is prefilled whole); full prefills are written
     back to ``store`` (None: not). ``warm_up`` measures the model's recompute rate and
     readies the codec before the first request. InsecureConfiguration off loopback
-    without ``serve.api_token``, before anything else."""
+    without ``serve.api_token``, before anything else.
+
+    What is alive once the engine is ready (the model, torch's and transformers' objects:
+    about half a million) is moved out of the cyclic garbage collector's scans
+    (``gc.freeze``), as long-running Python servers do: each full collection walked all
+    of it, a pause of a tenth of a second or more landing in some request's time to
+    first token."""
     serve = serve or ServeConfig()
     check_exposure(host, serve)
     if source is None and senders:
@@ -285,4 +292,6 @@ async def start_server(model: Any, tokenizer: Any, profile: "codec.Profile", con
     engine = Engine(model, tokenizer, profile, config, session, source=source, store=store)
     if warm_up:
         await engine.warm_up()
+    gc.collect()
+    gc.freeze()
     return await Server(engine, serve).start(host, port)
