@@ -256,7 +256,8 @@ async def _concurrent(server: Any, prompts: list[list[int]], reference: list[Ans
             kv = result.usage.get("kvwire", {})
             window = kv.get("fetch_window") or (None, None)
             requests.append({"prefix": i % 2, "how": kv.get("prefix"), "fetch_started": window[0],
-                             "fetch_ended": window[1], "correct": result.text == reference[i].text})
+                             "fetch_ended": window[1], "levels": kv.get("levels"),
+                             "correct": result.text == reference[i].text})
     spans = {}
     for r in requests:
         if r["fetch_started"] is not None:
