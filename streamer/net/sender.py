@@ -7,11 +7,7 @@ its layer sections (all of them, or for a continuation those from the request's
 ``first_layer`` on: slices of the stored blob, never re-encoded), cut into parts of at
 most ``_PART_BYTES``,
 draining the socket after every part: a slow receiver holds at most one part in
-our buffers and never makes us read more from the store (backpressure). While one
-answer is sent, the next queued chunk request's blob is read from the store
-(``READ_AHEAD``): a store read between two answers would leave the link idle for as
-long as it takes, and a receiver judging the link by its arrivals would see the gap
-as a slow link.
+our buffers and never makes us read more from the store (backpressure).
 The daemon itself is stateless (every answer comes from the store), so any number
 of senders can share one redis store. A LOOKUP (protocol version 3) is answered from
 ``Store.lookup_prefix``: the stored context holding the longest prefix of the chain.
@@ -28,8 +24,7 @@ one the manifest states, a blob whose header disagrees with its length, a profil
 answered with ERROR "internal" naming the fault, and logged. Sizes are asked of the
 store before reading (``Store.chunk_size`` and friends), so an item far larger than it
 should be is refused without being loaded: what one answer holds in memory is bounded
-by the manifest's sizes and ``MAX_PROFILE_BYTES``, and what a connection holds by
-that of ``READ_AHEAD`` + 1 answers.
+by the manifest's sizes and ``MAX_PROFILE_BYTES``.
 """
 from __future__ import annotations
 
@@ -65,9 +60,6 @@ _READ_SIZE = 256 * 1024
 _WRITE_HIGH_WATER = 128 * 1024
 _NOTSENT_LOWAT = 64 * 1024
 _PART_BYTES = 128 * 1024
-#: chunk requests queued behind the one being answered whose data is read from the
-#: store meanwhile (each holds one blob in memory until its answer)
-READ_AHEAD = 1
 #: connections refused at max_sessions that wait (up to a second) for their peer to read
 #: the ERROR; past that many at once, one is closed straight after it (a connection
 #: flood must not hold descriptors beyond max_sessions + this)
@@ -224,30 +216,6 @@ class _PeerFaultLogs:
     dropped: Throttle = field(default_factory=Throttle)
 
 
-class _RequestQueue(asyncio.Queue):
-    """The requests waiting for their answer, in arrival order (a ``None`` ends them),
-    which the read-ahead looks into."""
-
-    def upcoming(self) -> list[tuple[p.Event, float] | None]:
-        return list(self._queue)   # type: ignore[attr-defined]   (asyncio.Queue's deque)
-
-
-@dataclass
-class _Load:
-    """A chunk request's data being read from the store ahead of its answer, for the
-    manifest it was checked against."""
-
-    manifest: Manifest
-    task: "asyncio.Task[bytes]"
-
-    def discard(self) -> None:
-        if self.task.done():
-            if not self.task.cancelled():
-                self.task.exception()   # seen: an unused read's failure is nobody's to raise
-        else:
-            self.task.cancel()
-
-
 class _ConnectionHandler:
     def __init__(self, store: Store, config: ServerConfig, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, fault_logs: _PeerFaultLogs) -> None:
@@ -263,10 +231,8 @@ class _ConnectionHandler:
         #: every log line of this connection carries its session id (record.session)
         self.log = session_logger(log, self.session_id, writer.get_extra_info("peername"))
         # (request, when it was received) in arrival order
-        self.requests: _RequestQueue = _RequestQueue()
+        self.requests: asyncio.Queue[tuple[p.Event, float] | None] = asyncio.Queue()
         self.manifest: Manifest | None = None
-        #: reads started ahead of their answer, by the request's identity (see READ_AHEAD)
-        self._loads: dict[int, _Load] = {}
         self.busy = False
         self.closing = False
         self._reading: asyncio.Task | None = None
@@ -287,9 +253,6 @@ class _ConnectionHandler:
             answers.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await answers
-            for load in self._loads.values():
-                load.discard()
-            self._loads.clear()
             if self.conn.state is p.State.READY:
                 with contextlib.suppress(Exception):
                     self.writer.write(self.conn.send(p.Close()))
@@ -395,8 +358,6 @@ class _ConnectionHandler:
         elif isinstance(event, (p.Open, p.GetProfile, p.Lookup, p.Request)):
             self._last_activity = self._loop.time()
             self.requests.put_nowait((event, self._loop.time()))
-            if self.busy:
-                self._read_ahead()
         elif isinstance(event, (p.Close, p.ConnectionClosed, p.Error)):
             return False
         return True
@@ -407,7 +368,6 @@ class _ConnectionHandler:
             while (item := await self.requests.get()) is not None:
                 request, received = item
                 self.busy = True
-                self._read_ahead()
                 try:
                     kind = await self._answer(request)
                     if self.metrics is not None:
@@ -502,69 +462,36 @@ class _ConnectionHandler:
             raise StoredDataInvalid(f"the store matched an invalid context: {exc}") from None
         return p.Prefix(context_id=match.context_id, chunks=match.chunks)
 
-    def _read_ahead(self) -> None:
-        """Start reading the data of the chunk requests queued next (up to READ_AHEAD of
-        them, not past an OPEN, which may change the manifest they are checked against)."""
-        if self.manifest is None:
-            return
-        cancelled = {id(pending.request) for pending in self.conn.outstanding if pending.cancelled}
-        for item in self.requests.upcoming()[:READ_AHEAD]:
-            if item is None or not isinstance(item[0], p.Request):
-                return
-            request = item[0]
-            if id(request) not in self._loads and id(request) not in cancelled:
-                self._loads[id(request)] = _Load(self.manifest, asyncio.create_task(
-                    self._load(self.manifest, request), name=f"kvwire-read-ahead-{request.chunk}"))
-
-    async def _loaded(self, request: p.Request) -> bytes:
-        """The request's data: read ahead for the manifest now open, else read now."""
-        load = self._loads.pop(id(request), None)
-        if load is not None and load.manifest is self.manifest:
-            return await load.task
-        if load is not None:
-            load.discard()
-        assert self.manifest is not None  # the protocol refuses REQUEST before MANIFEST
-        return await self._load(self.manifest, request)
-
-    async def _load(self, manifest: Manifest, request: p.Request) -> bytes:
-        """A request's blob or text from the store, checked against ``manifest``: its size
-        asked before reading it (an oversize one is refused without being loaded), then
-        what was read, should the item have changed in between."""
-        chunk, level = request.chunk, request.level
-        manifest.check_request(chunk, level, request.first_layer)   # ValueError: bad_request
-        if level == p.TEXT_LEVEL:
-            stated, what = manifest.chunks[chunk].text_bytes, f"chunk {chunk}'s text"
-            _check_size(await self.store.text_size(manifest.context_id, manifest.version, chunk), stated, what)
-            data = await self.store.get_text(manifest.context_id, manifest.version, chunk)
-        else:
-            stated, what = manifest.chunks[chunk].sizes[level], f"chunk {chunk} at level {level}"
-            _check_size(await self.store.chunk_size(manifest.context_id, manifest.version, chunk, level),
-                        stated, what)
-            data = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
-        _check_size(len(data), stated, what)
-        return data
-
     async def _send_chunk(self, request: p.Request) -> None:
         chunk, level = request.chunk, request.level
         # a CANCEL is marked on its request in the protocol's ledger (which the reader
         # fed it to) and ends with that request's answer: answers go in FIFO order, so
         # this request is the ledger's head
         if self.conn.head_cancelled(chunk):
-            load = self._loads.pop(id(request), None)
-            if load is not None:
-                load.discard()
             await self._write(self.conn.send(p.ChunkEnd(chunk=chunk, cancelled=True)))
             if self.metrics is not None:
                 self.metrics.cancelled.inc()
             return
-        data = await self._loaded(request)
+        manifest = self.manifest
+        assert manifest is not None  # the protocol refuses REQUEST before MANIFEST
+        manifest.check_request(chunk, level, request.first_layer)   # ValueError: bad_request
+        # each item's size before reading it (an oversize one is refused without being
+        # loaded), then what was read, should the item have changed in between
         if level == p.TEXT_LEVEL:
+            stated, what = manifest.chunks[chunk].text_bytes, f"chunk {chunk}'s text"
+            _check_size(await self.store.text_size(manifest.context_id, manifest.version, chunk), stated, what)
+            data = await self.store.get_text(manifest.context_id, manifest.version, chunk)
+            _check_size(len(data), stated, what)
             await self._write(self.conn.send(p.Text(chunk=chunk, data=data)))
             if self.metrics is not None:
                 self.metrics.chunks.labels(level="text").inc()
                 self.metrics.text_fallbacks.inc()
             return
-        parts = list(blob_parts(data, min(self.conn.send_limit - PART_HEADER.size, _PART_BYTES), request.first_layer))
+        stated, what = manifest.chunks[chunk].sizes[level], f"chunk {chunk} at level {level}"
+        _check_size(await self.store.chunk_size(manifest.context_id, manifest.version, chunk, level), stated, what)
+        blob = await self.store.get_chunk(manifest.context_id, manifest.version, chunk, level)
+        _check_size(len(blob), stated, what)
+        parts = list(blob_parts(blob, min(self.conn.send_limit - PART_HEADER.size, _PART_BYTES), request.first_layer))
         await self._write(self.conn.send(p.ChunkBegin(chunk=chunk, level=level, total_bytes=sum(map(len, parts)),
                                                       parts=len(parts), first_layer=request.first_layer)))
         for index, part in enumerate(parts):
