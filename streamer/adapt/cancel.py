@@ -111,7 +111,7 @@ def chunk_rate(marks: Sequence[tuple[float, int]], estimate: float | None,
     if not elapsed > 0:
         return None
     if received < MIN_SAMPLE_BYTES:
-        waited = now - max(start, began if began is not None else start)
+        waited = now - (start if began is None else max(start, began))
         if waited > 0 and estimate is not None and MIN_SAMPLE_BYTES / waited < estimate:
             return Observation(MIN_SAMPLE_BYTES, waited, upper_bound=True)
         return None

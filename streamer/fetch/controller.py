@@ -333,8 +333,8 @@ class FetchController:
     def _answer_began(self, event: ev.AnswerBegan) -> bool:
         chunk = self.chunks[event.chunk]
         self.last_activity = chunk.begin_at = event.at
-        if chunk.corrupt_retries == 0 and not chunk.held_seconds and (self.last_end is None
-                                                                      or event.at > self.last_end):
+        link_was_idle = self.last_end is None or event.at > self.last_end
+        if link_was_idle and chunk.corrupt_retries == 0 and not chunk.held_seconds:
             self._responses.append(event.at - chunk.requested_at)
         if chunk.first_layer:
             # a continuation's size was an estimate: the sender's count stands, up to the blob's
