@@ -74,3 +74,29 @@ async def test_ordered_delivery_submits_sections_to_a_stream_decoder() -> None:
     executor.shutdown()
     assert decoder.submitted == [0, 1, 2]
     assert got == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+THREAD_COUNTS = """
+import threading, numba, torch
+from streamer.net import devices
+torch.set_num_threads(3)
+pool = devices.decode_executor()
+decoding = pool.submit(lambda: (torch.get_num_threads(), numba.get_num_threads())).result()
+later = []
+thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+thread.start(); thread.join()
+print(decoding[0], decoding[1], later[0], torch.get_num_threads())
+"""
+
+
+def test_decode_threads_run_on_one_core_and_leave_later_threads_theirs() -> None:
+    """A decode thread computes on one core, and a thread started after the decode pool
+    (a model server's worker) still gets the process's count: torch.set_num_threads also
+    sets what later threads start with, and numba's first launch resets the calling
+    thread's count. In a fresh process, where both libraries start for the first time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", THREAD_COUNTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "3", "3"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import sys
+import threading
 
 import numba
 import torch
@@ -37,8 +38,8 @@ def decode_executor() -> concurrent.futures.ThreadPoolExecutor:
     section now waits its turn instead.
 
     Each thread runs torch's and numba's kernels on itself alone (both libraries' thread
-    counts are per thread), so sections decode side by side, one per core, rather than
-    each splitting over every core. Split, every thread led its own OpenMP team, the
+    counts are per thread, :func:`_one_core`), so sections decode side by side, one per
+    core, rather than each splitting over every core. Split, every thread led its own OpenMP team, the
     teams outnumbered the cores, and OpenMP then stops its workers spinning between
     parallel regions: each of a section's many small regions paid a wake-up, decoding on
     a thread ran at half the speed it has on the main thread, and what spinning was left
@@ -50,9 +51,27 @@ def decode_executor() -> concurrent.futures.ThreadPoolExecutor:
     return _decode_pool
 
 
+#: Held while a decode thread sets its torch thread count (see :func:`_one_core`).
+_thread_count_lock = threading.Lock()
+
+
 def _one_core() -> None:
-    torch.set_num_threads(1)
+    """Run this thread's torch and numba kernels on one core, and nobody else's.
+
+    ``torch.set_num_threads`` sets the calling thread's count and also the count every
+    thread started afterwards begins with: left so, the decode threads would make every
+    later thread of the process (a model server's worker, an executor's) compute on one
+    core. So the process default is put back from a helper thread, which changes only
+    its own count, once this thread's is fixed at one (``get_num_threads`` first fixes
+    this thread's count from the default, so it is not read again later). numba goes first:
+    starting its OpenMP threading layer resets the calling thread's OpenMP count."""
     numba.set_num_threads(1)
+    with _thread_count_lock:
+        default = torch.get_num_threads()
+        torch.set_num_threads(1)
+        restorer = threading.Thread(target=torch.set_num_threads, args=(default,), name="kvwire-thread-count")
+        restorer.start()
+        restorer.join()
 
 
 def close_devices() -> None:
