@@ -25,7 +25,11 @@ rate measured, before any request is timed.
 Then the concurrency check at the fastest rate: ``concurrent`` requests at once over two
 shared prefixes (GPL-3's and GPL-2's first N tokens, distinct questions): the server must
 start exactly two fetches, answer every request correctly (equal to full prefill), and run
-the two fetches at the same time (each request's fetch start and end are printed).
+the two fetches at the same time (each request's fetch start and end are printed). To
+tell the codec's share of a parted answer from the policy's, the same prompts are then
+answered directly (no server) with each prefix's exact KV and with every chunk at one
+level: exact KV must part none; a level parts the answers whose greedy choice is a near
+tie that level's error tips.
 
 Targets (issue #43): at 4096 stored tokens and 1000 Mbit/s, time to first token >= 4x
 faster than full prefill on this CPU; greedy output identical on >= 8 of 10 prompts;
@@ -132,7 +136,10 @@ def _prompts(tokenizer: Any, document: list[int], tokens: int, questions: Sequen
     return [document[:tokens] + hf.tokenize(tokenizer, f"\n\nQuestion: {q}\nAnswer:") for q in questions]
 
 
-async def _put(store_url: str, model: Any, tokenizer: Any, profile: Any, identity: Any, ids: list[int]) -> None:
+async def _put(store_url: str, model: Any, tokenizer: Any, profile: Any, identity: Any,
+               ids: list[int]) -> tuple[str, Any]:
+    """Store ``ids``' KV (one full prefill) as a content-addressed prefix: its context id
+    and the exact KV."""
     import streamer
     from streamer.model import hf
     from streamer.store.put import put_prefix
@@ -140,9 +147,52 @@ async def _put(store_url: str, model: Any, tokenizer: Any, profile: Any, identit
     kv = await asyncio.to_thread(hf.capture_kv, model, tokenizer, ids)
     store = await streamer.open_store(store_url)
     try:
-        await put_prefix(store, identity, kv, ids, profile, budget_bytes=None, vocab_size=hf.vocab_size(model))
+        match = await put_prefix(store, identity, kv, ids, profile, budget_bytes=None,
+                                 vocab_size=hf.vocab_size(model))
     finally:
         await store.close()
+    return match.context_id, kv
+
+
+async def _stored_kv(store_url: str, context_id: str, profile: Any, chunks: int) -> list[Any]:
+    """The first ``chunks`` chunks of a stored context decoded at each level in turn, one
+    KV tensor per level (best first): what a fetch delivers when every chunk comes at
+    that level."""
+    import torch
+
+    import codec
+    import streamer
+
+    store = await streamer.open_store(store_url)
+    try:
+        manifest = await store.get_manifest(context_id)
+        blobs = [[await store.get_chunk(context_id, manifest.version, c, level) for c in range(chunks)]
+                 for level in range(len(profile.levels))]
+    finally:
+        await store.close()
+    return [torch.cat([codec.decode(b, profile) for b in level], dim=2) for level in blobs]
+
+
+def _answers_by_level(model: Any, prompts: list[list[int]], tokens: int, prefixes: list[tuple[Any, list[Any]]],
+                      max_tokens: int) -> list[dict[str, Any]]:
+    """Which of the concurrent prompts (alternating between ``prefixes``: (exact KV, KV
+    at each level)) answer as full prefill does when their prefix's KV is exact or every
+    chunk at one level, generated directly (no server, no policy, greedy): it tells the
+    codec's share of parted answers from the policy's. Exact KV must part none (only the
+    prefill's split differs)."""
+    from streamer.model import hf
+
+    rows: list[dict[str, Any]] = []
+    full = [hf.greedy_generate(model, None, p, max_tokens) for p in prompts]
+    for level in ["exact", *range(len(prefixes[0][1]))]:
+        parted = []
+        for i, (prompt, reference) in enumerate(zip(prompts, full)):
+            exact, levels = prefixes[i % len(prefixes)]
+            kv = exact if level == "exact" else levels[level]
+            if hf.generate_with_kv(model, None, kv, prompt[tokens:], max_new_tokens=max_tokens) != reference:
+                parted.append(i)
+        rows.append({"level": level, "correct": len(prompts) - len(parted), "parted": parted})
+    return rows
 
 
 def _summary(values: Sequence[float]) -> dict[str, float]:
@@ -194,8 +244,11 @@ async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = No
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-serve-") as root:
         store_url = f"file://{root}"
         say(f"putting {stored}-token prefixes of two texts at {len(profile.levels)} levels ...")
-        await _put(store_url, model, tokenizer, profile, identity, document[:stored])
-        await _put(store_url, model, tokenizer, profile, identity, second[:cfg.concurrent_tokens])
+        shared_prefixes = []   # (context id, exact KV of the tokens the concurrent prompts share)
+        for ids in (document[:stored], second[:cfg.concurrent_tokens]):
+            context_id, kv = await _put(store_url, model, tokenizer, profile, identity, ids)
+            shared_prefixes.append((context_id, kv[:, :, :cfg.concurrent_tokens].clone()))
+            del kv
         prompts = {n: _prompts(tokenizer, document, n, QUESTIONS[:cfg.prompts]) for n in cfg.sizes}
         full_server = await _serve(model, tokenizer, profile, cfg, ())
         try:
@@ -223,6 +276,12 @@ async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = No
                         out["concurrent"] = await _concurrent(server, mixed, reference, cfg)
                 finally:
                     await server.close()
+        if out["concurrent"] is not None:
+            chunks = cfg.concurrent_tokens // cfg.chunk_tokens
+            prefixes = [(kv, await _stored_kv(store_url, context_id, profile, chunks))
+                        for context_id, kv in shared_prefixes]
+            out["concurrent"]["by_level"] = await asyncio.to_thread(
+                _answers_by_level, model, mixed, cfg.concurrent_tokens, prefixes, cfg.max_tokens)
     out["targets"] = _targets(out, cfg)
     return out
 
@@ -309,7 +368,14 @@ def render(out: dict[str, Any]) -> str:
         lines.append("  (fetch windows in seconds from the first fetch's start)")
         for i, r in enumerate(conc["per_request"]):
             lines.append(f"  request {i:2d} prefix {r['prefix']} {r['how'] or '-':8s} fetch "
-                         f"{_clock(r['fetch_started'], base)} .. {_clock(r['fetch_ended'], base)} correct {r['correct']}")
+                         f"{_clock(r['fetch_started'], base)} .. {_clock(r['fetch_ended'], base)} "
+                         f"levels {r['levels']} correct {r['correct']}")
+        if conc.get("by_level"):
+            lines.append("  the same prompts, each prefix's KV exact or every chunk at one level (no server, no policy):")
+            for row in conc["by_level"]:
+                name = "exact KV" if row["level"] == "exact" else f"level {row['level']}"
+                lines.append(f"    {name:8s} correct {row['correct']}/{conc['requests']}"
+                             + (f", parted: requests {row['parted']}" if row["parted"] else ""))
     lines.append("")
     for t in out["targets"]:
         lines.append(f"[{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['measured']}")
