@@ -4,7 +4,10 @@ from, and what taking bits out in other ways would buy, measured on the model.
 Each ablation turns one window's KV, coded at one level, into another decoded KV and its
 size. Two kinds:
 
-* **codec**: the real encoder, run differently. ``sinks-0`` / ``sinks-16`` code the
+* **codec**: the real encoder, run differently. ``layer-predicted`` codes each layer's
+  residual from a prediction out of the previous decoded layer
+  (``streamer.model.layer_prediction``), a technique measured before the format carries
+  it. ``sinks-0`` / ``sinks-16`` code the
   context with 0 or 16 leading tokens kept verbatim (``codec.encode``'s ``sink_tokens``;
   the profile's default is 4); ``recent-finer`` codes the context's last tokens as a
   second blob two levels finer (a chunk cut in two at a token boundary, each part with
@@ -52,12 +55,30 @@ class Window:
     nbytes: int
 
 
+Apply = Callable[[Window, codec.Profile, int], tuple[torch.Tensor, int]]
+
+
 @dataclass(frozen=True)
 class Ablation:
     name: str
     kind: str          # "codec" (bits charged) or "oracle" (the plain level's bits)
     description: str
-    apply: Callable[[Window, codec.Profile, int], tuple[torch.Tensor, int]]
+    apply: Apply | None
+    #: for an ablation fitted at calibration: (calibration KV samples, profile) -> its apply
+    prepare: Callable[[Sequence[torch.Tensor], codec.Profile], Apply] | None = None
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.prepare is not None
+
+    def applier(self, samples: Sequence[torch.Tensor] | None, profile: codec.Profile) -> Apply:
+        """What measures this ablation for ``profile`` (fitted on ``samples`` if it needs them)."""
+        if self.prepare is None:
+            assert self.apply is not None
+            return self.apply
+        if not samples:
+            raise ValueError(f"ablation {self.name} is fitted on calibration samples, and none were given")
+        return self.prepare(samples, profile)
 
 
 def group_size(tokens: int, size: int) -> int:
@@ -149,6 +170,13 @@ def _recent_finer(w: Window, profile: codec.Profile, level: int) -> tuple[torch.
                                         (tokens, max(level - FINER_LEVELS, 0), 0)])
 
 
+def _layer_predicted(samples: Sequence[torch.Tensor], profile: codec.Profile) -> Apply:
+    from streamer.model import layer_prediction
+
+    predictor = layer_prediction.fit(samples, profile)
+    return lambda w, _p, level: layer_prediction.code(predictor, w.kv, level, profile.rotary)
+
+
 def _tokens(w: Window) -> int:
     return w.kv.shape[2]
 
@@ -158,6 +186,9 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation("sinks-16", "codec", f"the first {SINK_GROUP} tokens kept verbatim", _sinks(SINK_GROUP)),
     Ablation("recent-finer", "codec", f"the last {RECENT_GROUP} tokens (at most a quarter) coded as a second blob "
              f"{FINER_LEVELS} levels finer", _recent_finer),
+    Ablation("layer-predicted", "codec", "each layer's K and V predicted from the previous layer's decoded K and V "
+             "(linear maps fitted at calibration), only the residual coded (streamer.model.layer_prediction)",
+             None, _layer_predicted),
     Ablation("exact-K", "oracle", "keys exact: only values coded", _exact(kind=0)),
     Ablation("exact-V", "oracle", "values exact: only keys coded", _exact(kind=1)),
     Ablation("exact-layers-1/3", "oracle", "the first third of the layers exact", _layer_third(0)),

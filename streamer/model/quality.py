@@ -373,9 +373,12 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
     decoder = hf.is_decoder(model)
     started = time.perf_counter()
     calibration_seconds = 0.0
-    if profile is None:
+    chosen = ablation_.resolve(ablations) if ablations else []
+    samples: list[torch.Tensor] = []
+    if profile is None or any(a.needs_calibration for a in chosen):
         cal_ids = hf.tokenize(tokenizer, hf.read_text(calibration_text))[:calibration_tokens]
         samples = calibration_samples(model, tokenizer, cal_ids)
+    if profile is None:
         choices = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}
         weights = [model_weights(model, tokenizer, cal_ids, on) for on in choices[allocation]]
         profiles = [codec.calibrate(samples, rotary=model_rotary(model, on), weights=w)
@@ -388,7 +391,6 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         context_tokens = context_tokens or DECODER_CONTEXT_TOKENS
         window_tokens = context_tokens + DECODER_CONTINUATION_TOKENS
     window_tokens = window_tokens or ENCODER_WINDOW_TOKENS
-    chosen = ablation_.resolve(ablations) if ablations else []
     sources = {name: measure_source(name) for name in (texts or (ABLATION_TEXTS if chosen else DEFAULT_TEXTS))}
     prepared = [_prepare(model, tokenizer, w, context_tokens, name)
                 for name, (_, text) in sources.items()
@@ -424,6 +426,7 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         methods += [("fp16", None, None), ("int8", None, None), ("cachegen", None, None)]
     methods += [("kvwire", lv, p) for p in profiles
                 for lv in (range(len(p.targets)) if levels is None else levels)]
+    appliers: dict[tuple[str, str], ablation_.Apply] = {}   # fitted once per profile
     for method, level, prof in methods:
         acc = _Accumulator(layers)
         targets = None if prof is None or level is None else torch.tensor(prof.targets_by_section(level))
@@ -440,8 +443,11 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         report.rows.append(_described(acc.row(method, level, reference_ppl), prof, level))
         for chosen_one in (chosen if method == "kvwire" else ()):
             acc = _Accumulator(layers)
+            key = (chosen_one.name, prof.id)
+            if key not in appliers:
+                appliers[key] = chosen_one.applier(samples, prof)
             for w, base in zip(prepared, plain):
-                decoded, nbytes = chosen_one.apply(base, prof, level)
+                decoded, nbytes = appliers[key](base, prof, level)
                 acc.add(w, decoded, nbytes, model, targets)
             report.rows.append(_described(acc.row(method, level, reference_ppl), prof, level, chosen_one.name))
     report.config["seconds"] = round(time.perf_counter() - started, 2)

@@ -167,10 +167,11 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="profiles whose (layer, K/V) targets are weighted by measured sensitivity: 'auto' "
                         "(the calibrate default), 'on', 'off', or 'both' side by side (ignored with --profile)")
     q.add_argument("--ablation", nargs="*", default=None, metavar="NAME",
-                   help="after each level's row, one row per ablation of it (streamer.model.ablation: sinks-0, "
-                        "sinks-16, recent-finer on the real encoder; exact-K, exact-V, exact-layers-1/3..3/3, "
-                        "exact-first, exact-recent, exact-high-attention and controls as upper bounds); the bare "
-                        "flag runs them all, and measures source code as a third kind of text")
+                   help="after each level's row, one row per ablation of it (streamer.model.ablation: "
+                        "layer-predicted, sinks-0, sinks-16, recent-finer on the real encoder; exact-K, exact-V, "
+                        "exact-layers-1/3..3/3, exact-first, exact-recent, exact-high-attention and controls as "
+                        "upper bounds); the bare flag runs them all, and measures source code as a third kind "
+                        "of text")
     q.add_argument("--json", action="store_true", help="print JSON instead of a table")
     q.add_argument("--plot", default="quality.png", help="PNG path (default quality.png)")
     q.add_argument("--no-plot", action="store_true", help="do not write the PNG")
