@@ -483,10 +483,11 @@ def _symbol_histograms(fit: _Fit, level: int, shift: np.ndarray, table: np.ndarr
     kinds = [(coef, 0)]
     if fit.delta:
         n = coef.shape[1] - coef.shape[1] % DELTA_GROUP
-        groups = coef[:, :n].reshape(kept, -1, DELTA_GROUP)
+        # explicit sizes: a level that keeps no component has an empty sample to reshape
+        groups = coef[:, :n].reshape(kept, n // DELTA_GROUP, DELTA_GROUP)
         anchors = np.rint(groups[:, :, :1] / step) * step  # as the decoder rebuilds them
         kinds = [(coef[:, ::DELTA_GROUP], 0),
-                 ((groups[:, :, 1:] - anchors).reshape(kept, -1), 1)]
+                 ((groups[:, :, 1:] - anchors).reshape(kept, n // DELTA_GROUP * (DELTA_GROUP - 1)), 1)]
     raw_bits = 0.0
     for values, kind in kinds:
         q = np.rint(values / step).astype(np.int64)

@@ -266,3 +266,17 @@ def test_replaced_profile_gets_a_new_id(codec_profile, codec_test_kv, codec_dist
         return  # correct: the blob names the profile it was really encoded with
     # otherwise it decodes with the wrong steps: far off the level's target
     assert codec_distortion(codec_test_kv, out, sinks=4) <= 1.6 * codec_profile.targets[1]
+
+
+def test_a_level_that_keeps_no_component_calibrates_with_delta_coding() -> None:
+    """A target near 1 drops every component of a section; with anchor/delta coding forced
+    on, sizing its (empty) delta groups must not fail, and the level still decodes (to the
+    mean)."""
+    from codec.synthetic import synthetic_kv
+
+    samples = [synthetic_kv(2, 2, 16, 300, seed=s) for s in (1, 2)]
+    profile = codec.calibrate(samples, targets=(0.3, 0.9), delta="always")
+    assert int(profile.kept[1].min()) == 0   # some section keeps nothing at the coarse level
+    kv = synthetic_kv(2, 2, 16, 300, seed=5)
+    decoded = codec.decode(codec.encode(kv, 1, profile), profile)
+    assert decoded.shape == kv.shape and torch.isfinite(decoded).all()
