@@ -43,6 +43,6 @@ def test_prediction_codes_chained_layers_smaller_at_the_plain_levels_error() -> 
         decoded, nbytes = layer_prediction.code(predictor, kv, level, ROPE)
         assert decoded.shape == kv.shape
         error = (decoded - kv).pow(2).sum().item()
-        # the residual is held to the plain level's absolute error, and it costs fewer bytes
+        # the residual aims at the plain level's absolute error, and it costs fewer bytes
         assert error < 1.25 * plain_error
         assert nbytes < 0.97 * len(plain)

@@ -9,9 +9,11 @@ chunk's first layer is coded alone (an intra-coded layer).
 
 The residual has less variance than the layer it predicts, and a level's target is
 relative to the variance of what is coded, so each layer's residual profile holds every
-section to the plain profile's target times the measured variance ratio: each section
-keeps the plain level's absolute error, and the bits the prediction saves show as
-smaller blobs.
+section to the plain profile's target times the variance ratio measured at calibration,
+aiming at the plain level's absolute error so that the bits the prediction saves show as
+smaller blobs. That ratio is the open loop's (predicted from exact layers); predicted
+from decoded layers the residual is larger, so a section loses more than the plain
+level does.
 
 Measured by ``kvwire bench quality --ablation layer-predicted`` (``streamer.model.ablation``):
 one blob per layer, its bytes counted with one blob's header for the whole chunk, as a
@@ -79,10 +81,9 @@ def _with_constant(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
 
 
-def fit_maps(samples: Sequence[torch.Tensor], rotary: codec.Rotary | None) -> list[torch.Tensor | None]:
+def fit_maps(values: torch.Tensor) -> list[torch.Tensor | None]:
     """Per layer the least-squares map (ridge ``RIDGE``) from the previous layer's
-    position-free K and V to this layer's, over every token of ``samples``."""
-    values = torch.cat([position_free(kv, rotary) for kv in samples], dim=1)   # [L, N, 2C]
+    position-free K and V to this layer's, over every token of ``values`` [L, N, 2C]."""
     maps: list[torch.Tensor | None] = [None]
     for layer in range(1, values.shape[0]):
         x = _with_constant(values[layer - 1])
@@ -115,10 +116,11 @@ def fit(samples: Sequence[torch.Tensor], profile: codec.Profile) -> LayerPredict
     the K and V ratios' geometric mean, the rest in its weights."""
     rotary = profile.rotary
     heads, head_dim = profile.heads, profile.head_dim
-    maps = fit_maps(samples, rotary)
     values = [position_free(kv, rotary) for kv in samples]
+    everything = torch.cat(values, dim=1)   # [L, N, 2C]
+    maps = fit_maps(everything)
     left = [residuals(v, maps) for v in values]
-    ratio = _section_variance(torch.cat(values, dim=1), heads * head_dim) / np.maximum(
+    ratio = _section_variance(everything, heads * head_dim) / np.maximum(
         _section_variance(torch.cat(left, dim=1), heads * head_dim), 1e-30)
     base = np.ones((profile.layers, 2)) if profile.weights is None else profile.weights.astype(np.float64)
     multiple = base * ratio

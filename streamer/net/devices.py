@@ -39,11 +39,12 @@ def decode_executor() -> concurrent.futures.ThreadPoolExecutor:
 
     Each thread runs torch's and numba's kernels on itself alone (both libraries' thread
     counts are per thread, :func:`_one_core`), so sections decode side by side, one per
-    core, rather than each splitting over every core. Split, every thread led its own OpenMP team, the
-    teams outnumbered the cores, and OpenMP then stops its workers spinning between
-    parallel regions: each of a section's many small regions paid a wake-up, decoding on
-    a thread ran at half the speed it has on the main thread, and what spinning was left
-    took cores from the event loop, which stamps the arrivals the link is measured by."""
+    core, rather than each splitting over every core. Split, every thread led its own
+    OpenMP team, the teams outnumbered the cores, and OpenMP then stops its workers
+    spinning between parallel regions: each of a section's many small regions paid a
+    wake-up, decoding on a thread ran at half the speed it has on the main thread, and
+    what spinning was left took cores from the event loop, which stamps the arrivals the
+    link is measured by."""
     global _decode_pool
     if _decode_pool is None:
         _decode_pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvwire-decode",

@@ -248,7 +248,6 @@ async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = No
         for ids in (document[:stored], second[:cfg.concurrent_tokens]):
             context_id, kv = await _put(store_url, model, tokenizer, profile, identity, ids)
             shared_prefixes.append((context_id, kv[:, :, :cfg.concurrent_tokens].clone()))
-            del kv
         prompts = {n: _prompts(tokenizer, document, n, QUESTIONS[:cfg.prompts]) for n in cfg.sizes}
         full_server = await _serve(model, tokenizer, profile, cfg, ())
         try:
