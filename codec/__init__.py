@@ -9,10 +9,10 @@ Decoders for other devices plug in through ``backends`` (``import kvwire_kernels
 ``parallel`` makes them safe to call from several threads on any numba threading layer.
 ``Rotary`` (a profile's RoPE parameters) makes keys be coded position-free (``rotary``).
 """
-from .api import (decode, decode_layers, decode_section, encode, encode_levels, header_length, inspect,
+from .api import (decode, decode_layers, decode_section, encode, encode_exact, encode_levels, header_length, inspect,
                   parse_header, resolve_profile, section_decoder)
 from .backends import register as register_backend
-from .container import BlobHeader
+from .container import EXACT_LEVEL, BlobHeader
 from .errors import CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .profile import Level, Profile, calibrate, max_profile_bytes
@@ -20,9 +20,9 @@ from .rotary import Rotary
 from .warmup import warm_up
 
 __all__ = [
-    "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS",
+    "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS", "EXACT_LEVEL",
     "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "ProfileMismatchWarning", "calibrate", "decode",
-    "decode_layers", "decode_section", "encode", "encode_levels", "header_length", "inspect", "max_profile_bytes",
+    "decode_layers", "decode_section", "encode", "encode_exact", "encode_levels", "header_length", "inspect", "max_profile_bytes",
     "parse_header",
     "register_backend", "resolve_profile", "Rotary", "section_decoder", "warm_up",
 ]

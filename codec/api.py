@@ -74,8 +74,13 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
     if lanes is None or len(lanes) >= raw_size or _over_decode_bound(len(sink_bytes) + len(lanes), kv_layer.shape[1], body.shape[-1], kv_layer.dtype):
-        return sink_bytes + _token_bytes(kv_layer[:, sinks:]), container.MODE_RAW
+        return _raw_section(kv_layer, sinks), container.MODE_RAW
     return sink_bytes + lanes, container.MODE_CODED
+
+
+def _raw_section(kv_layer: torch.Tensor, sinks: int) -> bytes:
+    """A layer's section in raw mode: its sinks, then its other tokens, verbatim."""
+    return _token_bytes(kv_layer[:, :sinks]) + _token_bytes(kv_layer[:, sinks:])
 
 
 def _over_decode_bound(section_bytes: int, tokens: int, channels: int, dtype: torch.dtype) -> bool:
@@ -199,26 +204,49 @@ def encode_levels(kv: torch.Tensor, levels: Sequence[int], profile: Profile | No
     return _encode_levels(kv, levels, profile, sink_tokens, start)
 
 
-def _encode_levels(kv: torch.Tensor, levels: Sequence[int], profile: Profile | None,
-                   sink_tokens: int | None, start: int) -> list[bytes]:
+def encode_exact(kv: torch.Tensor, profile: Profile, *, sink_tokens: int | None = None,
+                 start: int = 0) -> bytes:
+    """``kv`` held exactly: a blob at the exact level (``container.EXACT_LEVEL``), every
+    section raw, naming ``profile`` like the chunk's lossy blobs. It decodes to ``kv``'s
+    own bits, so a model fed it computes what it computed from its tokens: the level for
+    callers that need answers identical to a full prefill, at 16 bits per fp16 element
+    (decoding it is a copy). ``sink_tokens`` and ``start`` are recorded as ``encode``
+    records them (they change nothing in a raw section)."""
+    kv, start, sinks = _checked_chunk(kv, profile, sink_tokens, start)
+    layers, _, tokens, heads, head_dim = kv.shape
+    sections = [_raw_section(kv[l], sinks) for l in range(layers)]
+    header = container.pack_header(
+        dtype=kv.dtype, level=container.EXACT_LEVEL, layers=layers, heads=heads, head_dim=head_dim,
+        sink_tokens=sinks, tokens=tokens, start=start, profile_id=profile.id, embedded_profile=None,
+        sections=sections, modes=[container.MODE_RAW] * layers)
+    return header + b"".join(sections)
+
+
+def _checked_chunk(kv: torch.Tensor, profile: Profile | None, sink_tokens: int | None,
+                   start: int) -> tuple[torch.Tensor, int, int]:
+    """(kv on the CPU, start, sink tokens) of an encoder's arguments, each checked."""
     validate_kv(kv)
     kv = kv.detach().cpu()
     layers, _, tokens, heads, head_dim = kv.shape
     if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or not 0 <= start <= MAX_POSITION - tokens:
         raise ValueError(f"start must be an int >= 0 with start + tokens <= {MAX_POSITION}, got {start!r}")
-    start = int(start)
-    levels = list(levels)
-    if not levels:
-        raise ValueError("levels must name at least one level")
     if profile is not None:
         profile.check_shape(layers, heads, head_dim)
-    for level in levels:
-        validate_level(level, len(DEFAULT_TARGETS if profile is None else profile.targets))
     default_sinks = profile.sink_tokens if profile is not None else DEFAULT_SINK_TOKENS
     sinks = default_sinks if sink_tokens is None else sink_tokens
     if not isinstance(sinks, int) or sinks < 0 or sinks > 0xFFFF:
         raise ValueError(f"sink_tokens must be an int in [0, 65535], got {sinks!r}")
-    sinks = min(sinks, tokens)
+    return kv, int(start), min(sinks, tokens)
+
+
+def _encode_levels(kv: torch.Tensor, levels: Sequence[int], profile: Profile | None,
+                   sink_tokens: int | None, start: int) -> list[bytes]:
+    kv, start, sinks = _checked_chunk(kv, profile, sink_tokens, start)
+    levels = list(levels)
+    if not levels:
+        raise ValueError("levels must name at least one level")
+    for level in levels:
+        validate_level(level, len(DEFAULT_TARGETS if profile is None else profile.targets))
     if profile is not None:
         return _encode_coded(kv, profile, [(level, level) for level in levels], sinks, start, None)
     blobs = []
@@ -299,7 +327,7 @@ def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profil
             raise ProfileMismatch(f"blob was encoded with profile {header.profile_id}; pass that profile to decode it")
         if profile.id != header.profile_id:
             raise ProfileMismatch(f"blob was encoded with profile {header.profile_id}, not {profile.id}")
-        if header.level >= len(profile.targets):
+        if header.level >= len(profile.targets) and header.level != container.EXACT_LEVEL:
             raise CorruptBitstream(f"blob level {header.level} is not in its profile")
         resolved, slot = profile, header.level
     if (resolved.layers, resolved.heads, resolved.head_dim) != (header.layers, header.heads, header.head_dim):

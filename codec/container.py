@@ -53,8 +53,11 @@ MAX_LAYER_VALUES = 1 << 28
 #: table whose likeliest symbol is almost certain carry ~48,000 values per word, so an
 #: 11 KB section could claim 1 GiB: this bound keeps it to ~11 MB, checked at the header.
 MAX_OUTPUT_PER_BYTE = 1024
-#: The level is a u8 field, so a profile has at most 256 levels.
-MAX_LEVELS = 256
+#: The level is a u8 field; its last value names the exact level, so a profile has at
+#: most 255 lossy levels.
+MAX_LEVELS = 255
+#: The level of a blob that holds its KV exactly: every section raw (FORMAT.md, "Exact level").
+EXACT_LEVEL = 255
 #: Table classes are u8 indices, so a profile has at most 256 frequency tables.
 MAX_TABLES = 256
 #: An embedded profile never decompresses to more than this (nor than its shape allows).
@@ -236,6 +239,8 @@ def parse_header(data: bytes | memoryview) -> BlobHeader:
                         modes=tuple(mode for _, _, mode in entries), size=size)
     for layer, (length, _, mode) in enumerate(entries):
         _check_section_length(header, layer, length, mode)
+    if level == EXACT_LEVEL and (embedded or any(mode != MODE_RAW for _, _, mode in entries)):
+        raise CorruptBitstream("an exact-level blob must have every section raw and no embedded profile")
     return header
 
 

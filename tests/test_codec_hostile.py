@@ -367,3 +367,13 @@ def test_version_2_and_3_blobs_still_read() -> None:
     assert codec.parse_header(v2).start == 0
     assert torch.equal(codec.decode(v2, profile), out)
     assert codec.inspect(v3)["sections"]["lanes"] == [3, 3]  # ceil(kept / 14) for K and V
+
+
+def test_an_exact_level_blob_with_a_coded_section_is_refused_at_the_header() -> None:
+    """The exact level's sections are copied, never decoded: a blob that claims the level
+    with a coded section (lanes no profile level describes) is corrupt before any lane is read."""
+    build, reject = HOSTILE["exact_level_blob_with_a_coded_section"]
+    blob, profile = build()
+    assert blob[6] == codec.EXACT_LEVEL   # FORMAT.md: the fixed header's level byte
+    with pytest.raises(codec.CorruptBitstream, match="exact-level blob must have every section raw"):
+        reject((blob, profile))

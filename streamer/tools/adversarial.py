@@ -74,8 +74,8 @@ def size_rows(layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int 
         kv = adversarial_kv(kind, layers, tokens, heads, head_dim)
         fp16 = kv.numel() * 2
         for name, prof in (("calibrated", profile), ("embedded", None)):
-            for level in range(len(codec.DEFAULT_TARGETS)):
-                blob = codec.encode(kv, level, prof)
+            for level in [*range(len(codec.DEFAULT_TARGETS)), *(["exact"] if prof is not None else [])]:
+                blob = codec.encode_exact(kv, prof) if level == "exact" else codec.encode(kv, level, prof)
                 info = codec.inspect(blob)
                 header = info["sections"]["header"] + info["sections"]["embedded_profile"]
                 rows.append({"kind": kind, "profile": name, "level": level, "blob_bytes": len(blob),
@@ -193,6 +193,14 @@ def _embedded_bomb(declare_size: bool):
     return blob, None
 
 
+def _exact_level_coded_section():
+    """A blob at the exact level (FORMAT.md: every section raw) whose one section is coded:
+    a decoder that took the level on trust would decode lanes no profile level describes."""
+    blob = hand_blob(tokens=8, heads=1, head_dim=2, sections=[lane_payload(2, 0)], profile_id=_small_profile().id,
+                     level=255)
+    return blob, _small_profile()
+
+
 def _wide_channels():
     blob = hand_blob(tokens=1, heads=0xFFFF, head_dim=0xFFFF, sections=[lane_payload(1, 0)],
                      profile_id="00" * 8)
@@ -234,6 +242,7 @@ HOSTILE: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {
     "embedded_profile_zstd_bomb": (lambda: _embedded_bomb(True), _decode),
     "embedded_profile_unsized_zstd_bomb": (lambda: _embedded_bomb(False), _decode),
     "blob_with_65535x65535_channels": (_wide_channels, _decode),
+    "exact_level_blob_with_a_coded_section": (_exact_level_coded_section, _decode),
     "profile_kept_past_channels": (_profile_kept_past_channels, _parse_profile),
     "rotary_blob_claiming_2^21_tokens_at_2^30": (_rotary_many_tokens, _decode),
     "profile_16kb_claiming_1gib_basis": (_profile_claiming_a_gigabyte, _parse_profile),

@@ -38,7 +38,8 @@ _ENTRY = ENTRY.size
 
 @functools.lru_cache(maxsize=1)
 def _seed_blobs():
-    """(blob, profile) pairs: a profiled delta-coded blob and an fp16 embedded one."""
+    """(blob, profile) pairs: a profiled delta-coded blob, an fp16 embedded one, a profiled
+    level 0 one, and an exact-level one (every section raw)."""
     import torch
 
     import codec
@@ -47,7 +48,7 @@ def _seed_blobs():
     profile = codec.calibrate([torch.randn(2, 2, 64, 1, 3, generator=gen)], delta="always")
     kv = torch.randn(2, 2, 24, 1, 3, generator=torch.Generator().manual_seed(1))
     return ((codec.encode(kv, 2, profile), profile), (codec.encode(kv.half(), 2), None),
-            (codec.encode(kv, 0, profile), profile))
+            (codec.encode(kv, 0, profile), profile), (codec.encode_exact(kv.half(), profile), profile))
 
 
 def _reseal(blob: bytes) -> bytes:
