@@ -29,9 +29,10 @@ def test_quick_bench_fetches_every_stored_prefix_and_shares_concurrent_fetches(s
     assert concurrent["errors"] == [] and concurrent["answered"] == cfg.concurrent
     assert concurrent["fetches"] == 2
     assert sorted(r["how"] for r in concurrent["per_request"]) == ["fetched"] * 2 + ["joined"] * (cfg.concurrent - 2)
-    # exact KV answers as full prefill does (only the prefill's split differs); every level is tried
+    # the exact level answers as full prefill does (only the prefill's split differs); every
+    # stored level is tried: the exact one, then the profile's
     by_level = concurrent["by_level"]
-    assert [r["level"] for r in by_level] == ["exact", *range(len(codec.Profile.load(PROFILE).levels))]
+    assert [r["level"] for r in by_level] == list(range(1 + len(codec.Profile.load(PROFILE).levels)))
     assert by_level[0]["correct"] == cfg.concurrent and by_level[0]["parted"] == []
     assert {t["target"].split(":")[0] for t in out["targets"]}   # every target is reported
     assert "| stored tokens |" in bench_serve.render(out)

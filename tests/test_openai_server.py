@@ -296,6 +296,46 @@ async def test_streamed_and_whole_answers_equal_a_full_prefill(served) -> None:
 
 @pytest.mark.slow
 @pytest.mark.model
+async def test_a_prefix_stored_exactly_answers_as_a_full_prefill_where_a_lossy_level_parts(
+        served, tmp_path) -> None:
+    """The module's parting prompt: over the profile's best level its answer parts from the
+    full prefill's; stored with an exact level (as the server writes prefixes back) and
+    fetched at it, the answer is the full prefill's. (The policy takes the exact level where
+    the deadline allows, ``test_exact_level``; here it is fixed, as a cautious estimate of
+    an unknown link may take the next level instead.)"""
+    import codec
+    import streamer
+    from streamer.model import hf
+    from streamer.store.put import put_prefix
+
+    prefix = served["prefixes"][0][:CHUNK]
+    prompt = prefix + served["ids"][3000:3020]
+    expected = reference(served, prompt)
+    kv = hf.capture_kv(served["model"], None, prefix)
+    store = await streamer.open_store(str(tmp_path))
+    match = await put_prefix(store, served["identity"], kv, prefix, served["profile"], budget_bytes=None,
+                             vocab_size=hf.vocab_size(served["model"]), exact=True)
+    manifest = await store.get_manifest(match.context_id)
+    lossy = codec.decode(await store.get_chunk(match.context_id, manifest.version, 0, 1), served["profile"])
+    tokens = hf.generate_with_kv(served["model"], None, lossy, prompt[CHUNK:], max_new_tokens=MAX_TOKENS)
+    assert served["tokenizer"].decode(tokens, skip_special_tokens=True) != expected   # the premise
+    sender = await streamer.serve(store)
+    server = await _serve(served, sender=sender.port, policy="fixed:0")
+    try:
+        client = _client(server)
+        answer = await client.completions.create(model=NAME, prompt=prompt, max_tokens=MAX_TOKENS)
+        usage = answer.usage.kvwire
+        assert usage["prefix"] == "fetched" and usage["exact_level"] and usage["levels"] == [0], usage
+        assert answer.choices[0].text == expected
+        await client.close()
+    finally:
+        await server.close()
+        await sender.close()
+        await store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.model
 async def test_a_stored_prefix_is_fetched_and_the_answer_equals_a_full_prefill(served) -> None:
     sender, counting = await _sender(served)
     server = await _serve(served, sender=sender.port)
@@ -308,7 +348,7 @@ async def test_a_stored_prefix_is_fetched_and_the_answer_equals_a_full_prefill(s
         assert usage["prefix"] == "fetched" and usage["chunks"] == 2, usage
         assert usage["slo"] <= 3.0 < served["config"].slo   # the request's deadline, less its lookup
         assert (usage["fetched_tokens"], usage["recomputed_tokens"], usage["prefilled_tokens"]) == (2 * CHUNK, 0, 7)
-        assert usage["levels"] == [0, 0]
+        assert usage["levels"] == [0, 0] and not usage["exact_level"]
         assert answer.choices[0].text == reference(served, prompt)
         # a prompt that is exactly the stored prefix: its last token is run again for the logits
         exact = await client.completions.create(model=NAME, prompt=served["prefixes"][1], max_tokens=MAX_TOKENS)

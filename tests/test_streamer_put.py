@@ -235,6 +235,13 @@ async def test_cli_put(store_url: str, tmp_path: Path, kv_file: Path, small_prof
         manifest = await store.get_manifest("cli-doc")
         assert manifest.profile_id == small_profile.id and manifest.dtype == "float16"
         assert decode_tokens(await store.get_text("cli-doc", manifest.version, 2)) == ids[80:]
+        assert not manifest.exact
+    assert await asyncio.to_thread(_run, argv + ["--exact"]) == 0
+    out = capsys.readouterr().out
+    assert "level 0 (exact)" in out and "level 5 (distortion" in out
+    async with await open_store(store_url) as store:
+        manifest = await store.get_manifest("cli-doc")
+        assert manifest.exact and manifest.levels == 1 + len(small_profile.targets)
 
 
 def test_cli_put_errors(tmp_path: Path, kv_file: Path, capsys) -> None:

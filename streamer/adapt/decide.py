@@ -50,8 +50,10 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
     for the first)."""
     chunks = manifest.chunks[first_chunk:]
     sizes = [[size if size > 0 else UNAVAILABLE_BYTES for size in c.sizes] for c in chunks]
+    # the exact level's raw sections are copied, not decoded: no decode to time
     decode_seconds = () if decode_cost is None else [
-        [decode_cost.seconds(manifest.layers * (c.end - c.start), size) for size in row]
+        [0.0 if manifest.exact and level == 0 else decode_cost.seconds(manifest.layers * (c.end - c.start), size)
+         for level, size in enumerate(row)]
         for c, row in zip(chunks, sizes)]
     return PlanInput(
         sizes=sizes,

@@ -559,8 +559,14 @@ class FetchController:
             self._send_request(chunk, chunk.choice, event.at)   # type: ignore[arg-type]
         return False
 
+    def _copied(self, chunk: _Chunk) -> bool:
+        """Whether the chunk comes at the exact level: its sections are raw, copied rather
+        than decoded, so they owe the decoder nothing and say nothing of its rate."""
+        return self.manifest.exact and chunk.choice == 0
+
     def _handed(self, event: ev.SectionHanded) -> bool:
-        self._owed[(event.chunk, event.layer)] = event.nbytes
+        if not self._copied(self.chunks[event.chunk]):
+            self._owed[(event.chunk, event.layer)] = event.nbytes
         return False
 
     def _decoded(self, event: ev.SectionDecoded) -> bool:
@@ -568,7 +574,8 @@ class FetchController:
         if event.seconds is not None:
             chunk = self.chunks[event.chunk]
             chunk.decode_seconds += event.seconds
-            self.decodes.append((chunk.tokens, event.nbytes, event.seconds))
+            if not self._copied(chunk):
+                self.decodes.append((chunk.tokens, event.nbytes, event.seconds))
         return False
 
     def _delivering(self, event: ev.LayerDelivering) -> bool:
@@ -690,7 +697,7 @@ class FetchController:
 
     def _unarrived_decode(self, chunk: _Chunk, cost: DecodeCost) -> float:
         """Seconds the sections of a requested KV chunk not handed to the decoder yet will take."""
-        if chunk.choice == TEXT:
+        if chunk.choice == TEXT or self._copied(chunk):
             return 0.0
         unarrived = max(chunk.expected - chunk.received, 0)
         return cost.seconds(chunk.tokens * (self.manifest.layers - chunk.sections), unarrived)

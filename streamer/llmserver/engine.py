@@ -125,6 +125,8 @@ class FetchedPrefix:
     #: per chunk: the level it came at ("text": recomputed here), and its token count
     levels: list[int | str]
     chunk_tokens: list[int]
+    #: the context has an exact level (level 0: the KV as a full prefill computed it)
+    exact_level: bool
     report: "FetchReport"
     #: wall-clock (Unix) seconds the fetch started (lookup done) and ended: requests that
     #: share it report the same window, so overlapping fetches show as overlapping windows
@@ -167,6 +169,11 @@ class EngineConfig:
     model_id: str | None = None
     #: after a full prefill, write the prompt's whole chunks back to the store
     write_back: bool = True
+    #: store written-back prefixes with an exact level too (``put_context(exact=True)``): a
+    #: request whose deadline allows it then gets the KV a full prefill computes, so its
+    #: answer equals a full prefill's; without it every fetched chunk is lossy, and greedy
+    #: answers part from a full prefill's wherever a level's error tips a near tie
+    exact_level: bool = True
     #: bytes of content-addressed contexts the store keeps (``put_prefix`` evicts beyond it)
     store_budget_bytes: int | None = None
 
@@ -359,7 +366,7 @@ class Engine:
             return None, usage
         usage.update(prefix="joined" if joined else "fetched", fetched_tokens=prefix.tokens - prefix.recomputed_tokens,
                      recomputed_tokens=prefix.recomputed_tokens, prefilled_tokens=len(ids) - prefix.tokens,
-                     levels=list(prefix.levels), fetch_seconds=round(prefix.ended - prefix.started, 6),
+                     levels=list(prefix.levels), exact_level=prefix.exact_level, fetch_seconds=round(prefix.ended - prefix.started, 6),
                      fetch_window=[round(prefix.started, 6), round(prefix.ended, 6)],
                      deadline_met=prefix.report.deadline_met, slo=prefix.report.slo)
         return prefix, usage
@@ -422,7 +429,8 @@ class Engine:
             report = await session.fetch()
             self.decode_prior = decoding.measure(session.decodes) or self.decode_prior
         return FetchedPrefix(match.context_id, match.chunks, assembler.kv, [c.level for c in report.chunks],
-                             [c.end - c.start for c in manifest.chunks], report, started, time.time())
+                             [c.end - c.start for c in manifest.chunks], manifest.exact, report, started,
+                             time.time())
 
     # ------------------------------------------------------------------ the model (worker thread)
     def _prefill(self, prefix: FetchedPrefix | None, ids: list[int]) -> dict[str, Any]:
@@ -475,7 +483,8 @@ class Engine:
         assert self.store is not None
         try:
             await put_prefix(self.store, self.identity, kv, ids, self.profile,
-                             budget_bytes=self.config.store_budget_bytes, vocab_size=self.vocab_size)
+                             budget_bytes=self.config.store_budget_bytes, vocab_size=self.vocab_size,
+                             exact=self.config.exact_level)
             self.write_backs += 1
         except Exception:   # a failed write-back costs the next request a prefill, nothing more
             log.exception("writing back the KV of a %d-token prefix failed", len(ids))

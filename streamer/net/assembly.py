@@ -111,10 +111,12 @@ class Assembly:
         if header.profile_id != m.profile_id or (header.layers, header.heads, header.head_dim) != \
                 (m.layers, m.heads, m.head_dim):
             raise codec.CorruptBitstream("chunk header disagrees with the manifest")
-        if header.tokens != m.chunks[self.chunk].tokens or header.level != self.level:
+        level = m.codec_level(self.level)   # type: ignore[arg-type]
+        if header.tokens != m.chunks[self.chunk].tokens or header.level != level:
             raise codec.CorruptBitstream(
-                f"chunk header says {header.tokens} tokens at level {header.level}; the manifest "
-                f"says {m.chunks[self.chunk].tokens} tokens and we asked for level {self.level}")
+                f"chunk header says {header.tokens} tokens at codec level {header.level}; the manifest "
+                f"says {m.chunks[self.chunk].tokens} tokens and we asked for level {self.level} "
+                f"(codec level {level})")
         stated = m.chunks[self.chunk].sizes[self.level]   # type: ignore[index]
         answer = header.size + header.total_size - header.section_offset(self.first_layer)
         if header.total_size != stated or answer != self.expected:

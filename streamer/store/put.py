@@ -170,16 +170,19 @@ async def _gather_bounded(jobs: Sequence[Callable[[], Awaitable[T]]], limit: int
 
 
 async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Tensor, ids: np.ndarray,
-                     profile: codec.Profile, levels: tuple[int, ...]) -> ChunkInfo:
+                     profile: codec.Profile, levels: tuple[int, ...], exact: bool) -> ChunkInfo:
     """Encode one chunk at every level and stage it: one ``encode_levels`` call (the levels
     share its transform, half the work of encoding each) in a thread (the codec releases
-    the GIL)."""
+    the GIL), and with ``exact`` its exact blob as manifest level 0 (the profile's levels
+    then stored one up)."""
     import codec
 
     sinks = None if index == 0 else 0  # attention sinks exist only at the context's start
     # start: the chunk's positions in the context, where a rotary profile removes RoPE
-    blobs = dict(zip(levels, await asyncio.to_thread(codec.encode_levels, kv, levels, profile,
-                                                     sink_tokens=sinks, start=start)))
+    coded = await asyncio.to_thread(codec.encode_levels, kv, levels, profile, sink_tokens=sinks, start=start)
+    blobs = {level + exact: blob for level, blob in zip(levels, coded)}
+    if exact:
+        blobs[0] = await asyncio.to_thread(codec.encode_exact, kv, profile, sink_tokens=sinks, start=start)
     # not a plain gather: on a failure the other writes must be stopped (and waited for)
     # before the writer discards the staging, or one still running writes its blob after
     await _gather_bounded([functools.partial(writer.put_chunk, index, level, blob) for level, blob in blobs.items()],
@@ -187,18 +190,24 @@ async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Te
     text = await asyncio.to_thread(encode_tokens, ids)
     await writer.put_text(index, text)
     return ChunkInfo(index=index, start=start, end=start + kv.shape[2],
-                     sizes=tuple(len(blobs.get(level, b"")) for level in range(len(profile.targets))),
+                     sizes=tuple(len(blobs.get(level, b"")) for level in range(len(profile.targets) + exact)),
                      text_bytes=len(text),
-                     sink_tokens=codec.parse_header(blobs[levels[0]]).sink_tokens)
+                     sink_tokens=codec.parse_header(coded[0]).sink_tokens)
 
 
 async def put_context(store: Store, context_id: str, kv: torch.Tensor,
                       token_ids: Sequence[int] | np.ndarray | torch.Tensor, *,
                       profile: codec.Profile | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                       levels: Iterable[int] | None = None, vocab_size: int | None = None,
-                      replace: bool = True) -> Manifest:
+                      replace: bool = True, exact: bool = False) -> Manifest:
     """Encode ``kv`` [layers, 2, tokens, heads, head_dim] chunk by chunk at ``levels``
     (default: all of the profile's) and commit it to ``store`` as a new version.
+
+    ``exact`` also stores each chunk's KV exactly, as the manifest's level 0 (the
+    profile's levels become levels 1..; ``Manifest.exact``): at 16 bits per fp16
+    element, the level a receiver picks when its deadline allows and a model must
+    compute exactly what it would from the tokens (greedy answers equal to a full
+    prefill's). Only for KV computed from the tokens themselves.
 
     ``profile=None`` calibrates one on this context itself (fine for a one-off; a
     profile calibrated once per model on other text makes no per-context fitting
@@ -218,6 +227,8 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
     ids = _check_token_ids(token_ids, tokens, vocab_size)
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+    if not isinstance(exact, bool):
+        raise ValueError(f"exact must be a bool, got {exact!r}")
     if profile is None:
         profile = await asyncio.to_thread(codec.calibrate, [kv])
     profile.check_shape(layers, heads, head_dim)
@@ -226,13 +237,13 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
     async with store.writer(context_id) as writer:
         chunks = await _gather_bounded(
             [functools.partial(_put_chunk, writer, i, start, kv[:, :, start:start + chunk_tokens],
-                               ids[start:start + chunk_tokens], profile, chosen)
+                               ids[start:start + chunk_tokens], profile, chosen, exact)
              for i, start in enumerate(range(0, tokens, chunk_tokens))],
             limit=max(1, os.cpu_count() or 1))  # ~one encoding thread per core
         manifest = Manifest(
             context_id=context_id, version=writer.version, layers=layers, heads=heads, head_dim=head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), tokens=tokens, profile_id=profile.id,
-            level_distortion=tuple(profile.targets), chunks=tuple(chunks), created=time.time(),
+            level_distortion=(0.0,) * exact + tuple(profile.targets), chunks=tuple(chunks), created=time.time(),
             vocab_size=vocab_size)
         await writer.commit(manifest, replace=replace)
     return manifest
@@ -246,7 +257,7 @@ def stored_bytes(manifest: Manifest) -> int:
 async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
                      token_ids: Sequence[int] | np.ndarray | torch.Tensor, profile: codec.Profile, *,
                      budget_bytes: int | None, levels: Iterable[int] | None = None,
-                     vocab_size: int | None = None) -> PrefixMatch:
+                     vocab_size: int | None = None, exact: bool = False) -> PrefixMatch:
     """Store ``kv`` content-addressed: as ``prefix_context_id(chain)`` (``chain`` =
     ``prefix_chain(identity, token_ids)``), registered and indexed so that a lookup of any
     chain starting with ``chain[:i]`` finds it, then evict least-recently-used
@@ -258,7 +269,8 @@ async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
     lossy fetched prefix: the hash says "these tokens", not how the KV was made. A context
     already stored under the chain (an exact copy) is never replaced: it is registered and
     indexed again and returned. ``profile`` must be the identity's profile, and the
-    identity's format version this codec's. Returns the match for the whole chain.
+    identity's format version this codec's. ``exact``: as ``put_context``'s. Returns the
+    match for the whole chain.
 
     Concurrent puts under a budget far smaller than what they write can evict the
     context before this returns (a later lookup then misses it); an eviction never
@@ -283,7 +295,7 @@ async def put_prefix(store: Store, identity: PrefixIdentity, kv: torch.Tensor,
             try:
                 manifest = await put_context(store, context_id, kv, token_ids, profile=profile,
                                              chunk_tokens=identity.chunk_tokens, levels=levels,
-                                             vocab_size=vocab_size, replace=False)
+                                             vocab_size=vocab_size, replace=False, exact=exact)
             except ContextExists:  # a concurrent put of the same tokens committed first
                 continue
         await store.register_prefix(chain, manifest.version, stored_bytes(manifest))

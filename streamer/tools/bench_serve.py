@@ -5,8 +5,8 @@ SmolLM2-135M-Instruct (offline) serves ``/v1/completions`` in this process
 (``streamer.llmserver``); a sender with a file store sits behind a ``netsim`` shaping proxy
 in a child process (``demo_common.LinkProcess``), at each rate in turn. The store holds one
 content-addressed context: the first ``max(sizes)`` tokens of Debian's GPL-3 text, put with
-``put_prefix`` (its KV from one full prefill, at every level of the shipped SmolLM2
-profile). Every prompt is the first N tokens of that text followed by a question, sent as
+``put_prefix`` (its KV from one full prefill, exactly as level 0 and at every level of the
+shipped SmolLM2 profile as levels 1-5, as the server writes prefixes back). Every prompt is the first N tokens of that text followed by a question, sent as
 token ids, so the server's lookup finds exactly N tokens (N a multiple of the chunk size).
 
 Per N and prompt, three streamed requests, greedy, ``max_tokens`` each:
@@ -28,8 +28,8 @@ start exactly two fetches, answer every request correctly (equal to full prefill
 the two fetches at the same time (each request's fetch start and end are printed). To
 tell the codec's share of a parted answer from the policy's, the same prompts are then
 answered directly (no server) with each prefix's exact KV and with every chunk at one
-level: exact KV must part none; a level parts the answers whose greedy choice is a near
-tie that level's error tips.
+stored level: exact KV and the exact level must part none; a lossy level parts the answers
+whose greedy choice is a near tie that level's error tips.
 
 Targets (issue #43): at 4096 stored tokens and 1000 Mbit/s, time to first token >= 4x
 faster than full prefill on this CPU; greedy output identical on >= 8 of 10 prompts;
@@ -148,7 +148,7 @@ async def _put(store_url: str, model: Any, tokenizer: Any, profile: Any, identit
     store = await streamer.open_store(store_url)
     try:
         match = await put_prefix(store, identity, kv, ids, profile, budget_bytes=None,
-                                 vocab_size=hf.vocab_size(model))
+                                 vocab_size=hf.vocab_size(model), exact=True)
     finally:
         await store.close()
     return match.context_id, kv
@@ -167,28 +167,27 @@ async def _stored_kv(store_url: str, context_id: str, profile: Any, chunks: int)
     try:
         manifest = await store.get_manifest(context_id)
         blobs = [[await store.get_chunk(context_id, manifest.version, c, level) for c in range(chunks)]
-                 for level in range(len(profile.levels))]
+                 for level in range(manifest.levels)]
     finally:
         await store.close()
     return [torch.cat([codec.decode(b, profile) for b in level], dim=2) for level in blobs]
 
 
-def _answers_by_level(model: Any, prompts: list[list[int]], tokens: int, prefixes: list[tuple[Any, list[Any]]],
+def _answers_by_level(model: Any, prompts: list[list[int]], tokens: int, prefixes: list[list[Any]],
                       max_tokens: int) -> list[dict[str, Any]]:
-    """Which of the concurrent prompts (alternating between ``prefixes``: (exact KV, KV
-    at each level)) answer as full prefill does when their prefix's KV is exact or every
-    chunk at one level, generated directly (no server, no policy, greedy): it tells the
-    codec's share of parted answers from the policy's. Exact KV must part none (only the
-    prefill's split differs)."""
+    """Which of the concurrent prompts (alternating between ``prefixes``: each one's KV at
+    every stored level) answer as full prefill does when every chunk of their prefix comes
+    at one level, generated directly (no server, no policy, greedy): it tells the codec's
+    share of parted answers from the policy's. The exact level (level 0) must part none
+    (only the prefill's split differs)."""
     from streamer.model import hf
 
     rows: list[dict[str, Any]] = []
     full = [hf.greedy_generate(model, None, p, max_tokens) for p in prompts]
-    for level in ["exact", *range(len(prefixes[0][1]))]:
+    for level in range(len(prefixes[0])):
         parted = []
         for i, (prompt, reference) in enumerate(zip(prompts, full)):
-            exact, levels = prefixes[i % len(prefixes)]
-            kv = exact if level == "exact" else levels[level]
+            kv = prefixes[i % len(prefixes)][level]
             if hf.generate_with_kv(model, None, kv, prompt[tokens:], max_new_tokens=max_tokens) != reference:
                 parted.append(i)
         rows.append({"level": level, "correct": len(prompts) - len(parted), "parted": parted})
@@ -224,6 +223,8 @@ async def _row_requests(url: str, prompts: list[list[int]], cfg: Config) -> list
 
 async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """The bench; ``loaded``: SmolLM2's (model, tokenizer) when the caller holds them."""
+    import torch
+
     import codec
     from streamer.llmserver.engine import prefix_identity
     from streamer.model import hf
@@ -243,7 +244,7 @@ async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = No
     out: dict[str, Any] = {"config": asdict(cfg), "machine": platform.node(), "rows": [], "concurrent": None}
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-serve-") as root:
         store_url = f"file://{root}"
-        say(f"putting {stored}-token prefixes of two texts at {len(profile.levels)} levels ...")
+        say(f"putting {stored}-token prefixes of two texts exactly and at {len(profile.levels)} levels ...")
         shared_prefixes = []   # (context id, exact KV of the tokens the concurrent prompts share)
         for ids in (document[:stored], second[:cfg.concurrent_tokens]):
             context_id, kv = await _put(store_url, model, tokenizer, profile, identity, ids)
@@ -277,8 +278,10 @@ async def run(cfg: Config, say: Any = print, loaded: tuple[Any, Any] | None = No
                     await server.close()
         if out["concurrent"] is not None:
             chunks = cfg.concurrent_tokens // cfg.chunk_tokens
-            prefixes = [(kv, await _stored_kv(store_url, context_id, profile, chunks))
-                        for context_id, kv in shared_prefixes]
+            prefixes = [await _stored_kv(store_url, context_id, profile, chunks) for context_id, _ in shared_prefixes]
+            for (context_id, kv), levels in zip(shared_prefixes, prefixes):
+                if not torch.equal(levels[0].view(torch.int16), kv.view(torch.int16)):
+                    raise AssertionError(f"the exact level of {context_id} decodes to other bits than its prefill's KV")
             out["concurrent"]["by_level"] = await asyncio.to_thread(
                 _answers_by_level, model, mixed, cfg.concurrent_tokens, prefixes, cfg.max_tokens)
     out["targets"] = _targets(out, cfg)
@@ -370,10 +373,10 @@ def render(out: dict[str, Any]) -> str:
                          f"{_clock(r['fetch_started'], base)} .. {_clock(r['fetch_ended'], base)} "
                          f"levels {r['levels']} correct {r['correct']}")
         if conc.get("by_level"):
-            lines.append("  the same prompts, each prefix's KV exact or every chunk at one level (no server, no policy):")
+            lines.append("  the same prompts, every chunk of each prefix at one level (no server, no policy):")
             for row in conc["by_level"]:
-                name = "exact KV" if row["level"] == "exact" else f"level {row['level']}"
-                lines.append(f"    {name:8s} correct {row['correct']}/{conc['requests']}"
+                name = f"level {row['level']}" + (" (exact)" if row["level"] == 0 else "")
+                lines.append(f"    {name:16s} correct {row['correct']}/{conc['requests']}"
                              + (f", parted: requests {row['parted']}" if row["parted"] else ""))
     lines.append("")
     for t in out["targets"]:

@@ -321,14 +321,14 @@ def seed_inputs(target: str) -> list[bytes]:
                 out += [bytes([i]) + f for f in stream] + [bytes([i]) + b"".join(stream)]
         return out
     if target == "manifest":
-        return [b"\x00" + fuzz_data.seed_manifest(), b"\x01"]
+        return [b"\x00" + fuzz_data.seed_manifest(), b"\x00" + fuzz_data.seed_manifest(exact=True), b"\x01"]
     if target == "text":
         return [bytes([flags]) + p for p in fuzz_data.seed_texts() for flags in (0, 7)]
     if target == "http":
         return [bytes([step]) + r for r in fuzz_http.seed_requests() for step in (0, 7)]
     if target == "sse":
         return fuzz_http.seed_events()
-    return [b"\x00", b"\x01", b"\x02"]
+    return [b"\x00", b"\x01", b"\x02", b"\x03"]
 
 
 def write_seeds(target: str, corpus: Path) -> int:

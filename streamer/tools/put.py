@@ -63,8 +63,9 @@ def _summary(manifest: Manifest, store_url: str) -> str:
     for level in range(manifest.levels):
         total = sum(chunk.sizes[level] for chunk in manifest.chunks)
         if total:
-            lines.append(f"  level {level} (distortion {manifest.level_distortion[level]:.1e}): "
-                         f"{total} bytes, {fp16 / total:.1f}x smaller than fp16")
+            what = "exact" if manifest.exact and level == 0 else \
+                f"distortion {manifest.level_distortion[level]:.1e}"
+            lines.append(f"  level {level} ({what}): {total} bytes, {fp16 / total:.1f}x smaller than fp16")
     lines.append(f"  text fallback: {sum(c.text_bytes for c in manifest.chunks)} bytes")
     return "\n".join(lines)
 
@@ -80,14 +81,15 @@ def _cmd_put(args: argparse.Namespace) -> int:
             profile = codec.Profile.load(args.profile) if args.profile else None
             if not args.by_tokens:
                 manifest = await put_context(store, args.context, kv, ids, profile=profile,
-                                             chunk_tokens=args.chunk_tokens)
+                                             chunk_tokens=args.chunk_tokens, exact=args.exact)
                 return _summary(manifest, store.url)
             if profile is None:
                 profile = await asyncio.to_thread(codec.calibrate, [kv])
             identity = PrefixIdentity(model=args.model, tokenizer=args.tokenizer, profile_id=profile.id,
                                       chunk_tokens=args.chunk_tokens,
                                       format_version=FORMAT_VERSION)
-            match = await put_prefix(store, identity, kv, ids, profile, budget_bytes=args.prefix_budget)
+            match = await put_prefix(store, identity, kv, ids, profile, budget_bytes=args.prefix_budget,
+                                     exact=args.exact)
             usage = await store.prefix_usage()
             return (f"{_summary(await store.get_manifest(match.context_id), store.url)}\n"
                     f"  content-addressed: {match.chunks} chunks; the store's content-addressed contexts: "
@@ -134,4 +136,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="codec profile (default: calibrate one on this KV)")
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
                    help=f"tokens per chunk (default {DEFAULT_CHUNK_TOKENS})")
+    p.add_argument("--exact", action="store_true",
+                   help="also store the KV exactly, as level 0 (the profile's levels become 1..): a "
+                        "receiver whose deadline allows it gets the KV the tokens give, bit for bit")
     p.set_defaults(handler=_cmd_put)

@@ -62,7 +62,8 @@ async def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (SHIPPED_NAME if shipped else os.path.basename(args.model.rstrip("/")))
     config = EngineConfig(served_name=name, chunk_tokens=args.chunk_tokens, slo=args.slo,
                           max_tokens=args.max_tokens, model_id=args.model_id,
-                          write_back=not args.no_write_back, store_budget_bytes=args.store_budget)
+                          write_back=not args.no_write_back, store_budget_bytes=args.store_budget,
+                          exact_level=not args.no_exact_level)
     session = session_config(args, slo=args.slo, policy=args.policy)
     store = None
     if args.store:
@@ -119,6 +120,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         help="store to write the exact KV of fully prefilled prompts back to (the senders' "
                              "store, so other nodes find it)")
     parser.add_argument("--no-write-back", action="store_true", help="never write KV back to --store")
+    parser.add_argument("--no-exact-level", action="store_true",
+                        help="write KV back at the profile's lossy levels only, not also exactly (a "
+                             "fetched prefix's answers may then part from a full prefill's)")
     parser.add_argument("--store-budget", type=parse_bytes,
                         help="bytes of content-addressed contexts the store keeps (least recently used "
                              "evicted beyond it; default: no limit)")

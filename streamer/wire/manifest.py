@@ -5,7 +5,7 @@ the chunk's token ids (the text fallback: the receiver can recompute the KV inst
 fetching it). The manifest lists every chunk's token range and blob sizes, so a sender
 can plan per-chunk quality against a deadline without touching the blobs.
 
-It is JSON (tagged ``"format": "kvwire-manifest", "version": 2``), not pickle: any
+It is JSON (tagged ``"format": "kvwire-manifest", "version": 3``), not pickle: any
 language can read it and a malformed one cannot execute anything. Every field is
 checked on construction, so a ``Manifest`` that exists is internally consistent
 (contiguous chunks covering ``[0, tokens)``, one size per level, ...).
@@ -14,6 +14,11 @@ Version 2 adds ``"vocab_size"`` (the model's vocabulary size, or null when the w
 did not give it): a receiver range-checks the text fallback's token ids against it.
 Version 1 manifests (no such key) are still read, with ``vocab_size=None``; their
 text fallbacks predate the checksummed text format and are refused when fetched.
+
+Version 3 allows an *exact* level: a first ``level_distortion`` of 0 says level 0 holds
+each chunk's KV exactly (``codec.encode_exact``) and levels ``1..`` are the profile's
+levels ``0..`` (:meth:`Manifest.codec_level`). A version 2 reader refuses such a manifest
+by its version instead of misreading level numbers.
 """
 from __future__ import annotations
 
@@ -23,13 +28,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from codec.container import plain_header_size
+from codec.container import EXACT_LEVEL, plain_header_size
 from streamer.wire.events import TEXT_LEVEL
 
 MANIFEST_FORMAT = "kvwire-manifest"
-MANIFEST_VERSION = 2
-#: Manifest format versions this build reads (1: before ``vocab_size``).
-READABLE_VERSIONS = (1, 2)
+MANIFEST_VERSION = 3
+#: Manifest format versions this build reads (1: before ``vocab_size``; 2: before the exact level).
+READABLE_VERSIONS = (1, 2, 3)
 DTYPES = ("float16", "bfloat16", "float32")
 
 # Ids become file names and redis key parts: no separators (/ :), no leading dot
@@ -147,7 +152,8 @@ class Manifest:
 
     ``version`` is the id of the put that wrote it (unique per put): blobs are stored
     under it, so a re-put never overwrites data a reader of the old manifest fetches.
-    ``level_distortion`` is the profile's target distortion per level (best first).
+    ``level_distortion`` is the target distortion per level (best first): the profile's,
+    after a 0 for the exact level when the context was stored with one (:attr:`exact`).
     ``vocab_size`` is the model's vocabulary size when the writer knew it: every token id
     of the text fallback is below it.
     """
@@ -176,7 +182,7 @@ class Manifest:
         if not isinstance(self.level_distortion, tuple) or not self.level_distortion:
             raise ManifestError(f"level_distortion must be a non-empty tuple, got {self.level_distortion!r}")
         for level, target in enumerate(self.level_distortion):
-            _finite(target, f"level_distortion[{level}]", positive=True)
+            _finite(target, f"level_distortion[{level}]", positive=level > 0)
         if any(a >= b for a, b in zip(self.level_distortion, self.level_distortion[1:])):
             raise ManifestError("level_distortion must be strictly increasing (best quality first), "
                                 f"got {self.level_distortion!r}")
@@ -206,8 +212,22 @@ class Manifest:
 
     @property
     def levels(self) -> int:
-        """Number of quality levels of the profile (stored or not)."""
+        """Number of quality levels (stored or not): the profile's, and the exact level if any."""
         return len(self.level_distortion)
+
+    @property
+    def exact(self) -> bool:
+        """Whether level 0 holds the KV exactly (a distortion of 0), the profile's levels after it."""
+        return self.level_distortion[0] == 0
+
+    def codec_level(self, level: int) -> int:
+        """The level a blob stored at manifest level ``level`` says in its header: the
+        profile's level, or ``codec.EXACT_LEVEL`` for the exact level."""
+        if not 0 <= level < self.levels:
+            raise ValueError(f"level {level} out of range: context has {self.levels} levels")
+        if not self.exact:
+            return level
+        return EXACT_LEVEL if level == 0 else level - 1
 
     def check_request(self, chunk: int, level: int | str, first_layer: int = 0) -> None:
         """ValueError unless REQUEST(chunk, level, first_layer) names something this
@@ -275,6 +295,9 @@ class Manifest:
             raise ManifestError(f"unsupported manifest version {version!r} "
                                 f"(this build reads versions {READABLE_VERSIONS})")
         fields = _exact_keys(doc, _MANIFEST_KEYS | ({"vocab_size"} if version >= 2 else set()), "manifest")
+        distortion = _tuple(fields["level_distortion"], "level_distortion")
+        if version < 3 and distortion and distortion[0] == 0:
+            raise ManifestError(f"a version {version} manifest has no exact level: level_distortion[0] must be > 0")
         chunks = fields["chunks"]
         if not isinstance(chunks, list):
             raise ManifestError(f"chunks must be a list, got {type(chunks).__name__}")
@@ -282,7 +305,7 @@ class Manifest:
             context_id=fields["context_id"], version=fields["context_version"],
             layers=fields["layers"], heads=fields["heads"], head_dim=fields["head_dim"],
             dtype=fields["dtype"], tokens=fields["tokens"], profile_id=fields["profile_id"],
-            level_distortion=_tuple(fields["level_distortion"], "level_distortion"),
+            level_distortion=distortion,
             chunks=tuple(_chunk_from_json(c, i) for i, c in enumerate(chunks)),
             created=fields["created"], vocab_size=fields.get("vocab_size"),
         )
