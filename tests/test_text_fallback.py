@@ -108,7 +108,7 @@ def _manifest(**extra) -> Manifest:
 def test_manifest_records_the_vocabulary_size() -> None:
     manifest = _manifest(vocab_size=50257)
     doc = json.loads(manifest.to_bytes())
-    assert doc["version"] == 2 and doc["vocab_size"] == 50257
+    assert doc["version"] == 3 and doc["vocab_size"] == 50257
     assert Manifest.from_bytes(manifest.to_bytes()) == manifest
     assert json.loads(_manifest().to_bytes())["vocab_size"] is None
     old = {k: v for k, v in json.loads(_manifest().to_bytes()).items() if k != "vocab_size"} | {"version": 1}
@@ -120,7 +120,7 @@ def test_manifest_records_the_vocabulary_size() -> None:
     ({"vocab_size": True}, "vocab_size must be an int"),
     ({"vocab_size": "50257"}, "vocab_size must be an int"),
     ({"version": 1}, "unknown keys \\['vocab_size'\\]"),
-    ({"version": 3}, "unsupported manifest version 3"),
+    ({"version": 4}, "unsupported manifest version 4"),
     ({"version": True}, "unsupported manifest version True"),
 ])
 def test_malformed_vocab_size_or_version(change: dict, message: str) -> None:
