@@ -22,7 +22,8 @@ from .warmup import warm_up
 __all__ = [
     "BlobHeader", "CodecError", "CorruptBitstream", "DEFAULT_LEVEL", "DEFAULT_TARGETS", "EXACT_LEVEL",
     "GpuUnavailable", "Level", "Profile", "ProfileMismatch", "ProfileMismatchWarning", "calibrate", "decode",
-    "decode_layers", "decode_section", "encode", "encode_exact", "encode_levels", "header_length", "inspect", "max_profile_bytes",
+    "decode_layers", "decode_section", "encode", "encode_exact", "encode_levels", "header_length", "inspect",
+    "max_profile_bytes",
     "parse_header",
     "register_backend", "resolve_profile", "Rotary", "section_decoder", "warm_up",
 ]

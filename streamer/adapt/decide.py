@@ -52,7 +52,7 @@ def plan_input(manifest: Manifest, first_chunk: int, *, time_left: float,
     sizes = [[size if size > 0 else UNAVAILABLE_BYTES for size in c.sizes] for c in chunks]
     # the exact level's raw sections are copied, not decoded: no decode to time
     decode_seconds = () if decode_cost is None else [
-        [0.0 if manifest.exact and level == 0 else decode_cost.seconds(manifest.layers * (c.end - c.start), size)
+        [0.0 if manifest.is_exact(level) else decode_cost.seconds(manifest.layers * (c.end - c.start), size)
          for level, size in enumerate(row)]
         for c, row in zip(chunks, sizes)]
     return PlanInput(

@@ -562,7 +562,7 @@ class FetchController:
     def _copied(self, chunk: _Chunk) -> bool:
         """Whether the chunk comes at the exact level: its sections are raw, copied rather
         than decoded, so they owe the decoder nothing and say nothing of its rate."""
-        return self.manifest.exact and chunk.choice == 0
+        return chunk.choice != TEXT and self.manifest.is_exact(chunk.choice)   # type: ignore[arg-type]
 
     def _handed(self, event: ev.SectionHanded) -> bool:
         if not self._copied(self.chunks[event.chunk]):

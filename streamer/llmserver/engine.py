@@ -366,7 +366,8 @@ class Engine:
             return None, usage
         usage.update(prefix="joined" if joined else "fetched", fetched_tokens=prefix.tokens - prefix.recomputed_tokens,
                      recomputed_tokens=prefix.recomputed_tokens, prefilled_tokens=len(ids) - prefix.tokens,
-                     levels=list(prefix.levels), exact_level=prefix.exact_level, fetch_seconds=round(prefix.ended - prefix.started, 6),
+                     levels=list(prefix.levels), exact_level=prefix.exact_level,
+                     fetch_seconds=round(prefix.ended - prefix.started, 6),
                      fetch_window=[round(prefix.started, 6), round(prefix.ended, 6)],
                      deadline_met=prefix.report.deadline_met, slo=prefix.report.slo)
         return prefix, usage

@@ -180,7 +180,8 @@ async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Te
     sinks = None if index == 0 else 0  # attention sinks exist only at the context's start
     # start: the chunk's positions in the context, where a rotary profile removes RoPE
     coded = await asyncio.to_thread(codec.encode_levels, kv, levels, profile, sink_tokens=sinks, start=start)
-    blobs = {level + exact: blob for level, blob in zip(levels, coded)}
+    first = 1 if exact else 0   # the manifest level of the profile's level 0
+    blobs = {first + level: blob for level, blob in zip(levels, coded)}
     if exact:
         blobs[0] = await asyncio.to_thread(codec.encode_exact, kv, profile, sink_tokens=sinks, start=start)
     # not a plain gather: on a failure the other writes must be stopped (and waited for)
@@ -190,7 +191,7 @@ async def _put_chunk(writer: ContextWriter, index: int, start: int, kv: torch.Te
     text = await asyncio.to_thread(encode_tokens, ids)
     await writer.put_text(index, text)
     return ChunkInfo(index=index, start=start, end=start + kv.shape[2],
-                     sizes=tuple(len(blobs.get(level, b"")) for level in range(len(profile.targets) + exact)),
+                     sizes=tuple(len(blobs.get(level, b"")) for level in range(first + len(profile.targets))),
                      text_bytes=len(text),
                      sink_tokens=codec.parse_header(coded[0]).sink_tokens)
 

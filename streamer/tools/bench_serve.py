@@ -6,8 +6,9 @@ SmolLM2-135M-Instruct (offline) serves ``/v1/completions`` in this process
 in a child process (``demo_common.LinkProcess``), at each rate in turn. The store holds one
 content-addressed context: the first ``max(sizes)`` tokens of Debian's GPL-3 text, put with
 ``put_prefix`` (its KV from one full prefill, exactly as level 0 and at every level of the
-shipped SmolLM2 profile as levels 1-5, as the server writes prefixes back). Every prompt is the first N tokens of that text followed by a question, sent as
-token ids, so the server's lookup finds exactly N tokens (N a multiple of the chunk size).
+shipped SmolLM2 profile as levels 1-5, as the server writes prefixes back). Every prompt
+is the first N tokens of that text followed by a question, sent as token ids, so the
+server's lookup finds exactly N tokens (N a multiple of the chunk size).
 
 Per N and prompt, three streamed requests, greedy, ``max_tokens`` each:
 
@@ -28,8 +29,8 @@ start exactly two fetches, answer every request correctly (equal to full prefill
 the two fetches at the same time (each request's fetch start and end are printed). To
 tell the codec's share of a parted answer from the policy's, the same prompts are then
 answered directly (no server) with each prefix's exact KV and with every chunk at one
-stored level: exact KV and the exact level must part none; a lossy level parts the answers
-whose greedy choice is a near tie that level's error tips.
+stored level: the exact level must part none; a lossy level parts the answers whose
+greedy choice is a near tie that level's error tips.
 
 Targets (issue #43): at 4096 stored tokens and 1000 Mbit/s, time to first token >= 4x
 faster than full prefill on this CPU; greedy output identical on >= 8 of 10 prompts;

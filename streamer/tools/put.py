@@ -63,8 +63,7 @@ def _summary(manifest: Manifest, store_url: str) -> str:
     for level in range(manifest.levels):
         total = sum(chunk.sizes[level] for chunk in manifest.chunks)
         if total:
-            what = "exact" if manifest.exact and level == 0 else \
-                f"distortion {manifest.level_distortion[level]:.1e}"
+            what = "exact" if manifest.is_exact(level) else f"distortion {manifest.level_distortion[level]:.1e}"
             lines.append(f"  level {level} ({what}): {total} bytes, {fp16 / total:.1f}x smaller than fp16")
     lines.append(f"  text fallback: {sum(c.text_bytes for c in manifest.chunks)} bytes")
     return "\n".join(lines)

@@ -220,6 +220,11 @@ class Manifest:
         """Whether level 0 holds the KV exactly (a distortion of 0), the profile's levels after it."""
         return self.level_distortion[0] == 0
 
+    def is_exact(self, level: int) -> bool:
+        """Whether manifest level ``level`` is the exact level: its blobs' sections are raw,
+        copied by a receiver rather than decoded."""
+        return self.exact and level == 0
+
     def codec_level(self, level: int) -> int:
         """The level a blob stored at manifest level ``level`` says in its header: the
         profile's level, or ``codec.EXACT_LEVEL`` for the exact level."""
@@ -227,7 +232,7 @@ class Manifest:
             raise ValueError(f"level {level} out of range: context has {self.levels} levels")
         if not self.exact:
             return level
-        return EXACT_LEVEL if level == 0 else level - 1
+        return EXACT_LEVEL if self.is_exact(level) else level - 1
 
     def check_request(self, chunk: int, level: int | str, first_layer: int = 0) -> None:
         """ValueError unless REQUEST(chunk, level, first_layer) names something this
