@@ -149,16 +149,22 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
         else:
             result = torch.addmm(bias, coef.T, basis[:kept])
     if rope is not None:
-        with stage(ROPE):
+        with stage(ROPE):   # the clamp in the same pass
             result = result.contiguous()  # an identity profile's sum may keep coef's transposed strides
-            rotate_in_place(result, rope[0], rope[1])
+            rotate_in_place(result, rope[0], rope[1], limit=dtype_limit(out.dtype))
     with stage(CONVERT):
-        out.copy_(clamp_to(result, out.dtype))
+        out.copy_(result if rope is not None else clamp_to(result, out.dtype))
+
+
+def dtype_limit(dtype: torch.dtype) -> float:
+    """The largest finite value a reconstruction is clamped to for ``dtype`` (inf: no
+    clamp, for float32)."""
+    return math.inf if dtype == torch.float32 else float(torch.finfo(dtype).max)
 
 
 def clamp_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``values`` clamped in place to ``dtype``'s finite range (a no-op for float32)."""
     if dtype != torch.float32:
-        limit = torch.finfo(dtype).max
+        limit = dtype_limit(dtype)
         values.clamp_(-limit, limit)
     return values

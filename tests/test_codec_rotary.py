@@ -102,6 +102,23 @@ def test_the_decoders_in_place_rotation_is_rotates_bit_for_bit(rotary) -> None:
         rotate_in_place(keys.T, rotary, angles)
 
 
+def test_the_decoders_rotation_clamps_in_the_same_pass_as_clamp_does() -> None:
+    """With a limit (the decoder's fp16 range), the in-place rotation equals rotating and
+    then ``clamp_``: values past it become the limit, NaN stays NaN, the rest untouched."""
+    keys = torch.randn(64, 3 * 16, generator=torch.Generator().manual_seed(5)) * 50
+    keys[3, 5], keys[7, 9] = 1e9, float("nan")
+    rotary = codec.Rotary(head_dim=16, dim=16, theta=10000.0)
+    angles = rotary.angles(99, 64)
+    limit = float(torch.finfo(torch.float16).max)
+    expected = rotate(keys * 1000, rotary, angles).clamp_(-limit, limit)
+    clamped = keys * 1000
+    rotate_in_place(clamped, rotary, angles, limit=limit)
+    assert torch.equal(clamped.isnan(), expected.isnan()) and clamped.isnan().any()
+    finite = ~expected.isnan()
+    assert torch.equal(clamped[finite], expected[finite])
+    assert clamped[finite].abs().max() == limit
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_coded_body_samples_are_the_layers_own_values(dtype: torch.dtype) -> None:
     """The step control samples tokens across layers (``CodedBody.rows``) and the coder
