@@ -279,6 +279,27 @@ def test_simulator_predicts_a_real_fetch_through_the_proxy() -> None:
         assert v["real_seconds"] > 0 and v["predicted_seconds"] > 0
 
 
+def test_the_cliff_validation_trace_makes_the_simulated_fetch_continue_a_chunk() -> None:
+    """The validation's cliff exists to exercise per-layer continuation: at validation
+    scale (12 chunks of 8 layers, the levels' sizes of its synthetic KV, the adaptive SLO
+    rule) the simulated mpc fetch meets its SLO with a chunk finished at a lower level."""
+    from streamer.wire.manifest import ChunkInfo, Manifest
+
+    sizes = (1025426, 771386, 527232, 235108, 107892)
+    chunks = tuple(ChunkInfo(i, i * 512, (i + 1) * 512, sizes, 1200, 4 if i == 0 else 0) for i in range(12))
+    manifest = Manifest(context_id="cliff", version="sim", layers=8, heads=8, head_dim=32, dtype="float16",
+                        tokens=6144, profile_id="p", level_distortion=(2.5e-4, 1e-3, 4e-3, 1.2e-2, 3.2e-2),
+                        chunks=chunks, created=0.0)
+    sim = Simulator(manifest, rtt=0.01, decode_seconds=0.002)
+    trace, prior = ev.CLIFF_TRACE.rescaled(mean=60.0), 60e6 / 8
+    assert ev.CLIFF_TRACE.name in ev.VALIDATION_TRACES
+    slo = ev.ADAPTIVE_SLO_SHARE * sim.run("fixed:0", trace, slo=60.0, prior_bps=prior).finish
+    fetch = sim.run("mpc", trace, slo=slo, prior_bps=prior)
+    continued = [runs for runs in fetch.layer_levels if len(runs) > 1]
+    assert fetch.met and continued
+    assert all(later > earlier for runs in continued for (_, earlier), (_, later) in zip(runs, runs[1:]))
+
+
 def _validation_row(policy: str, *, error: float = 0.0, replay: bool = True, continued: int = 0,
                     constant: bool = False) -> dict:
     return {"policy": policy, "constant": constant, "error": error, "same_choice_share": 1.0,

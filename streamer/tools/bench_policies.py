@@ -678,9 +678,16 @@ def pick_schedule_example(methods: Sequence[Method], traces: dict[str, Trace], s
 
 
 # -------------------------------------------------------------------- validation
-#: Traces fetched for real: one constant (the transfer model alone decides the choices)
-#: and three that move.
-VALIDATION_TRACES = ("constant-1g", "steps-1g-drop", "walk-1g", "markov-wifi-600m")
+#: A link that falls to a twelfth of its rate 0.1 s into the fetch and comes back 0.9 s
+#: later. The chunk in flight when it falls has some layers delivered and is too large to
+#: finish at that rate, so the cancel rule usually continues its remaining layers at a
+#: lower level: the one validation trace that exercises per-layer continuation live
+#: (none of the committed traces did at validation scale). Not a committed trace file:
+#: it would join the policy sweep.
+CLIFF_TRACE = Trace([0.0, 0.1, 1.0, 4.0], [120.0, 10.0, 120.0, 120.0], name="cliff")
+#: Traces fetched for real: one constant (the transfer model alone decides the choices),
+#: three that move, and :data:`CLIFF_TRACE`.
+VALIDATION_TRACES = ("constant-1g", "steps-1g-drop", "walk-1g", "markov-wifi-600m", CLIFF_TRACE.name)
 #: Policies fetched for real in :func:`validate`: ``fixed`` is ``fixed:level`` under a loose
 #: SLO (the transfer model alone); ``mpc`` and ``greedy`` adapt under a tight one.
 VALIDATION_POLICIES = ("fixed", "mpc", "greedy")
@@ -761,7 +768,7 @@ async def _validate(trace_names, *, mean_mbit, level, chunks, chunk_tokens, laye
     unknown = [p for p in policies if p not in VALIDATION_POLICIES]
     if unknown:
         raise ValueError(f"validate() policies must be among {VALIDATION_POLICIES}, got {unknown}")
-    traces = traces or netsim.trace_set()
+    traces = {CLIFF_TRACE.name: CLIFF_TRACE, **(traces or netsim.trace_set())}
     tokens = chunks * chunk_tokens
     kv = synthetic_kv(layers, heads, head_dim, tokens, seed=2).to(torch.float16)
     profile = await asyncio.to_thread(codec.calibrate, [synthetic_kv(layers, heads, head_dim, calibration_tokens, seed=1)])
