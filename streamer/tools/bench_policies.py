@@ -1123,8 +1123,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--ttft-only", action="store_true",
                    help="print only the modelled time-to-first-token table (no simulation; < 1 s)")
     p.add_argument("--validate", action="store_true",
-                   help="also fetch for real through the shaping proxy on 3 traces (fixed level, mpc, "
-                        "greedy) and compare with the simulator")
+                   help="also fetch for real through the shaping proxy (fixed level, mpc, greedy on "
+                        f"{len(VALIDATION_TRACES)} traces: {', '.join(VALIDATION_TRACES)}) and compare "
+                        "with the simulator")
     p.set_defaults(handler=_cmd_policies)
 
 
