@@ -79,6 +79,7 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
     out = Recording([], rtt=start.rtt, connect_seconds=start.connect_seconds, continuations=start.continuations)
     events: dict[int, list[LinkEvent]] = {}   # chunk -> the events of its latest answer
     arriving: list[int] = []                  # chunks whose answers began and did not end, in order
+    awaiting: list[int] = []                  # chunks requested whose answers have not begun, in order
     decodes: dict[tuple[int, int], deque[float]] = defaultdict(deque)
     decoded_at: dict[tuple[int, int], deque[float]] = defaultdict(deque)
     recomputes: dict[int, deque[float]] = defaultdict(deque)
@@ -86,18 +87,26 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
         at = getattr(item, "at", 0.0) - start.at
         if isinstance(item, ev.SendRequest):
             events[item.chunk] = []
+            awaiting.append(item.chunk)
             out.answers.append(RecordedAnswer(item.chunk, item.choice, events[item.chunk],   # type: ignore[arg-type]
                                               item.first_layer))
         if isinstance(item, ev.Reconnect):
             arriving.clear()   # the answers still arriving are gone with the connection
+            awaiting.clear()
         if isinstance(item, (ev.SendRequest, ev.SendCancel, ev.Reconnect, ev.ChunkFinished, ev.FailChunk, ev.Fail)):
             out.actions.append(item)
         elif isinstance(item, ev.AnswerBegan):
             events[item.chunk].append(LinkEvent(at, item.chunk, BEGIN, nbytes=item.total_bytes))
             arriving.append(item.chunk)
+            _drop_first(awaiting, item.chunk)
         elif isinstance(item, ev.Activity):
-            if arriving and item.partial:   # a socket read inside the answer arriving
-                events[arriving[0]].append(LinkEvent(at, arriving[0], PARTIAL, item.partial))
+            # a socket read inside the answer arriving, or, between answers, one that carried
+            # the next answer's first bytes: the driver reports the read before the frames
+            # parsed from it, so the controller took it before that answer's AnswerBegan,
+            # and the replay must hand it over in the same order
+            heads = arriving or awaiting
+            if heads and item.partial:
+                events[heads[0]].append(LinkEvent(at, heads[0], PARTIAL, item.partial))
         elif isinstance(item, ev.SectionHanded):
             events[item.chunk].append(LinkEvent(at, item.chunk, SECTION, layer=item.layer, nbytes=item.nbytes))
         elif isinstance(item, ev.PartArrived):
@@ -110,6 +119,7 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
                                                 last.sections if last else 0, cancelled=item.cancelled))
         elif isinstance(item, ev.TextArrived):
             events[item.chunk].append(LinkEvent(at, item.chunk, TEXT_END, item.nbytes))
+            _drop_first(awaiting, item.chunk)
         elif isinstance(item, ev.Tick):
             out.wakes.append(at)
         elif isinstance(item, ev.Connected):
@@ -123,3 +133,8 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
             recomputes[item.chunk].append(item.seconds)
     out.decodes, out.decoded_at, out.recomputes = dict(decodes), dict(decoded_at), dict(recomputes)
     return out
+
+
+def _drop_first(chunks: list[int], chunk: int) -> None:
+    if chunk in chunks:
+        chunks.remove(chunk)
