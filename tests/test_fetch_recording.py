@@ -38,3 +38,21 @@ def test_a_read_between_answers_counts_for_the_answer_it_began() -> None:
     assert kinds[3][0] == POINT and kinds[3][1] == 61946
     assert all(e.kind != PARTIAL for e in world.answers[0].events)
 
+
+
+def test_a_read_handled_after_later_items_is_replayed_after_them_with_its_own_stamp() -> None:
+    """The driver handles a read after what was already on its queue: here chunk 1's
+    begin, read at 100.030, reached the controller after a decoder report and a timer
+    wake-up stamped 100.034 and 100.035, and the controller decided on chunk 2 knowing
+    both. The replay hands it over just after them (ordered by time, it would come
+    first and the decision would be taken on less), told as read at 100.030."""
+    log = _log_with_a_read_before_its_answer_began()[:7] + [
+        ev.SectionDecoded(0, 7, 120, 0.002, 100.034),
+        ev.Tick(100.035),
+        ev.AnswerBegan(1, 500000, 100.030),
+        ev.PartArrived(1, 61946, 1, 100.050)]
+    world = recording(log)
+    begin, point = world.answers[1].events
+    assert len(world.wakes) == 1 and abs(world.wakes[0] - 0.035) < 1e-9
+    assert begin.kind == BEGIN and begin.at > world.wakes[0] and abs(begin.happened - 0.030) < 1e-9
+    assert point.kind == POINT and abs(point.at - 0.050) < 1e-9 and point.stamp is None

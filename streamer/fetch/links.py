@@ -38,7 +38,9 @@ class LinkEvent:
     """Something of an answer reached the receiver at ``at``: its first byte (``BEGIN``;
     ``nbytes`` the answer's announced size), a whole section (``SECTION``: ``layer``, ``nbytes``), a point on its arrival curve
     (``POINT``), its end (``END``, ``cancelled`` if cut short), or a text answer whole
-    (``TEXT_END``). ``received`` and ``sections`` are the answer's bytes and whole sections in by then."""
+    (``TEXT_END``). ``received`` and ``sections`` are the answer's bytes and whole sections in by then.
+    ``stamp``: the time the event says it happened, where a replay hands it over later
+    (``fetch.replay``: a recorded driver handled it after items stamped later)."""
 
     at: float
     chunk: int
@@ -48,6 +50,12 @@ class LinkEvent:
     layer: int = -1
     nbytes: int = 0
     cancelled: bool = False
+    stamp: float | None = None
+
+    @property
+    def happened(self) -> float:
+        """The time the controller is told the event happened."""
+        return self.at if self.stamp is None else self.stamp
 
 
 class Link(Protocol):

@@ -12,6 +12,7 @@ actions it takes should be the session's (``tests/test_fetch_replay.py``).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -83,8 +84,12 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
     decodes: dict[tuple[int, int], deque[float]] = defaultdict(deque)
     decoded_at: dict[tuple[int, int], deque[float]] = defaultdict(deque)
     recomputes: dict[int, deque[float]] = defaultdict(deque)
+    clock = 0.0   # the latest time among the items the controller had handled
     for item in log:
         at = getattr(item, "at", 0.0) - start.at
+        if isinstance(item, _LINK_ITEMS):
+            at, stamp = _handed(at, clock)
+        clock = max(clock, at)
         if isinstance(item, ev.SendRequest):
             events[item.chunk] = []
             awaiting.append(item.chunk)
@@ -96,7 +101,7 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
         if isinstance(item, (ev.SendRequest, ev.SendCancel, ev.Reconnect, ev.ChunkFinished, ev.FailChunk, ev.Fail)):
             out.actions.append(item)
         elif isinstance(item, ev.AnswerBegan):
-            events[item.chunk].append(LinkEvent(at, item.chunk, BEGIN, nbytes=item.total_bytes))
+            events[item.chunk].append(LinkEvent(at, item.chunk, BEGIN, nbytes=item.total_bytes, stamp=stamp))
             arriving.append(item.chunk)
             _drop_first(awaiting, item.chunk)
         elif isinstance(item, ev.Activity):
@@ -106,19 +111,20 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
             # and the replay must hand it over in the same order
             heads = arriving or awaiting
             if heads and item.partial:
-                events[heads[0]].append(LinkEvent(at, heads[0], PARTIAL, item.partial))
+                events[heads[0]].append(LinkEvent(at, heads[0], PARTIAL, item.partial, stamp=stamp))
         elif isinstance(item, ev.SectionHanded):
-            events[item.chunk].append(LinkEvent(at, item.chunk, SECTION, layer=item.layer, nbytes=item.nbytes))
+            events[item.chunk].append(LinkEvent(at, item.chunk, SECTION, layer=item.layer, nbytes=item.nbytes,
+                                                stamp=stamp))
         elif isinstance(item, ev.PartArrived):
-            events[item.chunk].append(LinkEvent(at, item.chunk, POINT, item.received, item.sections))
+            events[item.chunk].append(LinkEvent(at, item.chunk, POINT, item.received, item.sections, stamp=stamp))
         elif isinstance(item, ev.AnswerEnded):
             if item.chunk in arriving:
                 arriving.remove(item.chunk)
             last = next((e for e in reversed(events[item.chunk]) if e.kind == POINT), None)
             events[item.chunk].append(LinkEvent(at, item.chunk, END, last.received if last else 0,
-                                                last.sections if last else 0, cancelled=item.cancelled))
+                                                last.sections if last else 0, cancelled=item.cancelled, stamp=stamp))
         elif isinstance(item, ev.TextArrived):
-            events[item.chunk].append(LinkEvent(at, item.chunk, TEXT_END, item.nbytes))
+            events[item.chunk].append(LinkEvent(at, item.chunk, TEXT_END, item.nbytes, stamp=stamp))
             _drop_first(awaiting, item.chunk)
         elif isinstance(item, ev.Tick):
             out.wakes.append(at)
@@ -133,6 +139,22 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
             recomputes[item.chunk].append(item.seconds)
     out.decodes, out.decoded_at, out.recomputes = dict(decodes), dict(decoded_at), dict(recomputes)
     return out
+
+
+#: What the driver read off the socket: each becomes a ``LinkEvent`` of its answer.
+_LINK_ITEMS = (ev.AnswerBegan, ev.Activity, ev.SectionHanded, ev.PartArrived, ev.AnswerEnded, ev.TextArrived)
+
+
+def _handed(at: float, clock: float) -> tuple[float, float | None]:
+    """(when the replay hands a link item over, the stamp it carries if that differs).
+
+    The driver stamps what it reads with the read's time but hands it to the controller
+    after what came before it on its queue, decoder reports and timer wake-ups stamped
+    later included. The controller saw it then, after those: the replay hands it over
+    just after the latest of them (``clock``), stamped as the session stamped it."""
+    if at > clock:
+        return at, None
+    return math.nextafter(clock, math.inf), at
 
 
 def _drop_first(chunks: list[int], chunk: int) -> None:

@@ -280,23 +280,26 @@ class _Run:
                 self.connect_at = now + sim.reconnect_seconds
 
     def on_link(self, event: LinkEvent) -> None:
+        """One link event, handed over at ``event.at`` (to the receiver's models) and told
+        to the controller as having happened at ``event.happened``."""
+        stamp = event.happened
         if event.kind == BEGIN:
-            self.feed(ev.AnswerBegan(event.chunk, event.nbytes, event.at))
+            self.feed(ev.AnswerBegan(event.chunk, event.nbytes, stamp))
         elif event.kind == SECTION:
             if self.receiver.take(event.chunk, event.layer, event.nbytes, event.at):
-                self.feed(ev.SectionHanded(event.chunk, event.layer, event.nbytes, event.at))
+                self.feed(ev.SectionHanded(event.chunk, event.layer, event.nbytes, stamp))
         elif event.kind == POINT:
-            self._progress(event.chunk, event.received, event.sections, event.at)
+            self._progress(event.chunk, event.received, event.sections, stamp)
         elif event.kind == PARTIAL:
-            self.feed(ev.Activity(event.at, event.received))
+            self.feed(ev.Activity(stamp, event.received))
         elif event.kind == END:
             if not event.cancelled or event.received:
-                self._progress(event.chunk, event.received, event.sections, event.at)
-            self.feed(ev.AnswerEnded(event.chunk, event.cancelled, event.at))
+                self._progress(event.chunk, event.received, event.sections, stamp)
+            self.feed(ev.AnswerEnded(event.chunk, event.cancelled, stamp))
         else:
             assert event.kind == TEXT_END
             self.receiver.text(event.chunk, event.at)
-            self.feed(ev.TextArrived(event.chunk, event.received, event.at), *self._taken())
+            self.feed(ev.TextArrived(event.chunk, event.received, stamp), *self._taken())
 
     def _progress(self, chunk: int, received: int, sections: int, at: float) -> None:
         if received != self.fed.get(chunk):
