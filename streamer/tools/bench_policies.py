@@ -711,8 +711,8 @@ def validate(trace_names: Sequence[str] = VALIDATION_TRACES, *, mean_mbit: float
     moment the fetch starts, and ``delay_ms`` each way. Per trace, one fetch per policy:
     ``fixed`` is ``fixed:level`` with a 60 s SLO; ``mpc`` and ``greedy`` get an SLO of
     ``slo_share`` x the simulated all-level-0 fetch time on that trace, so they must
-    adapt. The simulator gets the real manifest, RTT ``2 * delay_ms``, the same prior
-    and SLO, and each chunk's decode time measured beforehand (``codec.decode``, best
+    adapt. The simulator gets the real manifest, RTT ``2 * delay_ms``, the beliefs the
+    fetch started from and its SLO, and each chunk's decode time measured beforehand (``codec.decode``, best
     of 3; for the adaptive policies the mean over levels). Text chunks are "recomputed"
     by an ``on_text`` that sleeps the simulator's recompute time (the event loop runs
     meanwhile, as with a GPU), so the overlap model is checked too.
@@ -800,7 +800,7 @@ async def _validate(trace_names, *, mean_mbit, level, chunks, chunk_tokens, laye
                                                                       delay_ms, sim.recompute)
                     out.append({"trace": name, "constant": trace.low == trace.high, "policy": policy, "slo": slo,
                                 "mean_mbit": mean_mbit,
-                                **_compare(sim, report, log, beliefs, trace, policy, slo, prior)})
+                                **_compare(sim, report, log, beliefs, trace, policy, slo)})
         finally:
             if server is not None:
                 await server.close()
@@ -829,17 +829,20 @@ async def _fetch_through_proxy(port: int, trace: Trace, policy: str, slo: float,
     return report, session.log, session.beliefs
 
 
-def _compare(sim: Simulator, report, log, beliefs, trace: Trace, policy: str, slo: float, prior: float) -> dict:
+def _compare(sim: Simulator, report, log, beliefs, trace: Trace, policy: str, slo: float) -> dict:
     """A real fetch against its simulation on the trace; against the same with the decoder's
-    recorded seconds (what is left is the link model); and against its own replay, from
-    the very ``beliefs`` the fetch started from."""
+    recorded seconds (what is left is the link model); and against its own replay. All
+    three start from the very ``beliefs`` the fetch started from: the caller's prior, and
+    what the session knew besides (the prediction errors it remembers of this sender from
+    the fetches before, the profile download's sample), which a simulation from the prior
+    alone would not know, and so would plan another fetch."""
     from streamer.fetch.links import Diverged
     from streamer.fetch.replay import recording
 
     real, real_levels = report.total_seconds, [c.level for c in report.chunks]
-    predicted = sim.run(policy, trace, slo=slo, prior_bps=prior)
+    predicted = sim.run(policy, trace, slo=slo, beliefs=beliefs)
     world = recording(log)
-    on_trace = sim.run(policy, trace, slo=slo, prior_bps=prior, decode_time=recording(log).decode_time)
+    on_trace = sim.run(policy, trace, slo=slo, beliefs=beliefs, decode_time=recording(log).decode_time)
     replay_sim = Simulator(sim.manifest, rtt=world.rtt, reconnect_seconds=world.connect_seconds,
                            recompute_seconds_per_token=sim.recompute)
     try:
