@@ -86,7 +86,7 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
     recomputes: dict[int, deque[float]] = defaultdict(deque)
     clock = 0.0   # the latest time among the items the controller had handled
     for item in log:
-        at = getattr(item, "at", 0.0) - start.at
+        at, stamp = getattr(item, "at", 0.0) - start.at, None
         if isinstance(item, _LINK_ITEMS):
             at, stamp = _handed(at, clock)
         clock = max(clock, at)

@@ -680,7 +680,7 @@ def pick_schedule_example(methods: Sequence[Method], traces: dict[str, Trace], s
 # -------------------------------------------------------------------- validation
 #: A link that falls to a twelfth of its rate 0.2 s into the fetch and comes back 0.9 s
 #: later. The chunk in flight when it falls has some layers delivered and is too large to
-#: finish at that rate, so the cancel rule usually continues its remaining layers at a
+#: finish at that rate, so the cancel rule often continues its remaining layers at a
 #: lower level: the one validation trace that exercises per-layer continuation live
 #: (none of the committed traces did at validation scale). Not a committed trace file:
 #: it would join the policy sweep.
@@ -839,10 +839,10 @@ async def _fetch_through_proxy(port: int, trace: Trace, policy: str, slo: float,
 def _compare(sim: Simulator, report, log, beliefs, trace: Trace, policy: str, slo: float) -> dict:
     """A real fetch against its simulation on the trace; against the same with the decoder's
     recorded seconds (what is left is the link model); and against its own replay. All
-    three start from the very ``beliefs`` the fetch started from: the caller's prior, and
-    what the session knew besides (the prediction errors it remembers of this sender from
-    the fetches before, the profile download's sample), which a simulation from the prior
-    alone would not know, and so would plan another fetch."""
+    three start from the very ``beliefs`` the fetch started from: the caller's prior and
+    whatever else the session knew (prediction errors it remembers of the address, a sample
+    taken before the fetch). Started from the prior alone, a simulation would plan another
+    fetch wherever those differ, and the comparison would measure the beliefs."""
     from streamer.fetch.links import Diverged
     from streamer.fetch.replay import recording
 
