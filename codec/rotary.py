@@ -235,7 +235,7 @@ def _rope_rows(keys: np.ndarray, cos: np.ndarray, sin: np.ndarray, head_dim: int
     """keys [tokens, C] rotated in place by cos, sin [tokens, dim] and clamped to
     ``[-limit, limit]``: per head, channel ``i < dim / 2`` pairs with ``i + dim / 2``
     (transformers' ``rotate_half``). Written over row and head slices, not 2-D indices:
-    numba then keeps the address arithmetic out of the inner loop (3x faster)."""
+    numba then keeps the address arithmetic out of the inner loop."""
     tokens, channels = keys.shape
     half = cos.shape[1] // 2
     for t in range(tokens):

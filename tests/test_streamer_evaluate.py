@@ -14,6 +14,7 @@ from netsim.trace import Trace
 from streamer.adapt.policies import TEXT
 from streamer.fetch.simulate import Simulator
 from streamer.tools import bench_policies as ev
+from streamer.wire.manifest import ChunkInfo, Manifest
 
 
 def test_llama_manifest_sizes_follow_bits_per_element() -> None:
@@ -283,8 +284,6 @@ def test_the_cliff_validation_trace_makes_the_simulated_fetch_continue_a_chunk()
     """The validation's cliff exists to exercise per-layer continuation: at validation
     scale (12 chunks of 8 layers, the levels' sizes of its synthetic KV, the adaptive SLO
     rule) the simulated mpc fetch meets its SLO with a chunk finished at a lower level."""
-    from streamer.wire.manifest import ChunkInfo, Manifest
-
     sizes = (1025426, 771386, 527232, 235108, 107892)
     chunks = tuple(ChunkInfo(i, i * 512, (i + 1) * 512, sizes, 1200, 4 if i == 0 else 0) for i in range(12))
     manifest = Manifest(context_id="cliff", version="sim", layers=8, heads=8, head_dim=32, dtype="float16",

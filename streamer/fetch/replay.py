@@ -90,6 +90,10 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
         if isinstance(item, _LINK_ITEMS):
             at, stamp = _handed(at, clock)
         clock = max(clock, at)
+
+        def arrived(chunk: int, kind: str, *args, **fields) -> None:
+            events[chunk].append(LinkEvent(at, chunk, kind, *args, stamp=stamp, **fields))
+
         if isinstance(item, ev.SendRequest):
             events[item.chunk] = []
             awaiting.append(item.chunk)
@@ -101,7 +105,7 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
         if isinstance(item, (ev.SendRequest, ev.SendCancel, ev.Reconnect, ev.ChunkFinished, ev.FailChunk, ev.Fail)):
             out.actions.append(item)
         elif isinstance(item, ev.AnswerBegan):
-            events[item.chunk].append(LinkEvent(at, item.chunk, BEGIN, nbytes=item.total_bytes, stamp=stamp))
+            arrived(item.chunk, BEGIN, nbytes=item.total_bytes)
             arriving.append(item.chunk)
             _drop_first(awaiting, item.chunk)
         elif isinstance(item, ev.Activity):
@@ -111,20 +115,18 @@ def recording(log: Sequence[ev.Event | ev.Action]) -> Recording:
             # and the replay must hand it over in the same order
             heads = arriving or awaiting
             if heads and item.partial:
-                events[heads[0]].append(LinkEvent(at, heads[0], PARTIAL, item.partial, stamp=stamp))
+                arrived(heads[0], PARTIAL, item.partial)
         elif isinstance(item, ev.SectionHanded):
-            events[item.chunk].append(LinkEvent(at, item.chunk, SECTION, layer=item.layer, nbytes=item.nbytes,
-                                                stamp=stamp))
+            arrived(item.chunk, SECTION, layer=item.layer, nbytes=item.nbytes)
         elif isinstance(item, ev.PartArrived):
-            events[item.chunk].append(LinkEvent(at, item.chunk, POINT, item.received, item.sections, stamp=stamp))
+            arrived(item.chunk, POINT, item.received, item.sections)
         elif isinstance(item, ev.AnswerEnded):
-            if item.chunk in arriving:
-                arriving.remove(item.chunk)
+            _drop_first(arriving, item.chunk)
             last = next((e for e in reversed(events[item.chunk]) if e.kind == POINT), None)
-            events[item.chunk].append(LinkEvent(at, item.chunk, END, last.received if last else 0,
-                                                last.sections if last else 0, cancelled=item.cancelled, stamp=stamp))
+            arrived(item.chunk, END, last.received if last else 0, last.sections if last else 0,
+                    cancelled=item.cancelled)
         elif isinstance(item, ev.TextArrived):
-            events[item.chunk].append(LinkEvent(at, item.chunk, TEXT_END, item.nbytes, stamp=stamp))
+            arrived(item.chunk, TEXT_END, item.nbytes)
             _drop_first(awaiting, item.chunk)
         elif isinstance(item, ev.Tick):
             out.wakes.append(at)
