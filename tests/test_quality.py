@@ -257,6 +257,11 @@ def test_bench_quality_ablation_rows(llama_dir, capsys):
     # the recent tokens coded finer: more bits, less error
     assert kvwire["recent-finer"]["bits_per_element"] > plain["bits_per_element"]
     assert kvwire["recent-finer"]["distortion"] < plain["distortion"]
+    # what each prediction's maps cost, fitted once on the profile
+    fitted = {name: a["fitted"][doc["config"]["profile_id"]] for name, a in doc["config"]["ablations"].items()
+              if name.startswith("layer-predicted")}
+    sizes = [fitted[f"layer-predicted{g}"]["map_values"] for g in ("", "-kind", "-head")]
+    assert sizes[0] > sizes[1] >= sizes[2]   # this model's two KV heads: a block per head is per kind
 
 
 def test_bench_quality_ablation_table_and_errors(llama_dir, capsys):

@@ -7,7 +7,7 @@ size. Two kinds:
 * **codec**: the real encoder, run differently. ``layer-predicted`` codes each layer's
   residual from a prediction out of the previous decoded layer
   (``streamer.model.layer_prediction``), a technique measured before the format carries
-  it. ``sinks-0`` / ``sinks-16`` code the
+  it, with its maps in blocks (``-kind``, ``-head``) or restarting every few layers. ``sinks-0`` / ``sinks-16`` code the
   context with 0 or 16 leading tokens kept verbatim (``codec.encode``'s ``sink_tokens``;
   the profile's default is 4); ``recent-finer`` codes the context's last tokens as a
   second blob two levels finer (a chunk cut in two at a token boundary, each part with
@@ -40,6 +40,8 @@ ATTENTION_GROUP = 32
 ATTENTION_SKIP = 16
 #: ``recent-finer`` codes the recent tokens this many levels finer (at most level 0)
 FINER_LEVELS = 2
+#: ``layer-predicted-restart*`` codes every this many'th layer without prediction
+RESTART_LAYERS = 5
 
 
 @dataclass(frozen=True)
@@ -59,23 +61,33 @@ Apply = Callable[[Window, codec.Profile, int], tuple[torch.Tensor, int]]
 
 
 @dataclass(frozen=True)
+class Fitted:
+    """An ablation ready to measure: what it does to a window, and what fitting it found
+    that its bits do not show (for inter-layer prediction: the maps' size and the
+    multiply-adds they add to a decode)."""
+
+    apply: Apply
+    facts: dict
+
+
+@dataclass(frozen=True)
 class Ablation:
     name: str
     kind: str          # "codec" (bits charged) or "oracle" (the plain level's bits)
     description: str
     apply: Apply | None
-    #: for an ablation fitted at calibration: (calibration KV samples, profile) -> its apply
-    prepare: Callable[[Sequence[torch.Tensor], codec.Profile], Apply] | None = None
+    #: for an ablation fitted at calibration: (calibration KV samples, profile) -> it, fitted
+    prepare: Callable[[Sequence[torch.Tensor], codec.Profile], Fitted] | None = None
 
     @property
     def needs_calibration(self) -> bool:
         return self.prepare is not None
 
-    def applier(self, samples: Sequence[torch.Tensor] | None, profile: codec.Profile) -> Apply:
+    def applier(self, samples: Sequence[torch.Tensor] | None, profile: codec.Profile) -> Fitted:
         """What measures this ablation for ``profile`` (fitted on ``samples`` if it needs them)."""
         if self.prepare is None:
             assert self.apply is not None
-            return self.apply
+            return Fitted(self.apply, {})
         if not samples:
             raise ValueError(f"ablation {self.name} is fitted on calibration samples, and none were given")
         return self.prepare(samples, profile)
@@ -170,11 +182,15 @@ def _recent_finer(w: Window, profile: codec.Profile, level: int) -> tuple[torch.
                                         (tokens, max(level - FINER_LEVELS, 0), 0)])
 
 
-def _layer_predicted(samples: Sequence[torch.Tensor], profile: codec.Profile) -> Apply:
-    from streamer.model import layer_prediction
+def _layer_predicted(grouping: str = "all", restart: int = 0
+                     ) -> Callable[[Sequence[torch.Tensor], codec.Profile], Fitted]:
+    def prepare(samples: Sequence[torch.Tensor], profile: codec.Profile) -> Fitted:
+        from streamer.model import layer_prediction
 
-    predictor = layer_prediction.fit(samples, profile)
-    return lambda w, _p, level: layer_prediction.code(predictor, w.kv, level, profile.rotary)
+        predictor = layer_prediction.fit(samples, profile, grouping=grouping, restart=restart)
+        return Fitted(lambda w, _p, level: layer_prediction.code(predictor, w.kv, level, profile.rotary),
+                      predictor.facts())
+    return prepare
 
 
 def _tokens(w: Window) -> int:
@@ -188,7 +204,13 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
              f"{FINER_LEVELS} levels finer", _recent_finer),
     Ablation("layer-predicted", "codec", "each layer's K and V predicted from the previous layer's decoded K and V "
              "(linear maps fitted at calibration), only the residual coded (streamer.model.layer_prediction)",
-             None, _layer_predicted),
+             None, _layer_predicted()),
+    Ablation("layer-predicted-kind", "codec", "as layer-predicted, K from the previous layer's K and V from its V "
+             "(two blocks: half the map)", None, _layer_predicted("kind")),
+    Ablation("layer-predicted-head", "codec", "as layer-predicted, each KV head's K and V from that head's "
+             "(a block per head)", None, _layer_predicted("head")),
+    Ablation(f"layer-predicted-restart{RESTART_LAYERS}", "codec", f"as layer-predicted, every {RESTART_LAYERS}th "
+             "layer coded alone (where a continued chunk could start)", None, _layer_predicted(restart=RESTART_LAYERS)),
     Ablation("exact-K", "oracle", "keys exact: only values coded", _exact(kind=0)),
     Ablation("exact-V", "oracle", "values exact: only keys coded", _exact(kind=1)),
     Ablation("exact-layers-1/3", "oracle", "the first third of the layers exact", _layer_third(0)),

@@ -426,7 +426,7 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         methods += [("fp16", None, None), ("int8", None, None), ("cachegen", None, None)]
     methods += [("kvwire", lv, p) for p in profiles
                 for lv in (range(len(p.targets)) if levels is None else levels)]
-    appliers: dict[tuple[str, str], ablation_.Apply] = {}   # fitted once per profile
+    appliers: dict[tuple[str, str], ablation_.Fitted] = {}   # fitted once per profile
     for method, level, prof in methods:
         acc = _Accumulator(layers)
         targets = None if prof is None or level is None else torch.tensor(prof.targets_by_section(level))
@@ -446,8 +446,10 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
             key = (chosen_one.name, prof.id)
             if key not in appliers:
                 appliers[key] = chosen_one.applier(samples, prof)
+                if appliers[key].facts:
+                    report.config["ablations"][chosen_one.name].setdefault("fitted", {})[prof.id] = appliers[key].facts
             for w, base in zip(prepared, plain):
-                decoded, nbytes = appliers[key](base, prof, level)
+                decoded, nbytes = appliers[key].apply(base, prof, level)
                 acc.add(w, decoded, nbytes, model, targets)
             report.rows.append(_described(acc.row(method, level, reference_ppl), prof, level, chosen_one.name))
     report.config["seconds"] = round(time.perf_counter() - started, 2)

@@ -107,7 +107,10 @@ def render(report: QualityReport) -> str:
     if ablations:
         lines.append("ablations (codec: the real encoder run so, its bits charged; oracle: the level's decoded KV "
                      "with original values put back, charged the level's bits):")
-        lines += [f"  [{name}] {a['kind']}: {a['description']}" for name, a in ablations.items()]
+        for name, a in ablations.items():
+            lines.append(f"  [{name}] {a['kind']}: {a['description']}")
+            lines += [f"    fitted on profile {pid}: " + ", ".join(f"{k} {v}" for k, v in facts.items())
+                      for pid, facts in (a.get("fitted") or {}).items()]
     lines.append("attn err: ||A_hat - A||_F / ||A||_F of softmax(QK^T/sqrt(d))V with the model's own "
                  "queries (mean over layers" + ("; per layer alongside)." if per_layer else "; per layer in --json).")
                  + " cachegen: CacheGen's design (groups of 10, 8-bit anchors, binned deltas) at its entropy.")
