@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import codec
+from streamer.tools import bench_quality
 from streamer.tools import calibrate as calibrate_cli
 from streamer.model import ablation, hf, quality
 
@@ -264,12 +265,21 @@ def test_bench_quality_ablation_rows(llama_dir, capsys):
     assert sizes[0] > sizes[1] >= sizes[2]   # this model's two KV heads: a block per head is per kind
 
 
-def test_bench_quality_ablation_table_and_errors(llama_dir, capsys):
+def test_bench_quality_ablation_table_and_errors(llama_dir, tmp_path, capsys, monkeypatch):
+    drawn: list[str] = []
+    real_plot = bench_quality.plot
+    monkeypatch.setattr(bench_quality, "plot", lambda report, path: drawn.extend(real_plot(report, path)))
+    png = tmp_path / "q.png"
     assert _main(["bench", "quality", "--model", llama_dir, "--calibration-tokens", "1024", "--windows", "1",
                   "--window-tokens", "96", "--context-tokens", "64", "--levels", "2", "--allocation", "off",
-                  "--texts", "GPL-3", "--ablation", "exact-V", "sinks-0", "--no-plot"]) == 0
+                  "--texts", "GPL-3", "--ablation", "exact-V", "sinks-0", "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "kvwire+rope[exact-V]" in text and "kvwire+rope[sinks-0]" in text and "[exact-K]" not in text
     assert "[exact-V] oracle: values exact" in text
+    assert "published points on the plot" in text and png.stat().st_size > 0
+    # a codec ablation is a rate-quality point of its own; an oracle one is not (it is charged the
+    # plain level's bits); the published points are labelled as such
+    assert "kvwire+rope[sinks-0]" in drawn and "kvwire+rope[exact-V]" not in drawn
+    assert sum("published" in label for label in drawn) == len(bench_quality.PUBLISHED)
     assert _main(["bench", "quality", "--model", llama_dir, "--ablation", "exact-nothing", "--no-plot"]) == 2
     assert "unknown ablation" in capsys.readouterr().err

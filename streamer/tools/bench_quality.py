@@ -1,6 +1,7 @@
 """``kvwire bench quality``: the table and plot of ``streamer.model.quality.run``."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import codec
@@ -111,13 +112,38 @@ def render(report: QualityReport) -> str:
             lines.append(f"  [{name}] {a['kind']}: {a['description']}")
             lines += [f"    fitted on profile {pid}: " + ", ".join(f"{k} {v}" for k, v in facts.items())
                       for pid, facts in (a.get("fitted") or {}).items()]
+    if decoder:
+        lines.append("published points on the plot (other models and benchmarks, for orientation, not compared as "
+                     "equals): " + "; ".join(f"{a.name} {a.setting}: {a.claim}" for a in PUBLISHED))
     lines.append("attn err: ||A_hat - A||_F / ||A||_F of softmax(QK^T/sqrt(d))V with the model's own "
                  "queries (mean over layers" + ("; per layer alongside)." if per_layer else "; per layer in --json).")
                  + " cachegen: CacheGen's design (groups of 10, 8-bit anchors, binned deltas) at its entropy.")
     return "\n".join(lines)
 
 
-def plot(report: QualityReport, path: Path) -> None:
+@dataclass(frozen=True)
+class Published:
+    """A published rate-quality point of another method, on other models and benchmarks:
+    drawn on the plot for orientation, labelled as such, never compared as an equal."""
+
+    name: str
+    setting: str
+    claim: str
+    bits: tuple[float, float]              # bits per element, a range
+    perplexity_change: float | None        # %, None when the claim is not perplexity
+
+
+PUBLISHED = (
+    Published("AQUA-KV (ICML'25)", "Llama 3.x", "2-2.5 bits/value at < 1% relative perplexity", (2.0, 2.5), 1.0),
+    Published("KVTC (ICLR'26)", "Llama-3-class", "~20x fp16 within 1 point of accuracy, not perplexity",
+              (0.8, 0.8), None),
+    Published("CommVQ (ICML'25)", "Llama-class", "usable 1-bit KV, not perplexity", (1.0, 1.0), None),
+)
+
+
+def plot(report: QualityReport, path: Path) -> list[str]:
+    """Rate against quality: each method's and codec ablation's levels, and for a decoder
+    the published points; returns the labels of the series the quality panel draws."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,6 +156,11 @@ def plot(report: QualityReport, path: Path) -> None:
               "kvwire+rope+alloc": dict(marker="X", linestyle="-."),
               "fp16": dict(marker="s", linestyle="none"), "int8": dict(marker="^", linestyle="none"),
               "cachegen": dict(marker="v", linestyle="none")}
+    ablations = report.config.get("ablations") or {}
+    measured = [label for label in dict.fromkeys(_label(r) for r in report.rows)
+                if label not in styles and ablations.get(label.partition("[")[2].rstrip("]"), {}).get("kind") == "codec"]
+    extra = ["d", "*", "h", "p", "<", ">", "1", "2"]
+    styles |= {label: dict(marker=extra[i % len(extra)], linestyle="--") for i, label in enumerate(measured)}
     for method, style in styles.items():
         rows = sorted((r for r in report.rows if _label(r) == method), key=lambda r: r.bits_per_element)
         if not rows:
@@ -139,7 +170,9 @@ def plot(report: QualityReport, path: Path) -> None:
         if decoder:   # perplexity change, bars spanning its range across windows
             y = [100 * (r.perplexity_change or 0.0) for r in rows]
             spreads = [_spread(r, "perplexity_change") or (r.perplexity_change or 0.0,) * 2 for r in rows]
-            bars = [[v - 100 * lo for v, (lo, _) in zip(y, spreads)], [100 * hi - v for v, (_, hi) in zip(y, spreads)]]
+            # pooled over windows, the change can sit a rounding outside its windows' range
+            bars = [[max(v - 100 * lo, 0.0) for v, (lo, _) in zip(y, spreads)],
+                    [max(100 * hi - v, 0.0) for v, (_, hi) in zip(y, spreads)]]
             axes[1].errorbar(bits, y, yerr=bars, label=method, capsize=3, **style)
         else:
             axes[1].plot(bits, [max(1.0 - (r.cosine or 0.0), 1e-9) for r in rows], label=method, **style)
@@ -147,6 +180,14 @@ def plot(report: QualityReport, path: Path) -> None:
             if r.level is not None:
                 axes[0].annotate(f"L{r.level}", (r.bits_per_element, max(r.attention_error_mean, 1e-9)),
                                  fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if decoder:
+        for anchor in PUBLISHED:
+            label = f"{anchor.name}, published ({anchor.setting}): {anchor.claim}"
+            if anchor.perplexity_change is None:
+                axes[1].axvspan(anchor.bits[0], anchor.bits[1] + 0.02, color="0.6", alpha=0.3, label=label)
+            else:
+                axes[1].plot(anchor.bits, [anchor.perplexity_change] * 2, color="0.4", linewidth=4,
+                             alpha=0.5, label=label)
     axes[0].set_ylabel("attention-output relative error (mean over layers)")
     axes[1].set_ylabel("continuation perplexity change, % (range across windows)" if decoder
                        else "1 - embedding cosine")
@@ -155,11 +196,12 @@ def plot(report: QualityReport, path: Path) -> None:
         if ax is axes[0] or not decoder:
             ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6 if ax is axes[1] and decoder else 8)
     fig.suptitle(f"kvwire quality vs rate: {report.config['model']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return axes[1].get_legend_handles_labels()[1]
 
 
 def main(model: str | None = "minilm", *, as_json: bool = False, plot_path: str | None = "quality.png",
