@@ -168,7 +168,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         "(the calibrate default), 'on', 'off', or 'both' side by side (ignored with --profile)")
     q.add_argument("--ablation", nargs="*", default=None, metavar="NAME",
                    help="after each level's row, one row per ablation of it (streamer.model.ablation: "
-                        "layer-predicted, sinks-0, sinks-16, recent-finer on the real encoder; exact-K, exact-V, "
+                        "layer-predicted and its -kind, -head and -restart5 variants, sinks-0, sinks-16, recent-finer on the real "
+                        "encoder; exact-K, exact-V, "
                         "exact-layers-1/3..3/3, exact-first, exact-recent, exact-high-attention and controls as "
                         "upper bounds); the bare flag runs them all, and measures source code as a third kind "
                         "of text")
