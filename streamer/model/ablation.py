@@ -40,7 +40,7 @@ ATTENTION_GROUP = 32
 ATTENTION_SKIP = 16
 #: ``recent-finer`` codes the recent tokens this many levels finer (at most level 0)
 FINER_LEVELS = 2
-#: ``layer-predicted-restart*`` codes every this many'th layer without prediction
+#: ``layer-predicted-restart*`` codes layers 0, N, 2N, .. (N this) without prediction
 RESTART_LAYERS = 5
 
 
