@@ -16,8 +16,8 @@ predicted from decoded layers the residual is larger than from exact ones, the m
 the coarser the level (:func:`fit`).
 
 Two choices make a format carrying prediction practical, and are measured too:
-block-diagonal maps (a full map per layer is 2C x 2C numbers, many times a profile's
-size, and 2C multiply-adds per decoded value), and restart layers coded alone every few
+block-diagonal maps (a full map per layer is 2C x 2C numbers, together twice a profile's
+bases, and 2C multiply-adds per decoded value), and restart layers coded alone every few
 layers, where a decode can start without the layers before it (a continued chunk).
 
 Measured by ``kvwire bench quality --ablation layer-predicted`` (``streamer.model.ablation``):
@@ -45,8 +45,6 @@ MAX_TARGET = 0.5
 #: layer's 2 x heads x head_dim values to the next layer's is fitted on a few thousand
 #: tokens, and a few directions barely vary.
 RIDGE = 1e-4
-
-
 
 #: How a layer's channels are predicted: ``all`` from every channel of the previous
 #: layer (one 2C x 2C map), ``kind`` K from K and V from V, ``head`` each KV head's K and V
@@ -157,7 +155,7 @@ def fit_maps(values: torch.Tensor, groups: Sequence[torch.Tensor], *, restart: i
     return maps
 
 
-def residuals(values: torch.Tensor, maps: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def residuals(values: torch.Tensor, maps: Sequence[LayerMap | None]) -> torch.Tensor:
     """Each layer of ``values`` [L, T, 2C] less its prediction from the previous layer's
     exact values (calibration's open loop)."""
     out = values.clone()
