@@ -7,8 +7,8 @@ size. Two kinds:
 * **codec**: the real encoder, run differently. ``layer-predicted`` codes each layer's
   residual from a prediction out of the previous decoded layer
   (``streamer.model.layer_prediction``), a technique measured before the format carries
-  it, with its maps in blocks (``-kind``, ``-head``) or restarting every few layers. ``sinks-0`` / ``sinks-16`` code the
-  context with 0 or 16 leading tokens kept verbatim (``codec.encode``'s ``sink_tokens``;
+  it, with its maps in blocks (``-kind``, ``-head``) or restarting every few layers.
+  ``sinks-0`` / ``sinks-16`` code the context with 0 or 16 leading tokens kept verbatim (``codec.encode``'s ``sink_tokens``;
   the profile's default is 4); ``recent-finer`` codes the context's last tokens as a
   second blob two levels finer (a chunk cut in two at a token boundary, each part with
   its own start position): distortion allocated per token group within today's format.

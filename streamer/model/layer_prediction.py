@@ -208,9 +208,8 @@ def fit(samples: Sequence[torch.Tensor], profile: codec.Profile, *, grouping: st
     variance ratio (prediction from exact layers), then each level's chain is run on the
     samples as the decoder will run it and the targets set again where it settles
     (:func:`_fixed_point_ratios`)."""
-    rotary = profile.rotary
-    channels = profile.heads * profile.head_dim
-    values = [position_free(kv, rotary) for kv in samples]
+    channels = profile.channels
+    values = [position_free(kv, profile.rotary) for kv in samples]
     everything = torch.cat(values, dim=1)   # [L, N, 2C]
     maps = fit_maps(everything, channel_groups(grouping, profile.heads, profile.head_dim), restart=restart)
     left = [residuals(v, maps) for v in values]

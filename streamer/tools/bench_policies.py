@@ -849,7 +849,7 @@ def _compare(sim: Simulator, report, log, beliefs, trace: Trace, policy: str, sl
     real, real_levels = report.total_seconds, [c.level for c in report.chunks]
     predicted = sim.run(policy, trace, slo=slo, beliefs=beliefs)
     world = recording(log)
-    on_trace = sim.run(policy, trace, slo=slo, beliefs=beliefs, decode_time=recording(log).decode_time)
+    on_trace = sim.run(policy, trace, slo=slo, beliefs=beliefs, decode_time=world.decode_time)
     replay_sim = Simulator(sim.manifest, rtt=world.rtt, reconnect_seconds=world.connect_seconds,
                            recompute_seconds_per_token=sim.recompute)
     try:

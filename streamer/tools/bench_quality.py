@@ -157,8 +157,8 @@ def plot(report: QualityReport, path: Path) -> list[str]:
               "fp16": dict(marker="s", linestyle="none"), "int8": dict(marker="^", linestyle="none"),
               "cachegen": dict(marker="v", linestyle="none")}
     ablations = report.config.get("ablations") or {}
-    measured = [label for label in dict.fromkeys(_label(r) for r in report.rows)
-                if label not in styles and ablations.get(label.partition("[")[2].rstrip("]"), {}).get("kind") == "codec"]
+    measured = list(dict.fromkeys(_label(r) for r in report.rows
+                                  if r.ablation and ablations[r.ablation]["kind"] == "codec"))
     extra = ["d", "*", "h", "p", "<", ">", "1", "2"]
     styles |= {label: dict(marker=extra[i % len(extra)], linestyle="--") for i, label in enumerate(measured)}
     for method, style in styles.items():
