@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import zstandard
 
-from . import backends, container, control, layer_codec
+from . import backends, container, control, layer_codec, prediction
 from .stages import CONVERT, CRC, LANE_TABLE, stage
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch, ProfileMismatchWarning
@@ -247,6 +247,8 @@ def _encode_levels(kv: torch.Tensor, levels: Sequence[int], profile: Profile | N
         raise ValueError("levels must name at least one level")
     for level in levels:
         validate_level(level, len(DEFAULT_TARGETS if profile is None else profile.targets))
+    if profile is not None and profile.predicts:
+        return [_encode_predicted(kv, profile, level, sinks, start) for level in levels]
     if profile is not None:
         return _encode_coded(kv, profile, [(level, level) for level in levels], sinks, start, None)
     blobs = []
@@ -299,6 +301,57 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
     return blobs
 
 
+def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int, start: int) -> bytes:
+    """The blob (format 6) of ``kv`` at ``level`` of a predicting profile: layer by layer,
+    each predicted layer's residual from the previous layer *as the decoder will decode
+    it* (the encoder decodes each section it writes), so that errors do not pile up
+    through the chain. The step control holds each section's error against the variance
+    of the layer's values, not of the residual: a predicted level loses what the plain
+    one does, in fewer bits. Levels do not share work: each has its own chain."""
+    layers, _, tokens, heads, head_dim = kv.shape
+    body = CodedBody(kv, sinks, profile.rotary, start)
+    channels = heads * head_dim
+    controlled = body.tokens >= MISFIT_MIN_TOKENS
+    rows = control.sample_rows(body.tokens)
+    own = body.rows(rows, own_frame=True).numpy() if controlled else None
+    limits = _misfit_limits(profile, level)
+    sections, modes, controls, raw_layers = [], [], [], set()
+    previous: torch.Tensor | None = None
+    for layer in range(layers):
+        values = body.layer(layer)
+        guess = None if prediction.is_intra(layer, profile.restart) else \
+            prediction.predict(previous, profile.predictor32[layer])
+        coded = values if guess is None else values - guess
+        parts = None
+        if controlled:
+            parts = tuple(control.control_part(profile, level, layer, kind, control.PartSample(
+                profile, layer, kind, coded[kind, rows].numpy(), own[layer, kind],
+                control.sample_rows_needed(profile, level, layer, kind))) for kind in range(2))
+            controls.append(parts)
+        misfit = controlled and any(not part.achieved <= limit for part, limit in zip(parts, limits[layer]))
+        section, mode = _layer_section(profile, level, layer, kv[layer], coded, sinks, parts, raw=misfit)
+        sections.append(section)
+        modes.append(mode)
+        if mode == container.MODE_RAW:
+            raw_layers.add(layer)
+            previous = values
+        else:
+            previous = torch.empty_like(values)
+            lanes = layer_codec.parse_lanes(profile, level, layer, body.tokens,
+                                            memoryview(section)[container.token_bytes(sinks, channels, kv.dtype):],
+                                            container.PREDICTED_VERSION)
+            layer_codec.decode_layer(profile, layer, lanes, torch.empty(2, body.tokens, channels, dtype=kv.dtype),
+                                     start + sinks, guess, previous)
+    misfits = _misfits(controls, limits, frozenset(raw_layers)) if controlled else {}
+    if misfits:  # stacklevel: the caller of encode or encode_levels
+        warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=4)
+    header = container.pack_header(
+        dtype=kv.dtype, level=level, layers=layers, heads=heads, head_dim=head_dim, sink_tokens=sinks,
+        tokens=tokens, start=start, profile_id=profile.id, embedded_profile=None, sections=sections,
+        modes=modes, predicted=True)
+    return header + b"".join(sections)
+
+
 def parse_header(blob: bytes | memoryview) -> BlobHeader:
     """The verified header of a blob (or of its first ``header_length`` bytes)."""
     return container.parse_header(blob)
@@ -332,6 +385,10 @@ def resolve_profile(header: BlobHeader, profile: Profile | None) -> tuple[Profil
         resolved, slot = profile, header.level
     if (resolved.layers, resolved.heads, resolved.head_dim) != (header.layers, header.heads, header.head_dim):
         raise CorruptBitstream("blob shape disagrees with its profile")
+    if header.level != container.EXACT_LEVEL and header.predicted != resolved.predicts:
+        raise CorruptBitstream(f"a version {header.version} blob names profile {resolved.id}, which "
+                               f"{'does not predict' if header.predicted else 'predicts'} across layers "
+                               f"(a predicting profile writes version {container.PREDICTED_VERSION}, no other)")
     return resolved, slot
 
 
@@ -366,10 +423,37 @@ def section_decoder(device: str | torch.device):
     return backends.device_decoder(dev).decode_section
 
 
+class LayerChain:
+    """What decoding a predicted blob (format 6) carries from one layer to the next: the
+    last decoded layer's values (position-free float32 [2, coded tokens, C]), from which
+    the next is predicted. ``decode`` and ``decode_layers`` keep their own; a caller of
+    ``decode_section`` passes one per blob, to every layer in order from an intra-coded
+    layer (``codec.prediction.restart_layer``)."""
+
+    def __init__(self) -> None:
+        self.layer: int | None = None
+        self.values: torch.Tensor | None = None
+
+    def prediction(self, header: BlobHeader, profile: Profile, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s prediction (None: it is coded alone); ValueError if the chain
+        does not hold the layer before it."""
+        if prediction.is_intra(layer, profile.restart):
+            return None
+        if self.layer != layer - 1 or self.values is None \
+                or self.values.shape != (2, header.coded_tokens, header.channels):
+            held = "nothing" if self.layer is None else f"layer {self.layer}"
+            raise ValueError(f"layer {layer} of a predicted blob decodes from layer {layer - 1}, and the "
+                             f"chain holds {held}: decode sections in order from layer "
+                             f"{prediction.restart_layer(layer, profile.restart)} with one LayerChain")
+        return prediction.predict(self.values, profile.predictor32[layer])
+
+
 def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
-                   section: bytes | memoryview, out: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [tokens, heads, head_dim] of one layer from its section bytes alone.
+                   section: bytes | memoryview, out: torch.Tensor | None = None,
+                   chain: LayerChain | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [tokens, heads, head_dim] of one layer from its section bytes alone, or,
+    in a predicted blob (format 6), from its section and ``chain``: the layers before it
+    back to an intra-coded one, decoded with the same chain (which this call advances).
 
     The section is verified against the header's length and checksum, and its lane
     table against the token count, before anything is allocated. ``out`` ([2, tokens,
@@ -379,13 +463,16 @@ def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
     if not 0 <= layer < header.layers:
         raise ValueError(f"layer {layer} out of range [0, {header.layers})")
     resolved, slot = resolve_profile(header, profile)
+    if header.predicted and chain is None and not prediction.is_intra(layer, resolved.restart):
+        raise ValueError(f"layer {layer} of a predicted blob decodes from the layer before it: pass the "
+                         f"LayerChain its earlier layers were decoded with")
     checked = _check_section(header, resolved, slot, layer, section)
     shape = (2, header.tokens, header.heads, header.head_dim)
     if out is None:
         out = torch.empty(shape, dtype=header.dtype)
     elif out.shape != shape or out.dtype != header.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {header.dtype} tensor of shape {shape}")
-    _decode_checked(header, resolved, layer, checked, out)
+    _decode_checked(header, resolved, layer, checked, out, chain if header.predicted else None)
     return out[0], out[1]
 
 
@@ -404,17 +491,26 @@ def _check_section(header: BlobHeader, profile: Profile, slot: int, layer: int,
 
 
 def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _Checked,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, chain: LayerChain | None = None) -> None:
+    """Decode a verified section into ``out``; with a ``chain`` (a predicted blob), from
+    the layer it holds, and leave this layer's values in it."""
     sink_bytes, rest = checked
     sinks = header.sink_tokens
     flat = out.view(2, header.tokens, header.channels)
+    guess = None if chain is None else chain.prediction(header, profile, layer)
+    decoded = None if chain is None else torch.empty(2, header.coded_tokens, header.channels)
     if isinstance(rest, layer_codec.LanePayload):
-        layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:], header.start + sinks)
+        layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:], header.start + sinks, guess, decoded)
     with stage(CONVERT):
         if not isinstance(rest, layer_codec.LanePayload):
             flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
+            if chain is not None:   # a raw section holds the layer itself: predict from it exactly
+                decoded = CodedBody(out.view(1, 2, header.tokens, header.heads, header.head_dim), sinks,
+                                    profile.rotary, header.start).layer(0)
         if sinks:
             flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
+    if chain is not None:
+        chain.layer, chain.values = layer, decoded
 
 
 def _section_slices(blob: bytes | memoryview, header: BlobHeader) -> Iterator[tuple[int, memoryview]]:
@@ -440,8 +536,9 @@ def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
     if decode_one is not decode_section:
         yield from _device_layers(blob, header, resolved, torch.device(device))
         return
+    chain = LayerChain()
     for layer, section in _section_slices(blob, header):
-        k, v = decode_section(header, resolved, layer, section)   # verifies the section
+        k, v = decode_section(header, resolved, layer, section, chain=chain)   # verifies the section
         yield layer, k, v
 
 
@@ -465,8 +562,9 @@ def decode(blob: bytes | memoryview, profile: Profile | None = None,
     checked = [_check_section(header, resolved, slot, layer, section)   # verifies each section
                for layer, section in _section_slices(blob, header)]
     out = torch.empty(header.shape, dtype=header.dtype)
+    chain = LayerChain() if header.predicted else None
     for layer, parts in enumerate(checked):
-        _decode_checked(header, resolved, layer, parts, out[layer])
+        _decode_checked(header, resolved, layer, parts, out[layer], chain)
     return out
 
 

@@ -20,10 +20,14 @@ from .rotary import MAX_POSITION  # token positions are u32: start + tokens <= 2
 
 MAGIC = b"KVWB"
 FORMAT_VERSION = 5
+#: Version 6: the layout of version 5, written with a profile that predicts each layer
+#: from the one before (FORMAT.md, "Inter-layer prediction"): its coded sections hold
+#: what the prediction misses. A profile without prediction still writes version 5.
+PREDICTED_VERSION = 6
 #: Version 2 blobs (no start position: start = 0), version 3 ones (lanes of whole rows,
 #: u32 word counts) and version 4 ones (no per-section steps: the profile's) are still
 #: read; layer_codec reads every version's lane table.
-READABLE_VERSIONS = (2, 3, 4, 5)
+READABLE_VERSIONS = (2, 3, 4, 5, PREDICTED_VERSION)
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")
 #: Version 3: the absolute position of the blob's first token, right after the fixed header.
 START = struct.Struct("<I")
@@ -86,6 +90,11 @@ class BlobHeader:
     modes: tuple[int, ...]  # MODE_CODED or MODE_RAW per layer
     size: int  # header bytes, i.e. offset of layer 0's section
 
+    @property
+    def predicted(self) -> bool:
+        """Whether its coded sections hold what inter-layer prediction misses (version 6)."""
+        return self.version == PREDICTED_VERSION
+
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
         """Offset of each section and of the blob's end, summed once (a hostile blob may
@@ -147,10 +156,11 @@ def crc32(data: bytes | memoryview) -> int:
 
 def pack_header(*, dtype: torch.dtype, level: int, layers: int, heads: int, head_dim: int,
                 sink_tokens: int, tokens: int, start: int, profile_id: str, embedded_profile: bytes | None,
-                sections: list[bytes], modes: list[int]) -> bytes:
+                sections: list[bytes], modes: list[int], predicted: bool = False) -> bytes:
     flags = FLAG_EMBEDDED_PROFILE if embedded_profile is not None else 0
     embedded = embedded_profile or b""
-    parts = [FIXED.pack(MAGIC, FORMAT_VERSION, DTYPE_CODES[dtype], level, flags, layers, heads,
+    version = PREDICTED_VERSION if predicted else FORMAT_VERSION
+    parts = [FIXED.pack(MAGIC, version, DTYPE_CODES[dtype], level, flags, layers, heads,
                         head_dim, sink_tokens, tokens, bytes.fromhex(profile_id), len(embedded)),
              START.pack(start)]
     parts += [SECTION_ENTRY.pack(len(s), crc32(s), mode) for s, mode in zip(sections, modes, strict=True)]
@@ -239,8 +249,12 @@ def parse_header(data: bytes | memoryview) -> BlobHeader:
                         modes=tuple(mode for _, _, mode in entries), size=size)
     for layer, (length, _, mode) in enumerate(entries):
         _check_section_length(header, layer, length, mode)
-    if level == EXACT_LEVEL and (embedded or any(mode != MODE_RAW for _, _, mode in entries)):
-        raise CorruptBitstream("an exact-level blob must have every section raw and no embedded profile")
+    if level == EXACT_LEVEL and (embedded or any(mode != MODE_RAW for _, _, mode in entries)
+                                 or version == PREDICTED_VERSION):
+        raise CorruptBitstream("an exact-level blob must have every section raw, no embedded profile and a "
+                               "version of 5 or older")
+    if version == PREDICTED_VERSION and embedded:
+        raise CorruptBitstream("a version 6 (predicted) blob cannot embed its profile")
     return header
 
 

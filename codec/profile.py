@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,14 @@ PROFILE_VERSION_ROTARY = 2
 #: Version 3 adds ``weights`` (per-section target weights, ``codec.allocation``), with or
 #: without ``rotary``; a profile without weights is written as version 1 or 2 as before.
 PROFILE_VERSION_WEIGHTS = 3
+#: Version 4 adds inter-layer prediction (``predictor`` and ``restart``, FORMAT.md
+#: "Inter-layer prediction"), with or without ``rotary`` and ``weights``; a profile
+#: without prediction is written as version 1, 2 or 3 as before.
+PROFILE_VERSION_PREDICTED = 4
+#: how a predicting calibration may group the channels each map reads
+#: (``codec.prediction``): every channel from every channel, K from K and V from V,
+#: each KV head from itself
+PREDICT_GROUPS = ("all", "kind", "head")
 #: a section's target MSE/var (level target x weight) is capped here: the step design
 #: and the control need a target under 1 (a target of 1 drops the whole signal)
 MAX_SECTION_TARGET = 0.5
@@ -71,7 +79,9 @@ class Profile:
     mean [L,2,C] f32, basis [L,2,K,C] f32 or None, steps [V,L,2] f32,
     kept [V,L,2] i32, delta_group [L,2] i32, shift/table [V,L,2,2,C] u8
     (axis 3: 0 = direct/anchor values, 1 = delta values), tables [classes, ALPHABET] u16,
-    weights [L,2] f32 or None (uniform).
+    weights [L,2] f32 or None (uniform), predictor [L,2C+1,2C] f16 or None (no
+    inter-layer prediction). With a predictor, mean, basis, steps and the tables describe
+    the residuals the predicted layers code.
     """
 
     layers: int
@@ -95,6 +105,11 @@ class Profile:
     #: distortion moved to where the model is least sensitive); None: every section
     #: is held to the level's target
     weights: np.ndarray | None = None
+    #: each layer's map from the previous layer's decoded values (``codec.prediction``);
+    #: None: every layer is coded alone
+    predictor: np.ndarray | None = None
+    #: with a predictor: layers 0, restart, 2 restart, .. are coded alone
+    restart: int = 0
     _id: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +142,11 @@ class Profile:
         (``codec.control``) take it for every section of every chunk."""
         return None if self.basis is None else self.basis.astype(np.float64)
 
+    @cached_property
+    def predictor32(self) -> torch.Tensor | None:
+        """``predictor`` in float32, what every decoder multiplies by, converted once."""
+        return None if self.predictor is None else torch.from_numpy(self.predictor.astype(np.float32))
+
     def section_target(self, slot: int, layer: int, kind: int) -> float:
         """The MSE/var level ``slot`` holds layer ``layer``'s K (kind 0) or V (kind 1) to:
         the level's target times the section's weight (capped at MAX_SECTION_TARGET)."""
@@ -158,6 +178,8 @@ class Profile:
             meta.update(version=PROFILE_VERSION_ROTARY, rotary=self.rotary.to_json())
         if self.weights is not None:
             meta.update(version=PROFILE_VERSION_WEIGHTS)
+        if self.predictor is not None:
+            meta.update(version=PROFILE_VERSION_PREDICTED, restart=self.restart)
         return json.dumps(meta, sort_keys=True)
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -168,6 +190,8 @@ class Profile:
             arrays["basis"] = self.basis
         if self.weights is not None:
             arrays["weights"] = self.weights
+        if self.predictor is not None:
+            arrays["predictor"] = self.predictor
         return arrays
 
     def to_bytes(self) -> bytes:
@@ -192,14 +216,20 @@ class Profile:
         if meta.get("format") != PROFILE_FORMAT:
             raise CorruptBitstream("not a kvwire profile (format tag missing)")
         version = meta.get("version")
-        if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY, PROFILE_VERSION_WEIGHTS) \
-                or isinstance(version, bool):
+        if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY, PROFILE_VERSION_WEIGHTS,
+                           PROFILE_VERSION_PREDICTED) or isinstance(version, bool):
             raise CorruptBitstream(f"unsupported profile version {version!r}")
-        if version != PROFILE_VERSION_WEIGHTS and ("rotary" in meta) != (version == PROFILE_VERSION_ROTARY):
+        if version < PROFILE_VERSION_WEIGHTS and ("rotary" in meta) != (version == PROFILE_VERSION_ROTARY):
             raise CorruptBitstream(f"a version {version} profile must {'not ' * (version == 1)}carry rotary")
-        if ("weights" in arrays) != (version == PROFILE_VERSION_WEIGHTS):
+        if version < PROFILE_VERSION_PREDICTED and ("weights" in arrays) != (version == PROFILE_VERSION_WEIGHTS):
             raise CorruptBitstream(f"a version {version} profile must "
                                    f"{'not ' * (version != PROFILE_VERSION_WEIGHTS)}carry weights")
+        predicted = version == PROFILE_VERSION_PREDICTED
+        if ("predictor" in arrays) != predicted or ("restart" in meta) != predicted:
+            raise CorruptBitstream(f"a version {version} profile must {'not ' * (not predicted)}carry "
+                                   f"a predictor and its restart period")
+        if predicted and (not isinstance(meta["restart"], int) or isinstance(meta["restart"], bool)):
+            raise CorruptBitstream(f"profile restart must be an integer, got {meta['restart']!r}")
         try:
             rotary = Rotary.from_json(meta["rotary"]) if "rotary" in meta else None
             return cls(
@@ -210,7 +240,8 @@ class Profile:
                 mean=arrays["mean"], basis=arrays.get("basis"), steps=arrays["steps"],
                 kept=arrays["kept"], delta_group=arrays["delta_group"], shift=arrays["shift"],
                 table=arrays["table"], tables=arrays["tables"], rotary=rotary,
-                weights=arrays.get("weights"),
+                weights=arrays.get("weights"), predictor=arrays.get("predictor"),
+                restart=int(meta.get("restart", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptBitstream(f"malformed kvwire profile: {exc}") from exc
@@ -264,6 +295,7 @@ class Profile:
             raise ValueError(f"profile.rotary must be a Rotary of head_dim {self.head_dim}, got {self.rotary!r}")
         if self.weights is not None:
             validate_weights(self.weights, L)
+        self._validate_predictor()
         if np.any(self.delta_group < 0) or np.any(self.delta_group > MAX_TOKENS):
             raise ValueError(f"profile.delta_group must be in [0, {MAX_TOKENS}]")
         if np.any(self.kept < 0):
@@ -282,6 +314,27 @@ class Profile:
                 raise ValueError("profile.kept exceeds the stored basis rows")
             if not np.all(np.isfinite(self.basis)):
                 raise ValueError("profile.basis must be finite")
+
+    def _validate_predictor(self) -> None:
+        if self.predictor is None:
+            if self.restart != 0:
+                raise ValueError("profile.restart is set without a predictor")
+            return
+        L, C = self.layers, self.channels
+        if not isinstance(self.predictor, np.ndarray) or self.predictor.dtype != np.float16 \
+                or self.predictor.shape != (L, 2 * C + 1, 2 * C):
+            raise ValueError(f"profile.predictor must be float16 [{L}, {2 * C + 1}, {2 * C}]")
+        if not isinstance(self.restart, int) or not 1 <= self.restart <= MAX_U16:
+            raise ValueError(f"profile.restart must be an int in [1, {MAX_U16}], got {self.restart!r}")
+        if not np.all(np.isfinite(self.predictor)):
+            raise ValueError("profile.predictor must be finite")
+        if np.any(self.predictor[::self.restart] != 0):
+            raise ValueError("profile.predictor must be zero at the intra-coded layers (0, restart, ..)")
+
+    @property
+    def predicts(self) -> bool:
+        """Whether blobs of this profile predict layers from the layers before them (format 6)."""
+        return self.predictor is not None
 
     def check_shape(self, layers: int, heads: int, head_dim: int) -> None:
         if (layers, heads, head_dim) != (self.layers, self.heads, self.head_dim):
@@ -437,20 +490,29 @@ def _bits_curve(section: _Basis) -> tuple[np.ndarray, np.ndarray]:
     return np.maximum.accumulate(np.array(log_d)) + 1e-9 * np.arange(len(log_d)), np.array(bits)
 
 
-def _budget_weights(bases: list[list[_Basis]], targets: Sequence[float], weights: np.ndarray) -> np.ndarray:
+def _design_target(target: float, weight: float | None, ratio: float) -> float:
+    """The MSE/var, relative to what a section codes, that its steps are designed for:
+    ``weighted_target``, times ``ratio`` (the values' variance over the coded residual's,
+    1 without prediction: a predicted section is held to the values' error), capped."""
+    value = weighted_target(target, weight)
+    return value if ratio == 1 else min(value * ratio, MAX_SECTION_TARGET)
+
+
+def _budget_weights(bases: list[list[_Basis]], targets: Sequence[float], weights: np.ndarray,
+                    ratio: np.ndarray) -> np.ndarray:
     """``weights`` scaled (``allocation.fit_to_budget``) so that at no level the sections'
     estimated bits exceed those of the uniform split. Every level, not only the default:
     one weight set serves them all, and the low-rate levels are where the high-rate model
     that ``allocate`` normalises by is furthest off."""
     curves = [[_bits_curve(b) for b in row] for row in bases]
 
-    def bits(w: np.ndarray | None, target: float) -> float:
-        return sum(float(np.interp(np.log(weighted_target(target, None if w is None else float(w[l, kv]))),
-                                   *curves[l][kv]))
+    def bits(w: np.ndarray | None, target: float, level: int) -> float:
+        return sum(float(np.interp(np.log(_design_target(target, None if w is None else float(w[l, kv]),
+                                                         float(ratio[level, l, kv]))), *curves[l][kv]))
                    for l in range(len(curves)) for kv in range(2))
 
-    uniform = [bits(None, t) for t in targets]
-    return fit_to_budget(weights, lambda w: max(bits(w, t) - u for t, u in zip(targets, uniform)))
+    uniform = [bits(None, t, v) for v, t in enumerate(targets)]
+    return fit_to_budget(weights, lambda w: max(bits(w, t, v) - u for v, (t, u) in enumerate(zip(targets, uniform))))
 
 
 def _fit_one(section: _Basis, targets: Sequence[float], delta: str) -> _Fit:
@@ -517,11 +579,15 @@ def _assign_classes(fit: _Fit, level: int, channels: int) -> tuple[np.ndarray, n
 def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: int, *,
                 targets: Sequence[float] = DEFAULT_TARGETS, sink_tokens: int = DEFAULT_SINK_TOKENS,
                 transform_kind: str = "layer", delta: str = "auto", design_tokens: int = 4096,
-                rotary: Rotary | None = None, weights: np.ndarray | None = None) -> Profile:
+                rotary: Rotary | None = None, weights: np.ndarray | None = None,
+                predictor: np.ndarray | None = None, restart: int = 0,
+                design_ratio: np.ndarray | None = None) -> Profile:
     """Fit a profile to tokens[layer][kv] = tensor [N, C] (sinks already removed; keys
     already rotated back when ``rotary`` is given, which the profile then records). With
     ``weights`` [layers, 2] (scaled as ``calibrate`` says) each section's steps are designed
-    for its weighted targets."""
+    for its weighted targets. With a ``predictor`` (``codec.prediction.fit``) ``tokens``
+    are the residuals the predicted layers code, and ``design_ratio`` [levels, layers, 2]
+    the values' variance over theirs at each level: the steps aim at the values' error."""
     if transform_kind not in TRANSFORMS:
         raise ValueError(f"transform must be one of {TRANSFORMS}, got {transform_kind!r}")
     if delta not in ("auto", "never", "always"):
@@ -534,13 +600,16 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
         weights = np.asarray(weights, dtype=np.float32)
         validate_weights(weights, L)
 
+    ratio = np.ones((V, L, 2)) if design_ratio is None else np.asarray(design_ratio, dtype=np.float64)
+
     def section_targets(l: int, kv: int) -> list[float]:
-        return [weighted_target(t, None if weights is None else float(weights[l, kv])) for t in targets]
+        return [_design_target(t, None if weights is None else float(weights[l, kv]), float(ratio[v, l, kv]))
+                for v, t in enumerate(targets)]
 
     bases = [[_section_basis(tokens[l][kv], heads, head_dim, transform_kind, design_tokens)
               for kv in range(2)] for l in range(L)]
     if weights is not None:
-        weights = _budget_weights(bases, targets, weights)
+        weights = _budget_weights(bases, targets, weights, ratio)
     fits = [[_fit_one(bases[l][kv], section_targets(l, kv), delta) for kv in range(2)] for l in range(L)]
     shift = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
     table = np.zeros((V, L, 2, 2, C), dtype=np.uint8)
@@ -575,6 +644,7 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
         kept=kept,
         delta_group=np.array([[fits[l][kv].delta for kv in range(2)] for l in range(L)], dtype=np.int32),
         shift=shift, table=table, tables=tables, rotary=rotary, weights=weights,
+        predictor=predictor, restart=restart,
     )
 
 
@@ -622,50 +692,6 @@ def split_tokens(kv: torch.Tensor, sink_tokens: int, rotary: Rotary | None = Non
     return [list(body.layer(layer).unbind(0)) for layer in range(body.layers)]
 
 
-def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEFAULT_TARGETS,
-              sink_tokens: int = DEFAULT_SINK_TOKENS, transform: str = "layer",
-              delta: str = "auto", design_tokens: int = 4096, rotary: Rotary | None = None,
-              weights: np.ndarray | None = None) -> Profile:
-    """Fit a profile on sample KV caches [layers, 2, tokens, heads, head_dim].
-
-    Each sample's first ``sink_tokens`` are left out (they are sent verbatim).
-    ``transform``: "layer" (PCA across all heads; the default), "head" (PCA
-    within each head) or "identity". ``delta``: "auto" switches CacheGen's
-    anchor/delta coding on per (layer, K/V) only where it measures >= 1% smaller.
-    ``rotary`` (the model's RoPE, e.g. ``streamer.model.rotary_of(model)``): each sample's
-    keys, at positions 0 .. tokens - 1, are rotated back before fitting, and the profile
-    makes encode and decode do the same at each chunk's own positions.
-    ``weights`` (float32 [layers, 2], e.g. ``codec.allocation.allocate(sensitivities)``):
-    each level holds layer l's K or V to its target times ``weights[l, kind]``; None
-    holds every section to the level's target. Weights whose estimated bits exceed the
-    uniform split's at any level are first scaled up until they do not (``_budget_weights``);
-    the profile carries the weights it used.
-    """
-    if rotary is not None and not isinstance(rotary, Rotary):
-        raise ValueError(f"rotary must be a codec.Rotary or None, got {type(rotary).__name__}")
-    bodies: list[list[list[torch.Tensor]]] = []
-    shape = None
-    for kv in samples:
-        validate_kv(kv)
-        L, _, T, H, D = kv.shape
-        if shape is not None and (L, H, D) != shape:
-            raise ValueError(f"calibration samples disagree on shape: {shape} vs {(L, H, D)}")
-        shape = (L, H, D)
-        if rotary is not None and rotary.head_dim != D:
-            raise ValueError(f"rotary head_dim {rotary.head_dim} does not match the samples' head_dim {D}")
-        if T > sink_tokens:
-            bodies.append(split_tokens(kv, sink_tokens, rotary))
-    if shape is None:
-        raise ValueError("calibrate needs at least one sample")
-    if not bodies:
-        raise ValueError(f"calibration samples have no tokens beyond the {sink_tokens} sink tokens")
-    L, H, D = shape
-    tokens = [[torch.cat([b[l][i] for b in bodies]) for i in range(2)] for l in range(L)]
-    return fit_profile(tokens, H, D, targets=targets, sink_tokens=sink_tokens,
-                       transform_kind=transform, delta=delta, design_tokens=design_tokens, rotary=rotary,
-                       weights=weights)
-
-
 def embedded_profile(kv: torch.Tensor, level: int, sink_tokens: int) -> Profile:
     """The single-level, identity-transform profile a blob carries when there is none.
 
@@ -678,7 +704,7 @@ def embedded_profile(kv: torch.Tensor, level: int, sink_tokens: int) -> Profile:
                        design_tokens=1024)
 
 
-__all__ = ["Profile", "Level", "Rotary", "calibrate", "DEFAULT_LEVEL", "DEFAULT_TARGETS"]
+__all__ = ["Profile", "Level", "Rotary", "DEFAULT_LEVEL", "DEFAULT_TARGETS"]
 
 
 #: room for a profile file's JSON (safetensors' array index and the metadata array: the
@@ -696,6 +722,7 @@ def max_profile_bytes(layers: int, heads: int, head_dim: int, levels: int) -> in
               + 2 * V * L * 2 * 4            # steps, kept
               + L * 2 * 4 * 2                # delta_group, weights
               + 2 * V * L * 2 * 2 * C        # shift, table
-              + MAX_TABLES * 128 * 2)        # tables
+              + MAX_TABLES * 128 * 2         # tables
+              + L * (2 * C + 1) * 2 * C * 2)  # predictor, float16
     return arrays + _PROFILE_JSON_BYTES
 

@@ -128,7 +128,8 @@ def _ieee_float32_products() -> bool:
 
 
 def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
-            out: torch.Tensor, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+            out: torch.Tensor, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None,
+            prediction: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> None:
     """Write tokens [N, C] reconstructed from coefficients [kept, N] into ``out``.
 
     With a basis, components past ``kept`` were dropped (they reconstruct as the
@@ -138,6 +139,9 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
     Values are clamped to the output dtype's finite range, so a reconstruction that
     lands a hair past fp16's largest value never becomes inf. ``rope`` (a rotary and
     its angles for these tokens) re-applies RoPE to reconstructed keys, in float32.
+    ``prediction`` (float32 [N, C], ``codec.prediction``) is added to the reconstruction
+    first, and ``decoded`` ([N, C] float32) receives the sum before RoPE: what the next
+    layer is predicted from.
     """
     kept, tokens = coef.shape
     bias = mean.expand(tokens, mean.shape[0])
@@ -148,6 +152,10 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
             result = bias.clone()
         else:
             result = torch.addmm(bias, coef.T, basis[:kept])
+        if prediction is not None:
+            result = result.add_(prediction) if result.is_contiguous() else result + prediction
+        if decoded is not None:
+            decoded.copy_(result)
     if rope is not None:
         with stage(ROPE):   # the clamp in the same pass
             result = result.contiguous()  # an identity profile's sum may keep coef's transposed strides

@@ -30,7 +30,7 @@ import torch
 from . import container, control, rans, rotary
 from .api import decode_section, encode, parse_header
 from .levels import DEFAULT_TARGETS
-from .profile import calibrate
+from .calibration import calibrate
 from .synthetic import synthetic_kv
 
 log = logging.getLogger("kvwire.codec")

@@ -159,7 +159,7 @@ def test_allocated_profile_spends_no_more_than_uniform(drifting_kv, monkeypatch)
     level = codec.DEFAULT_LEVEL
     assert fitted.estimated_bits[level] <= uniform.estimated_bits[level]
     assert np.all(fitted.weights >= extreme) and fitted.weights.max() <= allocation.MAX_WEIGHT
-    monkeypatch.setattr(codec.profile, "_budget_weights", lambda bases, targets, w: w)
+    monkeypatch.setattr(codec.profile, "_budget_weights", lambda bases, targets, w, ratio: w)
     unfitted = codec.calibrate([drifting_kv], weights=extreme)
     assert unfitted.estimated_bits[level] > uniform.estimated_bits[level]  # what the fit corrects
 

@@ -54,9 +54,21 @@ def embedded_blob(tiny_kv):
     return codec.encode(tiny_kv.half(), 2), None
 
 
-@pytest.fixture(scope="module", params=["profiled", "embedded"])
-def case(request, profiled_blob, embedded_blob):
-    blob, profile = profiled_blob if request.param == "profiled" else embedded_blob
+@pytest.fixture(scope="module")
+def predicted_blob():
+    """(blob, profile): format 6, 3 layers each following from the one before, layer 1
+    coded as what its prediction from layer 0 misses (layer 2 restarts), ~500 bytes."""
+    from streamer.tools.fuzz_codec import chained_tiny_kv
+
+    profile = codec.calibrate([chained_tiny_kv(0, 64)], predict=2)
+    blob = codec.encode(chained_tiny_kv(1, 24), 2, profile)
+    assert codec.inspect(blob)["format_version"] == 6 and codec.inspect(blob)["sections"]["raw_layers"] == []
+    return blob, profile
+
+
+@pytest.fixture(scope="module", params=["profiled", "embedded", "predicted"])
+def case(request, profiled_blob, embedded_blob, predicted_blob):
+    blob, profile = {"profiled": profiled_blob, "embedded": embedded_blob, "predicted": predicted_blob}[request.param]
     # sanity: the undamaged blob decodes, so every failure below is due to the damage
     codec.decode(blob, profile)
     return blob, profile

@@ -48,14 +48,24 @@ def _header_bytes(blob: bytes) -> int:
     return sections["header"] + sections["embedded_profile"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.fixture(scope="module")
+def predicting_profile() -> codec.Profile:
+    """Layer 1 predicted from layer 0 (blob format 6)."""
+    layers, _, heads, head_dim = SHAPE
+    return codec.calibrate([synthetic_kv(layers, heads, head_dim, 256, seed=1)], predict=2)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["random_walk", "cauchy", "constant", "spikes", "synthetic"]),
        scale=st.sampled_from([1e-3, 1.0, 1e3, 3e4]), seed=st.integers(0, 2 ** 16),
-       level=st.integers(0, len(codec.DEFAULT_TARGETS) - 1), with_profile=st.booleans(),
+       level=st.integers(0, len(codec.DEFAULT_TARGETS) - 1),
+       which=st.sampled_from(["embedded", "profile", "predicting"]),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
-def test_blob_is_never_larger_than_raw_plus_header(profile, kind, scale, seed, level, with_profile, dtype) -> None:
+def test_blob_is_never_larger_than_raw_plus_header(profile, predicting_profile, kind, scale, seed, level, which,
+                                                   dtype) -> None:
     kv = _adversarial(kind, scale, seed, dtype)
-    prof = profile if with_profile else None
+    prof = {"embedded": None, "profile": profile, "predicting": predicting_profile}[which]
     blob = codec.encode(kv, level, prof)
     own_bytes = kv.numel() * kv.element_size()  # the fp16 size for fp16 and bf16 input
     assert len(blob) <= own_bytes * 1.01 + _header_bytes(blob)

@@ -50,7 +50,12 @@ class ParsedSection:
 def parse_section(header: BlobHeader, profile: Profile, slot: int, layer: int,
                   section: bytes | memoryview) -> ParsedSection:
     """Verify a section's length and CRC (the only check of it on this path) and parse
-    its lane table against the token count before anything is sized from it."""
+    its lane table against the token count before anything is sized from it. A
+    predicted blob (format 6) is refused: its layers add a prediction from the layer
+    before, which this batched path does not compute (``codec.decode`` on the CPU does)."""
+    if header.predicted:
+        raise codec.Unsupported("this decoder does not decode predicted blobs (format 6) yet; decode them "
+                                "with codec.decode on the CPU")
     view = container.verify_section(section, header, layer)
     sinks, rest = view[:header.sink_size], view[header.sink_size:]
     if header.is_raw(layer):

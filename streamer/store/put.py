@@ -233,6 +233,11 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
     if profile is None:
         profile = await asyncio.to_thread(codec.calibrate, [kv])
     profile.check_shape(layers, heads, head_dim)
+    if profile.predicts:
+        raise ValueError(f"profile {profile.id} predicts each layer from the one before it (blob format 6), "
+                         f"which the streamer does not serve yet: a fetch that continues a chunk at another "
+                         f"level, or decodes it on a GPU, cannot decode such blobs. Calibrate without --predict "
+                         f"to store a context")
     chosen = _check_levels(levels, profile)
     await store.put_profile(profile)
     async with store.writer(context_id) as writer:

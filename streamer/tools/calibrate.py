@@ -36,6 +36,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(f"kvwire calibrate: the text has only {len(ids)} tokens; calibration needs more", file=sys.stderr)
         return 2
     kwargs = {"targets": tuple(args.targets)} if args.targets else {}
+    if args.predict:
+        kwargs["predict"] = args.predict
     try:
         profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window,
                                             rotary=_ROTARY[args.rotary],
@@ -56,6 +58,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                           "transform": profile.transform,
                           "rotary": None if profile.rotary is None else profile.rotary.to_json(),
                           "weights": None if profile.weights is None else profile.weights.tolist(),
+                          "predict": profile.restart,
                           "seconds": round(seconds, 2), "levels": levels},
                          indent=2))
         return 0
@@ -131,6 +134,11 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         "(a causal LM's continuation, an encoder's embedding; codec.allocation): 'auto' (the "
                         "default choice, measured by bench quality: on; higher top-1 agreement at equal bits "
                         "on SmolLM2, fewer bits at a higher cosine on MiniLM), 'on', 'off'")
+    p.add_argument("--predict", type=int, default=0, metavar="N",
+                   help="predict each layer from the one before it, coding only what the prediction misses "
+                        "(blob format 6; layers 0, N, 2N, .. coded alone; 0, the default: off). Fewer bits at "
+                        "the same error; decoded on the CPU only, layer by layer, and not yet served by the "
+                        "streamer (kvwire put refuses such a profile)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
 

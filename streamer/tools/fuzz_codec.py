@@ -36,10 +36,22 @@ class FuzzBug(AssertionError):
 _ENTRY = ENTRY.size
 
 
+def chained_tiny_kv(seed: int, tokens: int):
+    """float32 KV [3, 2, tokens, 1, 3] whose layers follow from one another (layer l is
+    layer l - 1 a little changed), so that a predicting profile codes a residual."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    layers = [torch.randn(tokens, 6, generator=gen)]
+    for _ in range(2):
+        layers.append(0.9 * layers[-1] + 0.1 * torch.randn(tokens, 6, generator=gen))
+    return torch.stack(layers).reshape(3, tokens, 2, 1, 3).permute(0, 2, 1, 3, 4).contiguous()
+
+
 @functools.lru_cache(maxsize=1)
 def _seed_blobs():
     """(blob, profile) pairs: a profiled delta-coded blob, an fp16 embedded one, a profiled
-    level 0 one, and an exact-level one (every section raw)."""
+    level 0 one, an exact-level one (every section raw), and a predicted one (format 6)."""
     import torch
 
     import codec
@@ -47,8 +59,19 @@ def _seed_blobs():
     gen = torch.Generator().manual_seed(0)
     profile = codec.calibrate([torch.randn(2, 2, 64, 1, 3, generator=gen)], delta="always")
     kv = torch.randn(2, 2, 24, 1, 3, generator=torch.Generator().manual_seed(1))
+    predicting = codec.calibrate([chained_tiny_kv(0, 64)], predict=2)
     return ((codec.encode(kv, 2, profile), profile), (codec.encode(kv.half(), 2), None),
-            (codec.encode(kv, 0, profile), profile), (codec.encode_exact(kv.half(), profile), profile))
+            (codec.encode(kv, 0, profile), profile), (codec.encode_exact(kv.half(), profile), profile),
+            (codec.encode(chained_tiny_kv(1, 24), 2, predicting), predicting))
+
+
+def _seed(data: bytes) -> tuple[bytes, object]:
+    """The seed blob ``data`` names: data[0]'s low 2 bits, or with bit 5 the predicted one
+    (an input's meaning from before that seed existed is kept)."""
+    seeds = _seed_blobs()
+    if not data:
+        return seeds[0]
+    return seeds[4] if data[0] & 0x20 else seeds[data[0] % 4]
 
 
 def _reseal(blob: bytes) -> bytes:
@@ -75,11 +98,10 @@ def _reseal(blob: bytes) -> bytes:
 def mutate_blob(data: bytes) -> tuple[bytes, object]:
     """The damaged blob (and its profile) that ``data`` describes.
 
-    data[0]: seed blob (low 2 bits), forge CRCs (bit 2), truncate (bit 3), extend (bit 4);
-    data[1:3]: u16 truncation point; then (u16 position, u8 xor) edits.
+    data[0]: seed blob (low 2 bits, or bit 5: ``_seed``), forge CRCs (bit 2), truncate (bit 3),
+    extend (bit 4); data[1:3]: u16 truncation point; then (u16 position, u8 xor) edits.
     """
-    seeds = _seed_blobs()
-    blob, profile = seeds[data[0] % len(seeds)] if data else seeds[0]
+    blob, profile = _seed(data)
     out = bytearray(blob)
     flags = data[0] if data else 0
     edits = data[3:]
@@ -141,7 +163,7 @@ _FIELDS = (("version", 4, "B"), ("dtype", 5, "B"), ("level", 6, "B"), ("layers",
 def header_blob(data: bytes) -> tuple[bytes, object]:
     """The hand-assembled blob (and its profile) that ``data`` describes.
 
-    data[0]: seed blob; then 6-byte edits (u8 what, u8 layer, u32 value): what % 13 <
+    data[0]: seed blob (``_seed``); then 6-byte edits (u8 what, u8 layer, u32 value): what % 13 <
     9 replaces a header field (_FIELDS, the start position included), 9 a section's
     mode, 10 cuts a section to ``value`` bytes, 11 pads it with ``value % 4096`` zero
     bytes, 12 overwrites a u32 of its lane table (n_lanes, the lane shape, states, word
@@ -149,8 +171,7 @@ def header_blob(data: bytes) -> tuple[bytes, object]:
     Section lengths and every CRC are then recomputed (FORMAT.md), so only the
     fields' meaning is wrong.
     """
-    seeds = _seed_blobs()
-    blob, profile = seeds[data[0] % len(seeds)] if data else seeds[0]
+    blob, profile = _seed(data)
     sections, modes = _seed_sections(blob)
     fixed = bytearray(blob[:table_offset(blob[4])])
     embedded_len = struct.unpack_from("<I", blob, 28)[0]
@@ -187,7 +208,7 @@ def header_blob(data: bytes) -> tuple[bytes, object]:
 
 def check_header(data: bytes) -> None:
     import codec
-    from codec import container
+    from codec import container, prediction
 
     blob, profile = header_blob(data)
     try:
@@ -196,9 +217,13 @@ def check_header(data: bytes) -> None:
         return
     except Exception as exc:
         raise FuzzBug(f"codec.parse_header raised {type(exc).__name__}: {exc}") from exc
+    chain = codec.LayerChain()   # a predicted blob's layers decode in order, each from the one before
     for layer in range(header.layers):
+        if header.predicted and chain.layer != layer - 1 and profile is not None and profile.predicts \
+                and not prediction.is_intra(layer, profile.restart):
+            continue   # the layer before it was refused: it cannot be decoded until the next intra layer
         try:
-            k, v = codec.decode_section(header, profile, layer, container.section(blob, header, layer))
+            k, v = codec.decode_section(header, profile, layer, container.section(blob, header, layer), chain=chain)
         except codec.CodecError:
             continue
         except Exception as exc:
@@ -209,18 +234,20 @@ def check_header(data: bytes) -> None:
 
 
 #: profile arrays a ``profile`` input may edit, and the metadata fields it may replace
-_ARRAYS = ("mean", "basis", "steps", "kept", "delta_group", "shift", "table", "tables")
-_META = ("layers", "heads", "head_dim", "sink_tokens", "targets", "estimated_bits", "transform", "rotary")
+_ARRAYS = ("mean", "basis", "steps", "kept", "delta_group", "shift", "table", "tables", "weights", "predictor")
+_META = ("layers", "heads", "head_dim", "sink_tokens", "targets", "estimated_bits", "transform", "rotary",
+         "restart")
 
 
 def profile_bytes(data: bytes) -> bytes:
     """The edited profile file that ``data`` describes.
 
-    data[0]: seed profile; then 7-byte edits (u8 what, u16 index, u32 value): what %
-    20 < 8 sets element ``index`` of array _ARRAYS[what] to ``value`` (cast to its
-    dtype; floats from the u32's bits), < 16 drops or repeats the array's last row
-    on axis ``index % ndim``, else replaces metadata field _META[index % 8] by a
-    number, a list or a string derived from ``value``.
+    data[0]: seed profile (the seed blobs' and an identity one); then 7-byte edits (u8
+    what, u16 index, u32 value), with A = len(_ARRAYS): what % (2A + 4) < A sets element
+    ``index`` of array _ARRAYS[what] to ``value`` (cast to its dtype; floats from the
+    u32's low bits), < 2A drops or repeats the array's last row on axis ``index % ndim``,
+    else replaces metadata field _META[index % len(_META)] by a number, a list or a
+    string derived from ``value``.
     """
     from safetensors.numpy import save
 
@@ -230,17 +257,19 @@ def profile_bytes(data: bytes) -> bytes:
     meta = json.loads(profile._metadata_json())
     for j in range(1, len(data) - 6, 7):
         what, index, value = struct.unpack_from("<BHI", data, j)
-        what %= 20
-        if what < 16:
-            name = _ARRAYS[what % 8]
+        what %= 2 * len(_ARRAYS) + 4
+        if what < 2 * len(_ARRAYS):
+            name = _ARRAYS[what % len(_ARRAYS)]
             if name not in arrays:
                 continue
             array = arrays[name]
-            if what < 8 and array.size:
+            if what < len(_ARRAYS) and array.size:
                 flat = array.reshape(-1)
-                cast = np.array([value], np.uint32).view(np.float32)[0] if array.dtype == np.float32 else value
+                cast = (np.array([value], np.uint32).view(np.float32)[0] if array.dtype == np.float32 else
+                        np.array([value & 0xFFFF], np.uint16).view(np.float16)[0] if array.dtype == np.float16
+                        else value)
                 flat[index % flat.size] = np.array(cast).astype(array.dtype, casting="unsafe")
-            elif what >= 8 and array.ndim:
+            elif what >= len(_ARRAYS) and array.ndim:
                 axis = index % array.ndim
                 if array.shape[axis] == 0:
                     continue

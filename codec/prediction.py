@@ -1,0 +1,97 @@
+"""Inter-layer prediction: each layer's coded tokens predicted from the previous layer's
+decoded ones, so that a section codes only what the prediction misses (format 6).
+
+The prediction is linear (as in AQUA-KV): layer l's position-free K and V of a token,
+one row of 2C numbers, is ``[previous, 1] @ predictor[l]``, ``previous`` being layer
+l - 1's *decoded* values of that token (float32, keys with RoPE removed, before rounding
+to the blob's dtype). One map per layer, fitted by least squares on calibration KV and
+stored in float16 in the profile. Layers ``0, restart, 2 restart, ..`` are coded alone
+(their predictor rows are zero): a decode can start there with nothing before it.
+
+Pure functions on tensors; the encoder and the decoders call them layer by layer.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+#: Ridge added to the normal equations' diagonal, relative to its mean: the map from a
+#: layer's 2C values to the next layer's is fitted on a few thousand tokens, and a few
+#: directions barely vary.
+RIDGE = 1e-4
+
+
+def is_intra(layer: int, restart: int) -> bool:
+    """Whether ``layer`` is coded alone under a profile predicting with period ``restart``."""
+    return layer % restart == 0
+
+
+def restart_layer(layer: int, restart: int) -> int:
+    """The intra-coded layer at or before ``layer``: where a decode reaching it starts."""
+    return layer - layer % restart
+
+
+def kind_groups(channels: int) -> list[torch.Tensor]:
+    """K from K and V from V: a block-diagonal map, half the numbers and multiply-adds."""
+    every = torch.arange(2 * channels)
+    return [every[:channels], every[channels:]]
+
+
+def head_groups(heads: int, head_dim: int) -> list[torch.Tensor]:
+    """Each KV head's K and V from that head's K and V."""
+    channels = heads * head_dim
+    every = torch.arange(2 * channels)
+    return [torch.cat([every[h * head_dim:(h + 1) * head_dim],
+                       every[channels + h * head_dim:channels + (h + 1) * head_dim]]) for h in range(heads)]
+
+
+def fit(values: torch.Tensor, restart: int, groups: Sequence[torch.Tensor] | None = None) -> np.ndarray:
+    """float16 [L, 2C + 1, 2C]: per layer the least-squares map (ridge ``RIDGE``) from the
+    previous layer's values (and a constant, the last row) to the layer's, over the tokens
+    of ``values`` (float32 [L, N, 2C], position-free). ``groups``: channel groups each
+    predicted from the same channels only (None: every channel from every channel); the
+    map is zero elsewhere. Intra layers (``is_intra``) get a zero map."""
+    layers, _, width = values.shape
+    out = np.zeros((layers, width + 1, width), dtype=np.float16)
+    groups = [torch.arange(width)] if groups is None else list(groups)
+    for layer in range(1, layers):
+        if is_intra(layer, restart):
+            continue
+        for index in groups:
+            x = _with_constant(values[layer - 1][:, index].double())
+            gram = x.T @ x
+            gram += RIDGE * torch.diagonal(gram).mean() * torch.eye(gram.shape[0], dtype=torch.float64)
+            solved = torch.linalg.solve(gram, x.T @ values[layer][:, index].double()).numpy()
+            rows = np.append(index.numpy(), width)
+            out[layer][np.ix_(rows, index.numpy())] = solved
+    return out
+
+
+def _with_constant(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+
+
+def predict(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """float32 [2, N, C]: the prediction of a layer from the previous layer's decoded
+    values ``previous`` (float32 [2, N, C]) by its map ``matrix`` (float32 [2C + 1, 2C]).
+
+    One float32 product plus the constant row; its summation order is the BLAS's, so
+    decoders agree to float32 rounding here (FORMAT.md, "Inter-layer prediction")."""
+    _, tokens, channels = previous.shape
+    flat = previous.permute(1, 0, 2).reshape(tokens, 2 * channels)
+    out = torch.addmm(matrix[-1].expand(tokens, 2 * channels), flat, matrix[:-1])
+    return out.reshape(tokens, 2, channels).permute(1, 0, 2)
+
+
+def residuals(values: torch.Tensor, predictor: np.ndarray, restart: int) -> torch.Tensor:
+    """Each layer of ``values`` (float32 [L, N, 2C]) less its prediction from the
+    previous layer's exact values: what calibration fits the residual profile on (the
+    open loop; the encoder predicts from decoded layers)."""
+    out = values.clone()
+    for layer in range(1, values.shape[0]):
+        if not is_intra(layer, restart):
+            matrix = torch.from_numpy(predictor[layer].astype(np.float32))
+            out[layer] -= torch.addmm(matrix[-1].expand(values.shape[1], -1), values[layer - 1], matrix[:-1])
+    return out
