@@ -91,3 +91,16 @@ def test_stage_marks_cost_nothing_outside_a_recording() -> None:
         with stages.stage(stages.ENTROPY):
             pass
     assert set(times) == {stages.ENTROPY}
+
+
+def test_predicted_rows_sit_beside_the_plain_ones_at_the_same_error() -> None:
+    """``--predict N``: every level again from a predicting profile with the same targets;
+    the step control holds each at the plain level's error (within the levels' +-15%)."""
+    workload = bench_codec.synthetic_workload("small", 1024)
+    report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=2)
+    plain = [r for r in report.rows if r.method == "kvwire"]
+    predicted = [r for r in report.rows if r.method == "kvwire-predicted/2"]
+    assert report.config["predict"] == 2 and len(predicted) == len(plain) == 5
+    for p, q in zip(plain, predicted):
+        assert q.level == p.level and q.distortion == pytest.approx(p.distortion, rel=0.15)
+        assert q.decode_mb_s > 0 and q.encode_mb_s > 0 and q.ratio_fp16 == pytest.approx(16 / q.bits_per_element)

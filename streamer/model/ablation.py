@@ -4,10 +4,10 @@ from, and what taking bits out in other ways would buy, measured on the model.
 Each ablation turns one window's KV, coded at one level, into another decoded KV and its
 size. Two kinds:
 
-* **codec**: the real encoder, run differently. ``layer-predicted`` codes each layer's
-  residual from a prediction out of the previous decoded layer
-  (``streamer.model.layer_prediction``), a technique measured before the format carries
-  it, with its maps in blocks (``-kind``, ``-head``) or restarting every few layers.
+* **codec**: the real encoder, run differently. ``layer-predicted`` calibrates the
+  profile again with inter-layer prediction (``codec.prediction``, blob format 6: each
+  layer's residual from a prediction out of the previous decoded layer), with its maps in
+  blocks (``-kind``, ``-head``) or restarting every few layers.
   ``sinks-0`` / ``sinks-16`` code the context with 0 or 16 leading tokens kept verbatim (``codec.encode``'s ``sink_tokens``;
   the profile's default is 4); ``recent-finer`` codes the context's last tokens as a
   second blob two levels finer (a chunk cut in two at a token boundary, each part with
@@ -28,9 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 import codec
+from codec import prediction
 
 #: tokens of a token-group ablation, at most a quarter of the context (short test windows)
 SINK_GROUP = 16
@@ -184,12 +186,25 @@ def _recent_finer(w: Window, profile: codec.Profile, level: int) -> tuple[torch.
 
 def _layer_predicted(grouping: str = "all", restart: int = 0
                      ) -> Callable[[Sequence[torch.Tensor], codec.Profile], Fitted]:
+    """The format's inter-layer prediction (blob format 6): ``profile`` calibrated again on
+    ``samples`` with the same targets, weights and RoPE, and ``predict`` (every
+    ``restart``-th layer coded alone; 0: only the first)."""
     def prepare(samples: Sequence[torch.Tensor], profile: codec.Profile) -> Fitted:
-        from streamer.model import layer_prediction
+        predicted = codec.calibrate(samples, targets=profile.targets, sink_tokens=profile.sink_tokens,
+                                    transform=profile.transform, rotary=profile.rotary, weights=profile.weights,
+                                    predict=restart or profile.layers, predict_groups=grouping)
 
-        predictor = layer_prediction.fit(samples, profile, grouping=grouping, restart=restart)
-        return Fitted(lambda w, _p, level: layer_prediction.code(predictor, w.kv, level, profile.rotary),
-                      predictor.facts())
+        def apply(w: Window, _p: codec.Profile, level: int) -> tuple[torch.Tensor, int]:
+            blob = codec.encode(w.kv, level, predicted)
+            return codec.decode(blob, predicted), len(blob)
+        intra = sum(prediction.is_intra(layer, predicted.restart) for layer in range(predicted.layers))
+        width = 2 * predicted.channels
+        return Fitted(apply, {
+            "profile_id": predicted.id, "profile_bytes": len(predicted.to_bytes()),
+            "map_values": int(np.count_nonzero(predicted.predictor)), "intra_layers": intra,
+            # the decoder multiplies by the dense map whatever its blocks: one multiply-add
+            # per map row and decoded value, on every predicted layer (modelled, not timed)
+            "added_multiply_adds_per_value": round(width * (predicted.layers - intra) / predicted.layers, 1)})
     return prepare
 
 
@@ -203,7 +218,7 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation("recent-finer", "codec", f"the last {RECENT_GROUP} tokens (at most a quarter) coded as a second blob "
              f"{FINER_LEVELS} levels finer", _recent_finer),
     Ablation("layer-predicted", "codec", "each layer's K and V predicted from the previous layer's decoded K and V "
-             "(linear maps fitted at calibration), only the residual coded (streamer.model.layer_prediction)",
+             "(linear maps fitted at calibration), only the residual coded (codec.prediction, format 6)",
              None, _layer_predicted()),
     Ablation("layer-predicted-kind", "codec", "as layer-predicted, K from the previous layer's K and V from its V "
              "(two blocks: half the map)", None, _layer_predicted("kind")),

@@ -25,7 +25,8 @@ from numba import njit, prange
 
 from codec import api, baselines, container, entropy, layer_codec, stages
 from codec.levels import DEFAULT_LEVEL
-from codec.profile import CodedBody, Profile, calibrate
+from codec.calibration import calibrate
+from codec.profile import CodedBody, Profile
 from codec.synthetic import synthetic_kv
 
 CACHEGEN_QUALITIES = (0.02, 0.04, 0.07, 0.12, 0.2, 0.35, 0.6, 1.0)
@@ -244,7 +245,8 @@ def interpolate_bits(curve: Sequence[Row], target: float) -> float | None:
 
 
 # ------------------------------------------------------------------------------ run
-def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bool = True) -> Report:
+def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bool = True,
+        predict: int = 0) -> Report:
     torch.manual_seed(0)
     start = time.perf_counter()
     profile = workload.profile or calibrate([workload.calibration])
@@ -270,6 +272,9 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
         if workload.cosine is not None:
             row.cosine = workload.cosine(lambda kv, level=level: api.decode(api.encode(kv, level, profile), profile))
         rows.append(row)
+    if predict:
+        rows += _predicted_rows(workload, profile, predict, chunks, repeat)
+        report.config["predict"] = predict
     for row in rows:
         row.ratio_fp16 = fp16.bits_per_element / row.bits_per_element
         row.ratio_int8 = int8.bits_per_element / row.bits_per_element
@@ -283,6 +288,20 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
         report.delta = _compare_delta(workload, chunks, profile)
     report.targets = _targets(report, workload.cosine is not None)
     return report
+
+
+def _predicted_rows(workload: Workload, profile: Profile, restart: int, chunks, repeat: int) -> list[Row]:
+    """Every level again with inter-layer prediction (blob format 6): ``profile``'s targets,
+    weights and RoPE, calibrated again with ``predict=restart`` on the calibration KV, so
+    its rows sit beside the plain ones at the same targets, with the decode and encode
+    speed the prediction costs on this CPU."""
+    predicted = calibrate([workload.calibration], targets=profile.targets, sink_tokens=profile.sink_tokens,
+                          transform=profile.transform, rotary=profile.rotary, weights=profile.weights,
+                          predict=restart)
+    rows = []
+    for level in range(len(predicted.levels)):
+        rows.append(measure_kvwire(predicted, level, chunks, repeat, name=f"kvwire-predicted/{restart}")[0])
+    return rows
 
 
 def _compare_transforms(workload: Workload, chunks, profile: Profile) -> list[dict]:
@@ -605,8 +624,8 @@ def plot(report: Report, path: Path) -> None:
 
 def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int = 8192,
          chunk_tokens: int = 1536, repeat: int = 3, as_json: bool = False,
-         plot_path: str | None = "codec_rd.png", variants: bool = True, stages_only: bool = False
-         ) -> Report | StageReport:
+         plot_path: str | None = "codec_rd.png", variants: bool = True, stages_only: bool = False,
+         predict: int = 0) -> Report | StageReport:
     if workload == "minilm":
         wl = minilm_workload(tokens, calibration_tokens)
     elif workload == "smollm2":
@@ -618,7 +637,7 @@ def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int =
                                 chunks_of(wl.measured, chunk_tokens), repeat)
         print(staged.to_json() if as_json else render_stages(staged))
         return staged
-    report = run(wl, chunk_tokens, repeat, compare_variants=variants)
+    report = run(wl, chunk_tokens, repeat, compare_variants=variants, predict=predict)
     print(report.to_json() if as_json else render(report))
     if plot_path:
         plot(report, Path(plot_path))

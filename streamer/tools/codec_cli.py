@@ -9,7 +9,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     bench.main(workload=args.workload, tokens=args.tokens, calibration_tokens=args.calibration_tokens,
                chunk_tokens=args.chunk_tokens, repeat=args.repeat, as_json=args.json,
-               plot_path=None if args.no_plot else args.plot, variants=not args.quick, stages_only=args.stages)
+               plot_path=None if args.no_plot else args.plot, variants=not args.quick, stages_only=args.stages,
+               predict=args.predict)
     return 0
 
 
@@ -31,6 +32,10 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--stages", action="store_true",
                    help="only the CPU decode at the default level, stage by stage (entropy decode, inverse "
                         "transform, RoPE, conversion, CRC, the rest), each against its bound on this CPU")
+    p.add_argument("--predict", type=int, default=0, metavar="N",
+                   help="also measure every level with inter-layer prediction (blob format 6; the profile "
+                        "calibrated again with --predict N: layers 0, N, 2N, .. coded alone), rows "
+                        "kvwire-predicted/N: bits, distortion, encode and decode speed beside the plain rows")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default="codec_rd.png", help="rate-distortion PNG path (default codec_rd.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
