@@ -136,7 +136,10 @@ def test_mpc_plan_is_no_worse_than_any_feasible_plan(inp, data) -> None:
 @given(plan_inputs())
 def test_mpc_choice_fits_whenever_some_plan_does(inp) -> None:
     """Constant link: mpc never sends more than can arrive in time while a smaller
-    level or text would have fit, and when nothing fits it takes the fastest option."""
+    level or text would have fit, and when nothing fits it takes the fastest option.
+    Timed in series (recompute on the decoder's cores), the accounting these sums make:
+    a recompute that overlaps later transfers may take longer than its share and still fit."""
+    inp = PlanInput(**{**inp.__dict__, "recompute_overlaps": False})
     estimate = robust_estimate(inp.history)
     choice = mpc(inp)
     spent = predicted_seconds(inp, choice, estimate)
