@@ -66,6 +66,18 @@ def test_calibrate_cli_writes_loadable_profile(llama_dir, tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["profile_id"] == codec.Profile.load(out2).id and len(doc["levels"]) == 2
     assert doc["levels"][0]["estimated_bits"] > doc["levels"][1]["estimated_bits"]
+    assert doc["predict"] == 0
+
+    # --predict: a version 4 profile whose blobs (format 6) predict layer 1 from layer 0
+    out3 = tmp_path / "predicted.kvprofile"
+    assert _main(["calibrate", "--model", llama_dir, "-o", str(out3), "--tokens", "1500", "--window", "500",
+                  "--predict", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predict"] == 2
+    predicted = codec.Profile.load(out3)
+    assert predicted.predicts and predicted.restart == 2
+    blob = codec.encode(kv, 1, predicted)
+    assert codec.inspect(blob)["format_version"] == 6
+    assert codec.decode(blob, predicted).shape == kv.shape
 
 
 def test_calibrate_cli_errors(tmp_path, capsys):

@@ -67,13 +67,17 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"profile {profile.id} -> {output} ({output.stat().st_size / 1e6:.2f} MB)"
           + ("; keys coded without RoPE" if profile.rotary is not None else "")
           + (f"; section targets weighted {float(profile.weights.min()):.2g}..{float(profile.weights.max()):.2g}x "
-             "by measured sensitivity" if profile.weights is not None else ""))
+             "by measured sensitivity" if profile.weights is not None else "")
+          + (f"; each layer predicted from the one before (layers 0, {profile.restart}, .. coded alone; "
+             "blob format 6)" if profile.predicts else ""))
     print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
     for lv in levels:
         default = "  (default)" if lv["level"] == codec.DEFAULT_LEVEL else ""
         print(f"{lv['level']:>5}{lv['target_distortion']:>16.2e}{lv['estimated_bits']:>14.3f}"
               f"{16 / lv['estimated_bits']:>8.1f}{default}")
-    print("estimated bits are measured on the calibration KV (side info excluded).")
+    print("estimated bits are measured on the calibration KV (side info excluded"
+          + ("; predicted from its exact layers, where the decoder predicts from decoded ones" if profile.predicts
+             else "") + ").")
     return 0
 
 
