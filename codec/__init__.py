@@ -15,8 +15,7 @@ from .api import (LayerChain, decode, decode_layers, decode_section, encode, enc
                   header_length, inspect, parse_header, resolve_profile, section_decoder)
 from .backends import register as register_backend
 from .container import EXACT_LEVEL, BlobHeader
-from .errors import (CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch, ProfileMismatchWarning,
-                     Unsupported)
+from .errors import CodecError, CorruptBitstream, GpuUnavailable, ProfileMismatch, ProfileMismatchWarning
 from .levels import DEFAULT_LEVEL, DEFAULT_TARGETS
 from .calibration import calibrate
 from .profile import Level, Profile, max_profile_bytes
@@ -29,5 +28,5 @@ __all__ = [
     "decode_layers", "decode_section", "encode", "encode_exact", "encode_levels", "header_length", "inspect",
     "max_profile_bytes",
     "parse_header",
-    "register_backend", "resolve_profile", "Rotary", "section_decoder", "Unsupported", "warm_up",
+    "register_backend", "resolve_profile", "Rotary", "section_decoder", "warm_up",
 ]

@@ -434,9 +434,11 @@ class LayerChain:
         self.layer: int | None = None
         self.values: torch.Tensor | None = None
 
-    def prediction(self, header: BlobHeader, profile: Profile, layer: int) -> torch.Tensor | None:
-        """Layer ``layer``'s prediction (None: it is coded alone); ValueError if the chain
-        does not hold the layer before it."""
+    def prediction(self, header: BlobHeader, profile: Profile, layer: int,
+                   maps: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Layer ``layer``'s prediction (None: it is coded alone) from ``maps`` (the
+        profile's ``predictor32``, or a copy on the chain's device); ValueError if the
+        chain does not hold the layer before it."""
         if prediction.is_intra(layer, profile.restart):
             return None
         if self.layer != layer - 1 or self.values is None \
@@ -445,7 +447,7 @@ class LayerChain:
             raise ValueError(f"layer {layer} of a predicted blob decodes from layer {layer - 1}, and the "
                              f"chain holds {held}: decode sections in order from layer "
                              f"{prediction.restart_layer(layer, profile.restart)} with one LayerChain")
-        return prediction.predict(self.values, profile.predictor32[layer])
+        return prediction.predict(self.values, (profile.predictor32 if maps is None else maps)[layer])
 
 
 def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
@@ -505,8 +507,7 @@ def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _
         if not isinstance(rest, layer_codec.LanePayload):
             flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
             if chain is not None:   # a raw section holds the layer itself: predict from it exactly
-                decoded = CodedBody(out.view(1, 2, header.tokens, header.heads, header.head_dim), sinks,
-                                    profile.rotary, header.start).layer(0)
+                decoded = prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks)
         if sinks:
             flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
     if chain is not None:

@@ -30,7 +30,3 @@ class GpuUnavailable(CodecError, RuntimeError):
     """No usable decoder for a GPU device: the message says what is missing (no backend
     registered -- ``import kvwire_kernels`` -- no pycuda, or no CUDA device)."""
 
-
-class Unsupported(CodecError):
-    """A valid blob or profile that this decoder or component does not handle yet (a
-    predicted blob, format 6, on the CUDA decoder): the message says what does."""

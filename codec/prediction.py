@@ -17,6 +17,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .rotary import Rotary, rotate
+
 #: Ridge added to the normal equations' diagonal, relative to its mean: the map from a
 #: layer's 2C values to the next layer's is fitted on a few thousand tokens, and a few
 #: directions barely vary.
@@ -83,6 +85,18 @@ def predict(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     flat = previous.permute(1, 0, 2).reshape(tokens, 2 * channels)
     out = torch.addmm(matrix[-1].expand(tokens, 2 * channels), flat, matrix[:-1])
     return out.reshape(tokens, 2, channels).permute(1, 0, 2)
+
+
+def position_free(tokens: torch.Tensor, rotary: Rotary | None, position: int) -> torch.Tensor:
+    """float32 [2, N, C] of a layer's coded tokens ``tokens`` ([2, N, C], any float dtype
+    and device) as the transform sees them: keys rotated back from positions ``position
+    ..`` when ``rotary``. What a raw section's layer is predicted from, computed as the
+    encoder computes its values (``codec.profile.CodedBody``), so the two agree bit for
+    bit on one device."""
+    values = tokens.to(torch.float32, copy=True)
+    if rotary is not None and values.shape[1]:
+        values[0] = rotate(values[0], rotary, rotary.angles(position, values.shape[1], values.device), inverse=True)
+    return values
 
 
 def residuals(values: torch.Tensor, predictor: np.ndarray, restart: int) -> torch.Tensor:

@@ -468,6 +468,53 @@ def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.
     assert _ulps(got[1], want) <= 1
 
 
+def _chained(seed: int, layers: int = 6, tokens: int = 120) -> torch.Tensor:
+    """KV whose layers follow from one another, as a model's do (format 6's prediction)."""
+    gen = torch.Generator().manual_seed(seed)
+    mixes = torch.Generator().manual_seed(11)
+    out = [torch.randn(tokens, 24, generator=gen)]
+    for _ in range(1, layers):
+        out.append(out[-1] @ (0.9 * torch.eye(24) + 0.1 * torch.randn(24, 24, generator=mixes))
+                   + 0.05 * torch.randn(tokens, 24, generator=gen))
+    return torch.stack(out).reshape(layers, tokens, 2, 3, 4).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def test_adapter_decodes_predicted_blobs_and_cuts_off_what_a_corrupt_layer_feeds(host_kernel) -> None:
+    """Format 6 through GpuDecoder's own code: groups of 4 layers, each group's batched
+    GEMM then each layer's prediction in turn (the chain crosses groups), equal to the
+    CPU decoder to 1 ulp. A corrupt section in a stream decoder's chunk fails its layer
+    and the layers predicted from it up to the next intra layer; that one decodes."""
+    from kvwire_kernels.stream import StreamDecoder
+
+    profile = codec.calibrate([_chained(1, tokens=400), _chained(2, tokens=400)], predict=3)
+    blob = codec.encode(_chained(3).half(), 1, profile)
+    header, sections = _sections(blob)
+    want = codec.decode(blob, profile)
+    decoder = _HostDecoder(host_kernel, group_layers=4)
+    got = {l: torch.stack([k, v]) for l, k, v in decoder.decode_into(header, profile, iter(sections))}
+    assert sorted(got) == list(range(6)) and all(_ulps(got[l], want[l]) <= 1 for l in got)
+    with pytest.raises(ValueError, match="decode them in order from layer 3"):
+        decoder.decode_section(header, profile, 4, sections[4][1])
+    k, v = decoder.decode_section(header, profile, 3, sections[3][1])   # intra: alone
+    assert _ulps(torch.stack([k, v]), want[3]) <= 1
+
+    stream = StreamDecoder(_HostDecoder(host_kernel, group_layers=2), idle_seconds=0.01)
+    try:
+        futures = []
+        for layer, section in sections:
+            if layer == 1:
+                section = bytes(section[:-1]) + bytes([section[-1] ^ 1])
+            futures.append(stream.submit(header, profile, layer, section))
+        for layer, future in enumerate(futures):
+            if layer in (1, 2):
+                with pytest.raises(codec.CorruptBitstream, match=f"layer {layer}"):
+                    future.result(timeout=60)
+            else:
+                assert _ulps(torch.stack(future.result(timeout=60)), want[layer]) <= 1
+    finally:
+        stream.close()
+
+
 def test_device_decode_computes_each_sections_crc_once(host_kernel, monkeypatch: pytest.MonkeyPatch,
                                                       crc_calls) -> None:
     """codec.decode_layers(device="cuda") (and codec.decode's device path: both go through

@@ -12,7 +12,7 @@ from streamer_helpers import put_context_now
 
 import codec
 from codec import container, prediction
-from codec.errors import CorruptBitstream, ProfileMismatchWarning, Unsupported
+from codec.errors import CorruptBitstream, ProfileMismatchWarning
 from codec.profile import Profile
 from codec.rotary import Rotary, rotate
 
@@ -172,13 +172,3 @@ def test_the_streamer_refuses_to_store_a_predicting_profile(profiles, tmp_path):
     kv = chained_kv(4)
     with pytest.raises(ValueError, match="does not serve yet"):
         put_context_now(str(tmp_path), "ctx", kv, list(range(kv.shape[2])), profile=predicted, chunk_tokens=200)
-
-
-def test_the_batched_device_path_refuses_predicted_blobs(profiles):
-    from kvwire_kernels import reconstruct
-
-    _, predicted = profiles
-    kv = chained_kv(3)
-    blob = codec.encode(kv, 1, predicted)
-    with pytest.raises(Unsupported, match="format 6"):
-        reconstruct.decode_into(blob, predicted, torch.empty(kv.shape, dtype=kv.dtype))

@@ -9,6 +9,8 @@ relative), i.e. at most one unit in the last place of float16/bfloat16.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -99,3 +101,46 @@ def test_out_must_fit_the_blob_and_corrupt_sections_are_caught() -> None:
     damaged[header.section_offset(2) + 5] ^= 0x01
     with pytest.raises(codec.CorruptBitstream, match="layer 2"):
         reconstruct.decode_into(bytes(damaged), profile, torch.empty(header.shape, dtype=header.dtype))
+
+
+def _chained(seed: int, layers: int = 6, tokens: int = 90) -> torch.Tensor:
+    """KV whose layers follow from one another, as a model's do (format 6's prediction)."""
+    gen = torch.Generator().manual_seed(seed)
+    mixes = torch.Generator().manual_seed(11)
+    out = [torch.randn(tokens, 24, generator=gen)]
+    for _ in range(1, layers):
+        out.append(out[-1] @ (0.9 * torch.eye(24) + 0.1 * torch.randn(24, 24, generator=mixes))
+                   + 0.05 * torch.randn(tokens, 24, generator=gen))
+    return torch.stack(out).reshape(layers, tokens, 2, 3, 4).permute(0, 2, 1, 3, 4).contiguous()
+
+
+@pytest.mark.parametrize("group_layers", [1, 4])
+def test_predicted_blobs_match_the_cpu_decoder_at_the_last_layer(group_layers: int) -> None:
+    """Format 6: the batched GEMM, then each layer's prediction in turn. The GEMMs' float32
+    rounding is carried from layer to layer through the maps, so the last layer before a
+    restart is where the two decoders differ most: still one unit in the last place of
+    float16, and 1e-5 relative in float32."""
+    rope = codec.Rotary(head_dim=4, dim=4, theta=10000.0)
+    profile = codec.calibrate([_chained(seed, tokens=400) for seed in (1, 2, 3)], predict=6, rotary=rope)
+    kv = _chained(4, tokens=200)
+    for level in range(len(profile.levels)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", codec.ProfileMismatchWarning)   # every layer coded: none raw
+            blob = codec.encode(kv.half(), level, profile, start=100)
+        assert codec.inspect(blob)["format_version"] == 6
+        got, want = _decode(blob, profile, group_layers), codec.decode(blob, profile)
+        assert _ulps(got[-1], want[-1]) <= 1 and _ulps(got, want) <= 1
+        blob = codec.encode(kv, level, profile, start=100)
+        torch.testing.assert_close(_decode(blob, profile, group_layers)[-1], codec.decode(blob, profile)[-1],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_raw_layer_in_a_predicted_blob_is_predicted_from_exactly() -> None:
+    profile = codec.calibrate([_chained(1)], predict=6)
+    kv = _chained(4)
+    kv[2] = torch.randn(kv[2].shape, generator=torch.Generator().manual_seed(5)) * 50   # unlike anything
+    with pytest.warns(codec.ProfileMismatchWarning):
+        blob = codec.encode(kv.half(), 2, profile)
+    assert 2 in codec.inspect(blob)["sections"]["raw_layers"]
+    got, want = _decode(blob, profile, 4), codec.decode(blob, profile)
+    assert torch.equal(got[2], want[2]) and _ulps(got, want) <= 1

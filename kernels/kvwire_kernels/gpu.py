@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 import codec
-from codec import layer_codec
+from codec import layer_codec, prediction
 from codec.errors import GpuUnavailable
 from codec.profile import Profile
 
@@ -160,7 +160,14 @@ class GpuDecoder:
 
     def decode_section(self, header: codec.BlobHeader, profile: Profile | None, layer: int,
                        section: bytes | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [tokens, heads, head_dim] on this device from one layer's section bytes."""
+        """K and V [tokens, heads, head_dim] on this device from one layer's section bytes
+        (in a predicted blob, an intra-coded layer's only: the others decode from the
+        layers before them, with decode_layers)."""
+        resolved, _ = codec.resolve_profile(header, profile)
+        if header.predicted and not prediction.is_intra(layer, resolved.restart):
+            raise ValueError(f"layer {layer} of a predicted blob decodes from the layers before it: decode "
+                             f"them in order from layer {prediction.restart_layer(layer, resolved.restart)} "
+                             f"with decode_layers")
         for _, k, v in self.decode_into(header, profile, [(layer, section)], count=1):
             return k, v
         raise AssertionError("a one-section decode delivers its layer")
@@ -260,6 +267,8 @@ class ChunkRun:
         self.packed: packing.GroupLayout | None = None   # the group just uploaded, for its launch
         self.deliveries: deque[tuple[object, int, list[int]]] = deque()   # (event, group, layers)
         self.inflight: dict[int, _Inflight] = {}   # group -> what its decode reads and writes
+        #: a predicted blob's (format 6) last reconstructed layer, which the next is predicted from
+        self.chain = codec.LayerChain() if header.predicted else None
 
     def arrive(self, layer: int, section: bytes | memoryview) -> int:
         """Take a section's bytes; its position for the scheduler."""
@@ -305,8 +314,15 @@ class ChunkRun:
                                         [self.layer_at[p] for p in command.layers]))
 
     def _layers(self, positions: tuple[int, ...]) -> list[int]:
-        """The layers at these positions whose sections passed their checks."""
-        return [l for l in (self.layer_at[p] for p in positions) if l not in self.failed]
+        """The layers at these positions whose sections passed their checks (and, in a
+        predicted blob, so did those of the layers they are predicted from)."""
+        return [l for l in (self.layer_at[p] for p in positions) if l not in self.failed and not self._cut_off(l)]
+
+    def _cut_off(self, layer: int) -> bool:
+        """Whether a predicted blob's ``layer`` decodes from a layer that failed: one between
+        its intra-coded layer and it (its section's checks, or the kernel's, found it corrupt)."""
+        return self.chain is not None and any(
+            l in self.failed for l in range(prediction.restart_layer(layer, self.profile.restart), layer))
 
     def _launch(self, command: Launch) -> None:
         d, header, packed = self.decoder, self.header, self.packed
@@ -327,7 +343,7 @@ class ChunkRun:
             outs = [self.outs.setdefault(p.layer, torch.empty((2, header.tokens, header.heads, header.head_dim),
                                                               dtype=header.dtype, device=d.device)) for p in group]
             if group:
-                reconstruct.reconstruct(header, self.profile, group, coefs, outs)
+                reconstruct.reconstruct(header, self.profile, group, coefs, outs, self.chain)
         self.inflight[command.group] = _Inflight(status, packed.layers, coef)
 
     def delivered(self, block: bool) -> list[Delivered]:
@@ -351,6 +367,9 @@ class ChunkRun:
                             f"layer {layout.layer}: entropy-coded data is corrupt (code {code})")
             for layer in layers:
                 error = self.failed.get(layer)
+                if error is None and self._cut_off(layer):
+                    error = self.failed[layer] = codec.CorruptBitstream(
+                        f"layer {layer} is predicted from a layer before it that is corrupt")
                 out.append((layer, None, None, error) if error else
                            (layer, self.outs[layer][0], self.outs[layer][1], None))
         return out

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import codec
-from codec import api, container, layer_codec, rotary, transform
+from codec import api, container, layer_codec, prediction, rotary, transform
 from codec.container import BlobHeader
 from codec.profile import Profile
 
@@ -50,12 +50,7 @@ class ParsedSection:
 def parse_section(header: BlobHeader, profile: Profile, slot: int, layer: int,
                   section: bytes | memoryview) -> ParsedSection:
     """Verify a section's length and CRC (the only check of it on this path) and parse
-    its lane table against the token count before anything is sized from it. A
-    predicted blob (format 6) is refused: its layers add a prediction from the layer
-    before, which this batched path does not compute (``codec.decode`` on the CPU does)."""
-    if header.predicted:
-        raise codec.Unsupported("this decoder does not decode predicted blobs (format 6) yet; decode them "
-                                "with codec.decode on the CPU")
+    its lane table against the token count before anything is sized from it."""
     view = container.verify_section(section, header, layer)
     sinks, rest = view[:header.sink_size], view[header.sink_size:]
     if header.is_raw(layer):
@@ -77,10 +72,11 @@ def cpu_coefficients(profile: Profile, parsed: ParsedSection, coded_tokens: int)
 
 @dataclass(frozen=True)
 class DeviceTables:
-    """A profile's means and basis on one device (float32)."""
+    """A profile's means, basis and inter-layer maps on one device (float32)."""
 
     mean: torch.Tensor                # [layers, 2, C]
     basis: torch.Tensor | None        # [layers, 2, stored rows, C]; None: identity transform
+    predictor: torch.Tensor | None = None   # [layers, 2C + 1, 2C]; None: no prediction
 
 
 _tables: "weakref.WeakKeyDictionary[Profile, dict[torch.device, DeviceTables]]" = weakref.WeakKeyDictionary()
@@ -92,7 +88,8 @@ def device_tables(profile: Profile, device: torch.device) -> DeviceTables:
     tables = per_device.get(device)
     if tables is None:
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
-        tables = DeviceTables(to(profile.mean), None if profile.basis is None else to(profile.basis))
+        tables = DeviceTables(to(profile.mean), None if profile.basis is None else to(profile.basis),
+                              None if profile.predictor32 is None else profile.predictor32.to(device))
         per_device[device] = tables
     return tables
 
@@ -125,11 +122,17 @@ def _tokens(data: memoryview, dtype: torch.dtype, channels: int, device: torch.d
 
 
 def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection],
-                coefficients: Sequence[torch.Tensor | None], outs: Sequence[torch.Tensor]) -> None:
+                coefficients: Sequence[torch.Tensor | None], outs: Sequence[torch.Tensor],
+                chain: api.LayerChain | None = None) -> None:
     """Write each layer of ``group`` into its ``outs`` entry, a contiguous [2, tokens, heads,
     head_dim] tensor of the blob's dtype (e.g. ``kv[layer]`` of the caller's whole cache) on
     the device the coefficients are on: a coded layer from its stage 1 coefficients (None
-    for a raw section), a raw one verbatim, sink tokens verbatim."""
+    for a raw section), a raw one verbatim, sink tokens verbatim.
+
+    A predicted blob (format 6) needs ``chain`` (``codec.LayerChain``) and ``group`` in
+    layer order, continuing the layers the chain holds: after the group's one batched
+    GEMM, each layer's prediction from the one before is added in turn, the only
+    sequential step (FORMAT.md, "Inter-layer prediction")."""
     shape = (2, header.tokens, header.heads, header.head_dim)
     for out in outs:
         if out.shape != shape or out.dtype != header.dtype or not out.is_contiguous():
@@ -137,11 +140,18 @@ def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSect
     flats = [out.view(2, header.tokens, header.channels) for out in outs]
     sinks, coded = header.sink_tokens, header.coded_tokens
     coded_layers = [i for i, p in enumerate(group) if p.lanes is not None]
+    if header.predicted and chain is None:
+        raise ValueError("a predicted blob's layers decode from the layers before them: pass a LayerChain")
+    values = None
     if coded_layers:
         device = flats[coded_layers[0]].device
-        values = inverse_group(device_tables(profile, device), [group[i].layer for i in coded_layers],
+        tables = device_tables(profile, device)
+        values = inverse_group(tables, [group[i].layer for i in coded_layers],
                                [group[i].lanes.plan.kept for i in coded_layers],
                                [coefficients[i] for i in coded_layers])
+    if chain is not None and header.predicted:
+        _add_predictions(header, profile, group, coded_layers, values, flats, chain)
+    if coded_layers:
         rope, n = profile.rotary, len(coded_layers)
         if rope is not None:
             cos, sin = rope.angles(header.start + sinks, coded, device)
@@ -157,6 +167,26 @@ def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSect
             flat[:, :sinks] = _tokens(parsed.sinks, header.dtype, header.channels, flat.device)
 
 
+def _add_predictions(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection], coded_layers: list[int],
+                     values: torch.Tensor | None, flats: Sequence[torch.Tensor], chain: api.LayerChain) -> None:
+    """Each layer of ``group`` in order: a coded one's prediction added to its
+    reconstruction (``values``, position-free), and what the next is predicted from left
+    in ``chain`` (a raw section's own tokens, with RoPE removed)."""
+    position = header.start + header.sink_tokens
+    for i, parsed in enumerate(group):
+        flat = flats[i]
+        if parsed.lanes is None:
+            layer_values = prediction.position_free(_tokens(parsed.raw, header.dtype, header.channels, flat.device),
+                                                    profile.rotary, position)
+        else:
+            layer_values = values[coded_layers.index(i)]
+            guess = chain.prediction(header, profile, parsed.layer, device_tables(profile, flat.device).predictor)
+            if guess is not None:
+                layer_values += guess
+            layer_values = layer_values.clone()   # RoPE is applied to ``values`` in place next
+        chain.layer, chain.values = parsed.layer, layer_values
+
+
 def decode_into(blob: bytes | memoryview, profile: Profile | None, out: torch.Tensor, group_layers: int = 4,
                 coefficients: Coefficients = cpu_coefficients) -> None:
     """Decode a whole blob into ``out`` [layers, 2, tokens, heads, head_dim] group by group
@@ -166,12 +196,13 @@ def decode_into(blob: bytes | memoryview, profile: Profile | None, out: torch.Te
     if out.shape != header.shape:
         raise ValueError(f"out must have the blob's shape {tuple(header.shape)}")
     resolved, slot = codec.resolve_profile(header, profile)
+    chain = api.LayerChain() if header.predicted else None
     for first in range(0, header.layers, group_layers):
         group = [parse_section(header, resolved, slot, layer, _section_bytes(blob, header, layer))
                  for layer in range(first, min(first + group_layers, header.layers))]
         coefs = [None if p.lanes is None else coefficients(resolved, p, header.coded_tokens).to(out.device)
                  for p in group]
-        reconstruct(header, resolved, group, coefs, [out[p.layer] for p in group])
+        reconstruct(header, resolved, group, coefs, [out[p.layer] for p in group], chain)
 
 
 def _section_bytes(blob: bytes | memoryview, header: BlobHeader, layer: int) -> memoryview:

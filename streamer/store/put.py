@@ -236,8 +236,8 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
     if profile.predicts:
         raise ValueError(f"profile {profile.id} predicts each layer from the one before it (blob format 6), "
                          f"which the streamer does not serve yet: a fetch that continues a chunk at another "
-                         f"level, or decodes it on a GPU, cannot decode such blobs. Calibrate without --predict "
-                         f"to store a context")
+                         f"level would need the layers from the chunk's restart layer sent too, and decodes its "
+                         f"sections one at a time. Calibrate without --predict to store a context")
     chosen = _check_levels(levels, profile)
     await store.put_profile(profile)
     async with store.writer(context_id) as writer:

@@ -141,7 +141,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--predict", type=int, default=0, metavar="N",
                    help="predict each layer from the one before it, coding only what the prediction misses "
                         "(blob format 6; layers 0, N, 2N, .. coded alone; 0, the default: off). Fewer bits at "
-                        "the same error; decoded on the CPU only, layer by layer, and not yet served by the "
+                        "the same error; decoded layer by layer in order, and not yet served by the "
                         "streamer (kvwire put refuses such a profile)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
