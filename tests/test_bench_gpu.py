@@ -19,15 +19,18 @@ def test_arguments_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     args = bench_gpu.build_parser().parse_args(["--kit", ".kit", "--json"])
     assert (args.kit, args.json, args.out, args.chunks, args.dry_run) == (".kit", True, "/tmp/out-here", 2, False)
     assert bench_gpu.build_parser().parse_args(["--dry-run", "--tokens", "512", "1024"]).tokens == [512, 1024]
+    assert args.predict == 0 and bench_gpu.build_parser().parse_args(["--predict", "4"]).predict == 4
 
 
-def test_prepared_chunks_decode_on_the_cpu() -> None:
-    profile, levels = bench_gpu.prepare((2, 2, 8), tokens=64, chunks=2, levels=[1, 3])
+@pytest.mark.parametrize("predict", [0, 2])
+def test_prepared_chunks_decode_on_the_cpu(predict: int) -> None:
+    profile, levels = bench_gpu.prepare((2, 2, 8), tokens=64, chunks=2, levels=[1, 3], predict=predict)
     assert [p.level for p in levels] == [1, 3]
     for prepared in levels:
         assert len(prepared.blobs) == 2 and prepared.fp16_bytes == 2 * 2 * 2 * 2 * 64 * 16
         for blob, header, sections in zip(prepared.blobs, prepared.headers, prepared.sections):
             assert header.sink_tokens == 0 and [l for l, _ in sections] == [0, 1]
+            assert header.predicted == bool(predict)
             assert codec.decode(blob, profile).shape == (2, 2, 64, 2, 8)
 
 
