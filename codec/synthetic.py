@@ -29,3 +29,19 @@ def synthetic_kv(layers: int, heads: int, head_dim: int, tokens: int, seed: int)
             noise = 0.05 * torch.randn(tokens, channels, generator=gen)
             out[l, kv] = (sources * decay) @ mixing + noise + offset
     return out.reshape(layers, 2, tokens, heads, head_dim)
+
+
+def chained_kv(layers: int, heads: int, head_dim: int, tokens: int, seed: int, *,
+               fresh: float = 0.05) -> torch.Tensor:
+    """KV whose layers follow from one another, as a model's residual stream makes them:
+    each layer's position-free K and V are the previous layer's through a fixed map near
+    the identity, plus ``fresh`` new signal. What inter-layer prediction
+    (``codec.prediction``) is for; the maps depend only on the layer, not ``seed``."""
+    width = 2 * heads * head_dim
+    rows = torch.Generator().manual_seed(seed)
+    maps = torch.Generator().manual_seed(4242)
+    out = [torch.randn(tokens, width, generator=rows)]
+    for _ in range(1, layers):
+        mix = 0.9 * torch.eye(width) + 0.1 * torch.randn(width, width, generator=maps)
+        out.append(out[-1] @ mix + fresh * torch.randn(tokens, width, generator=rows))
+    return torch.stack(out).reshape(layers, tokens, 2, heads, head_dim).permute(0, 2, 1, 3, 4).contiguous()

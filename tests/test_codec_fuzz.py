@@ -58,10 +58,10 @@ def embedded_blob(tiny_kv):
 def predicted_blob():
     """(blob, profile): format 6, 3 layers each following from the one before, layer 1
     coded as what its prediction from layer 0 misses (layer 2 restarts), ~500 bytes."""
-    from streamer.tools.fuzz_codec import chained_tiny_kv
+    from codec.synthetic import chained_kv
 
-    profile = codec.calibrate([chained_tiny_kv(0, 64)], predict=2)
-    blob = codec.encode(chained_tiny_kv(1, 24), 2, profile)
+    profile = codec.calibrate([chained_kv(3, 1, 3, 64, 0)], predict=2)
+    blob = codec.encode(chained_kv(3, 1, 3, 24, 1), 2, profile)
     assert codec.inspect(blob)["format_version"] == 6 and codec.inspect(blob)["sections"]["raw_layers"] == []
     return blob, profile
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import codec
+from codec.synthetic import chained_kv
 from codec import container, layer_codec, rans
 from kvwire_kernels import gpu
 
@@ -468,17 +469,6 @@ def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.
     assert _ulps(got[1], want) <= 1
 
 
-def _chained(seed: int, layers: int = 6, tokens: int = 120) -> torch.Tensor:
-    """KV whose layers follow from one another, as a model's do (format 6's prediction)."""
-    gen = torch.Generator().manual_seed(seed)
-    mixes = torch.Generator().manual_seed(11)
-    out = [torch.randn(tokens, 24, generator=gen)]
-    for _ in range(1, layers):
-        out.append(out[-1] @ (0.9 * torch.eye(24) + 0.1 * torch.randn(24, 24, generator=mixes))
-                   + 0.05 * torch.randn(tokens, 24, generator=gen))
-    return torch.stack(out).reshape(layers, tokens, 2, 3, 4).permute(0, 2, 1, 3, 4).contiguous()
-
-
 def test_adapter_decodes_predicted_blobs_and_cuts_off_what_a_corrupt_layer_feeds(host_kernel) -> None:
     """Format 6 through GpuDecoder's own code: groups of 4 layers, each group's batched
     GEMM then each layer's prediction in turn (the chain crosses groups), equal to the
@@ -486,8 +476,8 @@ def test_adapter_decodes_predicted_blobs_and_cuts_off_what_a_corrupt_layer_feeds
     and the layers predicted from it up to the next intra layer; that one decodes."""
     from kvwire_kernels.stream import StreamDecoder
 
-    profile = codec.calibrate([_chained(1, tokens=400), _chained(2, tokens=400)], predict=3)
-    blob = codec.encode(_chained(3).half(), 1, profile)
+    profile = codec.calibrate([chained_kv(6, 3, 4, 400, seed) for seed in (1, 2)], predict=3)
+    blob = codec.encode(chained_kv(6, 3, 4, 120, 3).half(), 1, profile)
     header, sections = _sections(blob)
     want = codec.decode(blob, profile)
     decoder = _HostDecoder(host_kernel, group_layers=4)

@@ -15,27 +15,17 @@ from codec import container, prediction
 from codec.errors import CorruptBitstream, ProfileMismatchWarning
 from codec.profile import Profile
 from codec.rotary import Rotary, rotate
+from codec.synthetic import chained_kv
 
 
-def chained_kv(seed: int, layers: int = 6, tokens: int = 400, heads: int = 2, head_dim: int = 16,
-               noise: float = 0.05) -> torch.Tensor:
-    """fp16 KV whose layers follow from one another (a fixed mix per layer plus a little
-    fresh signal), as a model's do, so that a layer predicts the next."""
-    width = 2 * heads * head_dim
-    mixes = torch.Generator().manual_seed(1234)   # the "model": the same maps for every sample
-    rows = torch.Generator().manual_seed(seed)    # the "text"
-    x = torch.randn(tokens, width, generator=rows) @ torch.randn(width, width, generator=mixes) * 0.3
-    out = [x]
-    for _ in range(1, layers):
-        mix = torch.eye(width) * 0.9 + 0.1 * torch.randn(width, width, generator=mixes)
-        out.append(out[-1] @ mix + noise * torch.randn(tokens, width, generator=rows))
-    kv = torch.stack(out).reshape(layers, tokens, 2, heads, head_dim).permute(0, 2, 1, 3, 4)
-    return kv.contiguous().half()
+def chained(seed: int, tokens: int = 400) -> torch.Tensor:
+    """fp16 KV of 6 layers that follow from one another (``codec.synthetic.chained_kv``)."""
+    return chained_kv(6, 2, 16, tokens, seed).half()
 
 
 @pytest.fixture(scope="module")
 def profiles() -> tuple[Profile, Profile]:
-    samples = [chained_kv(seed) for seed in range(3)]
+    samples = [chained(seed) for seed in range(3)]
     return codec.calibrate(samples), codec.calibrate(samples, predict=3)
 
 
@@ -46,7 +36,7 @@ def relative_error(decoded: torch.Tensor, kv: torch.Tensor) -> float:
 
 def test_predicted_levels_hold_the_plain_error_in_fewer_bits(profiles):
     plain, predicted = profiles
-    kv = chained_kv(99)
+    kv = chained(99)
     for level in range(len(plain.targets)):
         plain_blob, predicted_blob = codec.encode(kv, level, plain), codec.encode(kv, level, predicted)
         assert codec.inspect(plain_blob)["format_version"] == 5
@@ -59,7 +49,7 @@ def test_predicted_levels_hold_the_plain_error_in_fewer_bits(profiles):
 
 def test_every_decode_path_gives_the_same_layers(profiles):
     _, predicted = profiles
-    kv = chained_kv(7)
+    kv = chained(7)
     blob = codec.encode(kv, 2, predicted, start=40, sink_tokens=0)
     whole = codec.decode(blob, predicted)
     layered = torch.stack([torch.stack([k, v]) for _, k, v in codec.decode_layers(blob, predicted)])
@@ -73,7 +63,7 @@ def test_every_decode_path_gives_the_same_layers(profiles):
 
 def test_a_decode_starts_at_an_intra_layer_and_needs_the_chain_elsewhere(profiles):
     _, predicted = profiles
-    kv = chained_kv(8)
+    kv = chained(8)
     blob = codec.encode(kv, 3, predicted)
     whole, header = codec.decode(blob, predicted), codec.parse_header(blob)
     assert prediction.restart_layer(4, predicted.restart) == 3
@@ -91,7 +81,7 @@ def test_a_decode_starts_at_an_intra_layer_and_needs_the_chain_elsewhere(profile
 
 def test_a_raw_layer_is_exact_and_the_next_is_predicted_from_it(profiles):
     _, predicted = profiles
-    kv = chained_kv(9)
+    kv = chained(9)
     kv[2] = (torch.randn(kv[2].shape, generator=torch.Generator().manual_seed(3)) * 40).half()  # unlike anything
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -115,10 +105,10 @@ def with_rope(kv: torch.Tensor, rotary: Rotary, start: int) -> torch.Tensor:
 
 def test_rotary_profile_predicts_position_free_keys():
     rotary = Rotary(head_dim=16, dim=16, theta=10000.0)
-    samples = [with_rope(chained_kv(seed, tokens=300), rotary, 0) for seed in range(2)]
+    samples = [with_rope(chained(seed, tokens=300), rotary, 0) for seed in range(2)]
     predicted = codec.calibrate(samples, rotary=rotary, predict=6)
     plain = codec.calibrate(samples, rotary=rotary)
-    kv = with_rope(chained_kv(11, tokens=300), rotary, 1000)
+    kv = with_rope(chained(11, tokens=300), rotary, 1000)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProfileMismatchWarning)
         blob = codec.encode(kv, 1, predicted, start=1000, sink_tokens=0)
@@ -133,7 +123,7 @@ def test_profile_version_4_round_trips_and_is_checked(profiles):
     _, predicted = profiles
     again = Profile.from_bytes(predicted.to_bytes())
     assert again.id == predicted.id and again.restart == 3 and np.array_equal(again.predictor, predicted.predictor)
-    kv = chained_kv(5)
+    kv = chained(5)
     assert torch.equal(codec.decode(codec.encode(kv, 1, predicted), again), codec.decode(codec.encode(kv, 1, again), predicted))
     assert predicted.predictor.dtype == np.float16 and not predicted.predictor[::3].any()
     arrays = {name: getattr(predicted, name) for name in ("mean", "basis", "steps", "kept", "delta_group", "shift",
@@ -155,7 +145,7 @@ def test_profile_version_4_round_trips_and_is_checked(profiles):
 
 def test_version_and_profile_must_agree(profiles):
     plain, predicted = profiles
-    kv = chained_kv(6)
+    kv = chained(6)
     blob = bytearray(codec.encode(kv, 1, plain))
     blob[4] = container.PREDICTED_VERSION   # a plain blob claiming to be predicted
     size = container.header_length(blob)
@@ -169,6 +159,6 @@ def test_version_and_profile_must_agree(profiles):
 
 def test_the_streamer_refuses_to_store_a_predicting_profile(profiles, tmp_path):
     _, predicted = profiles
-    kv = chained_kv(4)
+    kv = chained(4)
     with pytest.raises(ValueError, match="does not serve yet"):
         put_context_now(str(tmp_path), "ctx", kv, list(range(kv.shape[2])), profile=predicted, chunk_tokens=200)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import codec
+from codec.synthetic import chained_kv
 from codec import layer_codec
 from kvwire_kernels import reconstruct
 
@@ -103,17 +104,6 @@ def test_out_must_fit_the_blob_and_corrupt_sections_are_caught() -> None:
         reconstruct.decode_into(bytes(damaged), profile, torch.empty(header.shape, dtype=header.dtype))
 
 
-def _chained(seed: int, layers: int = 6, tokens: int = 90) -> torch.Tensor:
-    """KV whose layers follow from one another, as a model's do (format 6's prediction)."""
-    gen = torch.Generator().manual_seed(seed)
-    mixes = torch.Generator().manual_seed(11)
-    out = [torch.randn(tokens, 24, generator=gen)]
-    for _ in range(1, layers):
-        out.append(out[-1] @ (0.9 * torch.eye(24) + 0.1 * torch.randn(24, 24, generator=mixes))
-                   + 0.05 * torch.randn(tokens, 24, generator=gen))
-    return torch.stack(out).reshape(layers, tokens, 2, 3, 4).permute(0, 2, 1, 3, 4).contiguous()
-
-
 @pytest.mark.parametrize("group_layers", [1, 4])
 def test_predicted_blobs_match_the_cpu_decoder_at_the_last_layer(group_layers: int) -> None:
     """Format 6: the batched GEMM, then each layer's prediction in turn. The GEMMs' float32
@@ -121,8 +111,8 @@ def test_predicted_blobs_match_the_cpu_decoder_at_the_last_layer(group_layers: i
     restart is where the two decoders differ most: still one unit in the last place of
     float16, and 1e-5 relative in float32."""
     rope = codec.Rotary(head_dim=4, dim=4, theta=10000.0)
-    profile = codec.calibrate([_chained(seed, tokens=400) for seed in (1, 2, 3)], predict=6, rotary=rope)
-    kv = _chained(4, tokens=200)
+    profile = codec.calibrate([chained_kv(6, 3, 4, 400, seed) for seed in (1, 2, 3)], predict=6, rotary=rope)
+    kv = chained_kv(6, 3, 4, 200, 4)
     for level in range(len(profile.levels)):
         with warnings.catch_warnings():
             warnings.simplefilter("error", codec.ProfileMismatchWarning)   # every layer coded: none raw
@@ -136,8 +126,8 @@ def test_predicted_blobs_match_the_cpu_decoder_at_the_last_layer(group_layers: i
 
 
 def test_a_raw_layer_in_a_predicted_blob_is_predicted_from_exactly() -> None:
-    profile = codec.calibrate([_chained(1)], predict=6)
-    kv = _chained(4)
+    profile = codec.calibrate([chained_kv(6, 3, 4, 90, 1)], predict=6)
+    kv = chained_kv(6, 3, 4, 90, 4)
     kv[2] = torch.randn(kv[2].shape, generator=torch.Generator().manual_seed(5)) * 50   # unlike anything
     with pytest.warns(codec.ProfileMismatchWarning):
         blob = codec.encode(kv.half(), 2, profile)

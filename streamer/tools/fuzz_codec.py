@@ -36,18 +36,6 @@ class FuzzBug(AssertionError):
 _ENTRY = ENTRY.size
 
 
-def chained_tiny_kv(seed: int, tokens: int):
-    """float32 KV [3, 2, tokens, 1, 3] whose layers follow from one another (layer l is
-    layer l - 1 a little changed), so that a predicting profile codes a residual."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    layers = [torch.randn(tokens, 6, generator=gen)]
-    for _ in range(2):
-        layers.append(0.9 * layers[-1] + 0.1 * torch.randn(tokens, 6, generator=gen))
-    return torch.stack(layers).reshape(3, tokens, 2, 1, 3).permute(0, 2, 1, 3, 4).contiguous()
-
-
 @functools.lru_cache(maxsize=1)
 def _seed_blobs():
     """(blob, profile) pairs: a profiled delta-coded blob, an fp16 embedded one, a profiled
@@ -55,14 +43,15 @@ def _seed_blobs():
     import torch
 
     import codec
+    from codec.synthetic import chained_kv
 
     gen = torch.Generator().manual_seed(0)
     profile = codec.calibrate([torch.randn(2, 2, 64, 1, 3, generator=gen)], delta="always")
     kv = torch.randn(2, 2, 24, 1, 3, generator=torch.Generator().manual_seed(1))
-    predicting = codec.calibrate([chained_tiny_kv(0, 64)], predict=2)
+    predicting = codec.calibrate([chained_kv(3, 1, 3, 64, 0)], predict=2)
     return ((codec.encode(kv, 2, profile), profile), (codec.encode(kv.half(), 2), None),
             (codec.encode(kv, 0, profile), profile), (codec.encode_exact(kv.half(), profile), profile),
-            (codec.encode(chained_tiny_kv(1, 24), 2, predicting), predicting))
+            (codec.encode(chained_kv(3, 1, 3, 24, 1), 2, predicting), predicting))
 
 
 def _seed(data: bytes) -> tuple[bytes, object]:
