@@ -340,8 +340,7 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
             lanes = layer_codec.parse_lanes(profile, level, layer, body.tokens,
                                             memoryview(section)[container.token_bytes(sinks, channels, kv.dtype):],
                                             container.PREDICTED_VERSION)
-            layer_codec.decode_layer(profile, layer, lanes, torch.empty(2, body.tokens, channels, dtype=kv.dtype),
-                                     start + sinks, guess, previous)
+            layer_codec.decode_layer(profile, layer, lanes, None, start + sinks, guess, previous)
     misfits = _misfits(controls, limits, frozenset(raw_layers)) if controlled else {}
     if misfits:  # stacklevel: the caller of encode or encode_levels
         warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=4)

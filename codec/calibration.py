@@ -76,7 +76,17 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
                             weights=weights)
     if not predict:
         return fit(tokens)
-    return _fit_predicted(fit, tokens, kept_samples, predict, predict_groups)
+    return _fit_predicted(fit, tokens, kept_samples, [b[0][0].shape[0] for b in bodies], H, len(targets),
+                          predict, predict_groups)
+
+
+def calibrate_like(profile: Profile, samples: Iterable[torch.Tensor], *, predict: int,
+                   predict_groups: str = "all") -> Profile:
+    """``profile`` calibrated again on ``samples`` with its targets, sink tokens, transform,
+    RoPE and weights, and ``predict`` (as in :func:`calibrate`): the predicting twin of a
+    plain profile, for measuring one beside the other."""
+    return calibrate(samples, targets=profile.targets, sink_tokens=profile.sink_tokens, transform=profile.transform,
+                     rotary=profile.rotary, weights=profile.weights, predict=predict, predict_groups=predict_groups)
 
 
 def _sections_variance(values: torch.Tensor) -> np.ndarray:
@@ -87,16 +97,16 @@ def _sections_variance(values: torch.Tensor) -> np.ndarray:
 
 
 def _fit_predicted(fit: Callable[..., Profile], tokens: list[list[torch.Tensor]], samples: list[torch.Tensor],
-                   restart: int, groups: str) -> Profile:
-    """A predicting profile: maps fitted on the coded tokens, the transform, steps and
-    tables on what the maps leave. How much a residual's steps may grow against the
-    values' error depends on the level: predicted from a coarser decode the residual is
-    larger. So the steps are designed twice: from the open loop's variance ratio (maps on
-    exact layers), then, after each level's chain has run on the samples as the encoder
-    runs it, where the chain settles (``_settled_ratios``)."""
+                   sizes: list[int], heads: int, levels: int, restart: int, groups: str) -> Profile:
+    """A predicting profile: maps fitted on the coded tokens (``tokens``, the ``samples``'
+    coded tokens of ``sizes`` each, concatenated), the transform, steps and tables on what
+    the maps leave. How much a residual's steps may grow against the values' error
+    depends on the level: predicted from a coarser decode the residual is larger. So the
+    steps are designed twice: from the open loop's variance ratio (maps on exact layers),
+    then, after each level's chain has run on the samples as the encoder runs it, where
+    the chain settles (``_settled_ratios``)."""
     values = torch.stack([torch.cat(pair, dim=1) for pair in tokens])          # [L, N, 2C]
     channels = values.shape[2] // 2
-    heads = fit.keywords["heads"]
     grouping = {"all": None, "kind": prediction.kind_groups(channels),
                 "head": prediction.head_groups(heads, channels // heads)}[groups]
     predictor = prediction.fit(values, restart, grouping)
@@ -105,38 +115,36 @@ def _fit_predicted(fit: Callable[..., Profile], tokens: list[list[torch.Tensor]]
     left = prediction.residuals(values, predictor, restart)
     variance, open_variance = _sections_variance(values), _sections_variance(left)
     split = [[left[l, :, :channels], left[l, :, channels:]] for l in range(values.shape[0])]
-    levels = len(fit.keywords["targets"])
     open_ratio = np.repeat((variance / np.maximum(open_variance, 1e-30))[None], levels, axis=0)
     first = fit(split, predictor=predictor, restart=restart, design_ratio=open_ratio)
-    settled = np.stack([_settled_ratios(first, level, samples, variance, open_variance) for level in range(levels)])
+    exact = list(zip(samples, values.split(sizes, dim=1)))
+    settled = np.stack([_settled_ratios(first, level, exact, variance, open_variance) for level in range(levels)])
     return fit(split, predictor=predictor, restart=restart, design_ratio=settled)
 
 
-def _settled_ratios(profile: Profile, level: int, samples: list[torch.Tensor], variance: np.ndarray,
-                    open_variance: np.ndarray) -> np.ndarray:
+def _settled_ratios(profile: Profile, level: int, samples: list[tuple[torch.Tensor, torch.Tensor]],
+                    variance: np.ndarray, open_variance: np.ndarray) -> np.ndarray:
     """[L, 2]: the values' variance over that of the residual ``level`` codes once every
     layer is coded to its target error. A residual predicted from a decoded layer has the
     open loop's variance plus the previous layer's error carried through the map
-    (``coded = open + gain * error``); one run of the level's chain on ``samples``
-    measures each layer's ``gain``, and the ratio is taken where the previous layer's
-    error is its target (a second run would swing the other way)."""
+    (``coded = open + gain * error``); one run of the level's chain on ``samples`` (each
+    a KV and its coded tokens' values, [L, N, 2C]) measures each layer's ``gain``, and
+    the ratio is taken where the previous layer's error is its target (a second run
+    would swing the other way)."""
     coded, errors = [[] for _ in range(profile.layers)], np.zeros(profile.layers)
     tokens = 0
-    for kv in samples:
+    for kv, exact in samples:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ProfileMismatchWarning)
-            decoded = api.decode(api.encode(kv, level, profile), profile)
-        exact = CodedBody(kv, profile.sink_tokens, profile.rotary)
-        got = CodedBody(decoded, profile.sink_tokens, profile.rotary)
+            got = CodedBody(api.decode(api.encode(kv, level, profile), profile), profile.sink_tokens, profile.rotary)
         previous = None
-        for layer in range(profile.layers):
-            x, x_hat = exact.layer(layer), got.layer(layer)
+        for layer, x in enumerate(exact):
+            x_hat = got.layer(layer).permute(1, 0, 2).flatten(1)                # [N, 2C], as ``exact``
             if previous is not None and not prediction.is_intra(layer, profile.restart):
-                left = x - prediction.predict(previous, profile.predictor32[layer])
-                coded[layer].append(left.permute(1, 0, 2).flatten(1))
+                coded[layer].append(x - prediction.predict_rows(previous, profile.predictor32[layer]))
             errors[layer] += float((x_hat - x).double().pow(2).sum())
             previous = x_hat
-        tokens += exact.tokens
+        tokens += exact.shape[1]
     error = errors / max(tokens, 1)                                               # per token, K and V
     wanted = (np.array(profile.targets_by_section(level)) * variance).sum(axis=1)
     ratios = np.ones_like(variance)

@@ -29,4 +29,3 @@ class ProfileMismatchWarning(UserWarning):
 class GpuUnavailable(CodecError, RuntimeError):
     """No usable decoder for a GPU device: the message says what is missing (no backend
     registered -- ``import kvwire_kernels`` -- no pycuda, or no CUDA device)."""
-

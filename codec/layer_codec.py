@@ -423,7 +423,7 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
     return coef
 
 
-def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor, position: int = 0,
+def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor | None, position: int = 0,
                  prediction: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> None:
     """Decode one layer's parsed lanes into ``out`` [2, coded_tokens, C] (K then V).
 
@@ -431,15 +431,15 @@ def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Te
     keys get their RoPE back (in float32, before rounding to ``out``'s dtype).
     ``prediction`` and ``decoded`` (float32 [2, coded_tokens, C]): a predicted layer's
     prediction, added to what the lanes code, and where the position-free result goes
-    (``transform.inverse``).
+    (``transform.inverse``; ``out`` None: only there).
     """
     plan = lanes.plan
-    coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, out.shape[1]))
+    coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, plan.tokens))
     rows = (coef_t[: plan.kept[0]], coef_t[plan.kept[0]:])
     for kv in range(2):
         rope = None
-        if kv == 0 and profile.rotary is not None:
-            rope = (profile.rotary, profile.rotary.angles(position, out.shape[1]))
+        if kv == 0 and profile.rotary is not None and out is not None:
+            rope = (profile.rotary, profile.rotary.angles(position, plan.tokens))
         transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
-                          _basis(profile, layer, kv, plan.kept[kv]), out[kv], rope,
+                          _basis(profile, layer, kv, plan.kept[kv]), None if out is None else out[kv], rope,
                           None if prediction is None else prediction[kv], None if decoded is None else decoded[kv])

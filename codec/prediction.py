@@ -75,16 +75,21 @@ def _with_constant(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
 
 
-def predict(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """float32 [2, N, C]: the prediction of a layer from the previous layer's decoded
-    values ``previous`` (float32 [2, N, C]) by its map ``matrix`` (float32 [2C + 1, 2C]).
+def predict_rows(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """float32 [N, 2C]: a layer's rows (a token's K then V) predicted from the previous
+    layer's ``previous`` (float32 [N, 2C]) by its map ``matrix`` (float32 [2C + 1, 2C]).
 
     One float32 product plus the constant row; its summation order is the BLAS's, so
     decoders agree to float32 rounding here (FORMAT.md, "Inter-layer prediction")."""
+    return torch.addmm(matrix[-1].expand(previous.shape[0], -1), previous, matrix[:-1])
+
+
+def predict(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """float32 [2, N, C]: :func:`predict_rows` in the codec's layout of a layer (K's
+    tokens, then V's), what the encoder and decoders hold."""
     _, tokens, channels = previous.shape
     flat = previous.permute(1, 0, 2).reshape(tokens, 2 * channels)
-    out = torch.addmm(matrix[-1].expand(tokens, 2 * channels), flat, matrix[:-1])
-    return out.reshape(tokens, 2, channels).permute(1, 0, 2)
+    return predict_rows(flat, matrix).reshape(tokens, 2, channels).permute(1, 0, 2)
 
 
 def position_free(tokens: torch.Tensor, rotary: Rotary | None, position: int) -> torch.Tensor:
@@ -106,6 +111,5 @@ def residuals(values: torch.Tensor, predictor: np.ndarray, restart: int) -> torc
     out = values.clone()
     for layer in range(1, values.shape[0]):
         if not is_intra(layer, restart):
-            matrix = torch.from_numpy(predictor[layer].astype(np.float32))
-            out[layer] -= torch.addmm(matrix[-1].expand(values.shape[1], -1), values[layer - 1], matrix[:-1])
+            out[layer] -= predict_rows(values[layer - 1], torch.from_numpy(predictor[layer].astype(np.float32)))
     return out

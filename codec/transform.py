@@ -128,7 +128,7 @@ def _ieee_float32_products() -> bool:
 
 
 def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
-            out: torch.Tensor, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None,
+            out: torch.Tensor | None, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None,
             prediction: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> None:
     """Write tokens [N, C] reconstructed from coefficients [kept, N] into ``out``.
 
@@ -141,7 +141,8 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
     its angles for these tokens) re-applies RoPE to reconstructed keys, in float32.
     ``prediction`` (float32 [N, C], ``codec.prediction``) is added to the reconstruction
     first, and ``decoded`` ([N, C] float32) receives the sum before RoPE: what the next
-    layer is predicted from.
+    layer is predicted from. ``out`` None: only ``decoded`` is wanted (the encoder's own
+    decode of a predicted layer), so no RoPE or conversion is done.
     """
     kept, tokens = coef.shape
     bias = mean.expand(tokens, mean.shape[0])
@@ -153,9 +154,11 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
         else:
             result = torch.addmm(bias, coef.T, basis[:kept])
         if prediction is not None:
-            result = result.add_(prediction) if result.is_contiguous() else result + prediction
+            result.add_(prediction)   # result is always a fresh tensor here
         if decoded is not None:
             decoded.copy_(result)
+    if out is None:
+        return
     if rope is not None:
         with stage(ROPE):   # the clamp in the same pass
             result = result.contiguous()  # an identity profile's sum may keep coef's transposed strides

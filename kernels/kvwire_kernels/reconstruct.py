@@ -139,19 +139,22 @@ def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSect
             raise ValueError(f"each out must be a contiguous {header.dtype} tensor of shape {shape}")
     flats = [out.view(2, header.tokens, header.channels) for out in outs]
     sinks, coded = header.sink_tokens, header.coded_tokens
-    coded_layers = [i for i, p in enumerate(group) if p.lanes is not None]
     if header.predicted and chain is None:
         raise ValueError("a predicted blob's layers decode from the layers before them: pass a LayerChain")
-    values = None
-    if coded_layers:
-        device = flats[coded_layers[0]].device
-        tables = device_tables(profile, device)
-        values = inverse_group(tables, [group[i].layer for i in coded_layers],
-                               [group[i].lanes.plan.kept for i in coded_layers],
-                               [coefficients[i] for i in coded_layers])
-    if chain is not None and header.predicted:
-        _add_predictions(header, profile, group, coded_layers, values, flats, chain)
-    if coded_layers:
+    for parsed, flat in zip(group, flats):   # verbatim first: a raw layer is what the next is predicted from
+        if parsed.raw is not None:
+            flat[:, sinks:] = _tokens(parsed.raw, header.dtype, header.channels, flat.device)
+        if sinks:
+            flat[:, :sinks] = _tokens(parsed.sinks, header.dtype, header.channels, flat.device)
+    coded_layers = [i for i, p in enumerate(group) if p.lanes is not None]
+    device = flats[0].device
+    tables = device_tables(profile, device)
+    values = None if not coded_layers else inverse_group(
+        tables, [group[i].layer for i in coded_layers], [group[i].lanes.plan.kept for i in coded_layers],
+        [coefficients[i] for i in coded_layers])
+    if header.predicted:
+        _add_predictions(header, profile, group, values, flats, tables.predictor, chain)
+    if values is not None:
         rope, n = profile.rotary, len(coded_layers)
         if rope is not None:
             cos, sin = rope.angles(header.start + sinks, coded, device)
@@ -160,27 +163,23 @@ def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSect
         transform.clamp_to(values, header.dtype)
         for i, value in zip(coded_layers, values):
             flats[i][:, sinks:] = value
+
+
+def _add_predictions(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection],
+                     values: torch.Tensor | None, flats: Sequence[torch.Tensor], maps: torch.Tensor,
+                     chain: api.LayerChain) -> None:
+    """Each layer of ``group`` in order: a coded one's prediction (by ``maps``, the
+    profile's on this device) added to its reconstruction (its row of ``values``,
+    position-free), and what the next is predicted from left in ``chain`` (a raw
+    section's own tokens, already in ``flats``, with RoPE removed)."""
+    sinks = header.sink_tokens
+    reconstructed = iter(() if values is None else values)
     for parsed, flat in zip(group, flats):
-        if parsed.raw is not None:
-            flat[:, sinks:] = _tokens(parsed.raw, header.dtype, header.channels, flat.device)
-        if sinks:
-            flat[:, :sinks] = _tokens(parsed.sinks, header.dtype, header.channels, flat.device)
-
-
-def _add_predictions(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection], coded_layers: list[int],
-                     values: torch.Tensor | None, flats: Sequence[torch.Tensor], chain: api.LayerChain) -> None:
-    """Each layer of ``group`` in order: a coded one's prediction added to its
-    reconstruction (``values``, position-free), and what the next is predicted from left
-    in ``chain`` (a raw section's own tokens, with RoPE removed)."""
-    position = header.start + header.sink_tokens
-    for i, parsed in enumerate(group):
-        flat = flats[i]
         if parsed.lanes is None:
-            layer_values = prediction.position_free(_tokens(parsed.raw, header.dtype, header.channels, flat.device),
-                                                    profile.rotary, position)
+            layer_values = prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks)
         else:
-            layer_values = values[coded_layers.index(i)]
-            guess = chain.prediction(header, profile, parsed.layer, device_tables(profile, flat.device).predictor)
+            layer_values = next(reconstructed)
+            guess = chain.prediction(header, profile, parsed.layer, maps)
             if guess is not None:
                 layer_values += guess
             layer_values = layer_values.clone()   # RoPE is applied to ``values`` in place next

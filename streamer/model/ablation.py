@@ -33,6 +33,7 @@ import torch
 
 import codec
 from codec import prediction
+from codec.calibration import calibrate_like
 
 #: tokens of a token-group ablation, at most a quarter of the context (short test windows)
 SINK_GROUP = 16
@@ -190,9 +191,7 @@ def _layer_predicted(grouping: str = "all", restart: int = 0
     ``samples`` with the same targets, weights and RoPE, and ``predict`` (every
     ``restart``-th layer coded alone; 0: only the first)."""
     def prepare(samples: Sequence[torch.Tensor], profile: codec.Profile) -> Fitted:
-        predicted = codec.calibrate(samples, targets=profile.targets, sink_tokens=profile.sink_tokens,
-                                    transform=profile.transform, rotary=profile.rotary, weights=profile.weights,
-                                    predict=restart or profile.layers, predict_groups=grouping)
+        predicted = calibrate_like(profile, samples, predict=restart or profile.layers, predict_groups=grouping)
 
         def apply(w: Window, _p: codec.Profile, level: int) -> tuple[torch.Tensor, int]:
             blob = codec.encode(w.kv, level, predicted)

@@ -25,7 +25,7 @@ from numba import njit, prange
 
 from codec import api, baselines, container, entropy, layer_codec, stages
 from codec.levels import DEFAULT_LEVEL
-from codec.calibration import calibrate
+from codec.calibration import calibrate, calibrate_like
 from codec.profile import CodedBody, Profile
 from codec.synthetic import synthetic_kv
 
@@ -295,13 +295,9 @@ def _predicted_rows(workload: Workload, profile: Profile, restart: int, chunks, 
     weights and RoPE, calibrated again with ``predict=restart`` on the calibration KV, so
     its rows sit beside the plain ones at the same targets, with the decode and encode
     speed the prediction costs on this CPU."""
-    predicted = calibrate([workload.calibration], targets=profile.targets, sink_tokens=profile.sink_tokens,
-                          transform=profile.transform, rotary=profile.rotary, weights=profile.weights,
-                          predict=restart)
-    rows = []
-    for level in range(len(predicted.levels)):
-        rows.append(measure_kvwire(predicted, level, chunks, repeat, name=f"kvwire-predicted/{restart}")[0])
-    return rows
+    predicted = calibrate_like(profile, [workload.calibration], predict=restart)
+    return [measure_kvwire(predicted, level, chunks, repeat, name=f"kvwire-predicted/{restart}")[0]
+            for level in range(len(predicted.levels))]
 
 
 def _compare_transforms(workload: Workload, chunks, profile: Profile) -> list[dict]:
