@@ -21,13 +21,13 @@ def synthetic_kv(seed: int, tokens: int, layers: int, heads: int, head_dim: int)
 
 
 def put_context_now(root: str, context_id: str, kv: torch.Tensor, token_ids: list[int], *,
-                    profile, chunk_tokens: int) -> streamer.Manifest:
+                    profile, chunk_tokens: int, exact: bool = False) -> streamer.Manifest:
     """Put a context into the file store at ``root`` from synchronous (fixture) code."""
     async def put() -> streamer.Manifest:
         store = await streamer.open_store(root)
         try:
             return await streamer.put_context(store, context_id, kv, token_ids, profile=profile,
-                                              chunk_tokens=chunk_tokens)
+                                              chunk_tokens=chunk_tokens, exact=exact)
         finally:
             await store.close()
 

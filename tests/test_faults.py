@@ -24,6 +24,7 @@ import torch
 
 import codec
 import netsim
+from codec.synthetic import chained_kv
 import streamer
 from streamer_helpers import arrived_bytes, synthetic_kv
 from netsim.proxy import LinkSpec
@@ -56,12 +57,31 @@ async def _put(url: str, context_id: str, ctx: dict, tokens: int = TOKENS) -> st
 
 
 @pytest.fixture(scope="module")
-def ctx(tmp_path_factory: pytest.TempPathFactory):
-    """An 8-chunk context in a file store, plus the reference decode of every stored blob."""
+def _contexts() -> dict:
+    """The contexts stored so far, by kind: pytest sets a fixture up once per parametrize
+    entry, not per value, so the rows that share one share it through here."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest, _contexts: dict):
+    """An 8-chunk context in a file store. A row parametrized with ``"predicted"``
+    (indirect) stores it with a predicting profile (blob format 6; layers 0 and 2 coded
+    alone, 1 and 3 from the layer before)."""
+    kind = getattr(request, "param", "plain")
+    if kind not in _contexts:
+        _contexts[kind] = _stored_context(tmp_path_factory, kind)
+    return _contexts[kind]
+
+
+def _stored_context(tmp_path_factory: pytest.TempPathFactory, kind: str) -> dict:
     root = tmp_path_factory.mktemp("faults-store")
-    kv = _kv(2, TOKENS)
-    out = {"root": str(root), "kv": kv, "tokens": [(7 * i) % 30000 for i in range(TOKENS)],
-           "profile": codec.calibrate([_kv(1, 2048)])}
+    if kind == "predicted":
+        kv = chained_kv(LAYERS, HEADS, HEAD_DIM, TOKENS, 2)
+        profile = codec.calibrate([chained_kv(LAYERS, HEADS, HEAD_DIM, 2048, 1)], predict=2)
+    else:
+        kv, profile = _kv(2, TOKENS), codec.calibrate([_kv(1, 2048)])
+    out = {"root": str(root), "kv": kv, "tokens": [(7 * i) % 30000 for i in range(TOKENS)], "profile": profile}
     out["manifest"] = asyncio.run(_put(str(root), "ctx", out))
     return out
 
@@ -82,7 +102,10 @@ async def _reference(url: str, manifest: streamer.Manifest, profile: codec.Profi
 
 @pytest.fixture(scope="module")
 def reference(ctx):
-    return asyncio.run(_reference(ctx["root"], ctx["manifest"], ctx["profile"]))
+    """The reference decode of every blob stored for ``ctx`` (made once per context)."""
+    if "reference" not in ctx:
+        ctx["reference"] = asyncio.run(_reference(ctx["root"], ctx["manifest"], ctx["profile"]))
+    return ctx["reference"]
 
 
 class Recorder:
@@ -244,6 +267,7 @@ async def test_sender_restarted_on_the_same_port_resumes(ctx, reference) -> None
 
 
 # ---------------------------------------------------------------- row 3: connection reset
+@pytest.mark.parametrize("ctx", ["plain", "predicted"], indirect=True)
 async def test_connection_reset_resumes(ctx, reference) -> None:
     store = await open_store(ctx["root"])
     sender = await streamer.serve(store)
@@ -408,7 +432,8 @@ async def test_truncated_frame_without_fallback_fails_cleanly_or_resumes(ctx, re
 # ---------------------------------------------------------------- row 6: one corrupted byte
 #: where the damaged byte of chunk 2's level-0 blob sits: offset from the start of a
 #: layer's section, or in the header (the magic; a field the header CRC covers)
-DAMAGE = {"layer0": lambda h: h.section_offset(0) + 17, "layer2": lambda h: h.section_offset(2) + 17,
+DAMAGE = {"layer0": lambda h: h.section_offset(0) + 17, "layer1": lambda h: h.section_offset(1) + 17,
+          "layer2": lambda h: h.section_offset(2) + 17,
           "magic": lambda h: 0, "header_field": lambda h: 20}
 
 
@@ -426,15 +451,19 @@ async def _fetch_from(store, **serve_options) -> tuple[Recorder, streamer.FetchR
         await store.close()
 
 
-@pytest.mark.parametrize("source, where", [("store", "layer0"), ("store", "layer2"), ("wire", "layer2"),
-                                           ("wire", "magic"), ("wire", "header_field")])
 @pytest.mark.parametrize("times", [1, 100], ids=["once", "always"])
+@pytest.mark.parametrize("ctx, source, where", [
+    ("plain", "store", "layer0"), ("plain", "store", "layer2"), ("plain", "wire", "layer2"),
+    ("plain", "wire", "magic"), ("plain", "wire", "header_field"),
+    ("predicted", "wire", "layer1"), ("predicted", "wire", "layer2")], indirect=["ctx"])
 async def test_one_corrupted_byte(ctx, reference, monkeypatch, times: int, source: str, where: str) -> None:
     """Chunk 2's level-0 blob arrives with one byte flipped, once (the refetch is clean:
     every layer at level 0) or every time (after MAX_CORRUPT_RETRIES refetches the chunk
     comes as text, superseding any of its layers already delivered). The damage is in
     the stored blob, or made on the way (after the sender's own checks): a bad header is
-    caught like a bad section, and one bad byte costs one refetch, not one per frame."""
+    caught like a bad section, and one bad byte costs one refetch, not one per frame. In
+    a predicted blob a bad layer takes the layers predicted from it down too, and the
+    refetch starts at the layer coded alone before the first not delivered."""
     store = await open_store(ctx["root"])
     real_get_chunk = store.get_chunk
     served: list[int] = []
@@ -479,7 +508,7 @@ async def test_one_corrupted_byte(ctx, reference, monkeypatch, times: int, sourc
     else:
         assert len(served) == 1 + MAX_CORRUPT_RETRIES
         assert report.chunks[2].level == TEXT and "corrupt" in report.chunks[2].reason
-        assert report.chunks[2].superseded_layers == (2 if where == "layer2" else 0)
+        assert report.chunks[2].superseded_layers == {"layer1": 1, "layer2": 2}.get(where, 0)
         assert all(c.level == 0 for i, c in enumerate(report.chunks) if i != 2)
 
 

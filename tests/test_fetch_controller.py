@@ -5,6 +5,8 @@ drive their state machines with bytes and invented times.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from streamer.adapt import cancel, decoding
@@ -353,3 +355,27 @@ def test_with_nothing_to_plan_on_the_next_chunk_waits_for_the_first_sample() -> 
     actions = feed(ctl, ev.PartArrived(0, 200_000, 4, 0.012), ev.AnswerEnded(0, False, 0.012))
     requests = [a for a in actions if isinstance(a, ev.SendRequest)]
     assert requests and requests[0].chunk == 1 and requests[0].choice != TEXT   # 200 kB in 8 ms: a fast link
+
+
+def test_a_predicted_continuation_asks_from_the_layer_its_prediction_restarts_at(monkeypatch) -> None:
+    """As above, on a context whose levels predict each layer from the one before (layers
+    0 and 2 coded alone, restart 2): three layers went out, so level 1 continues from
+    layer 2 (decoded there, not delivered again), the estimate counts that layer's share,
+    and the report's runs still split at the layers delivered. The cancel rule counts
+    the same layers in what a continuation carries."""
+    monkeypatch.setattr(controller_module.cancel, "reconsider", _switch_once(1))
+    ctl = FetchController(dataclasses.replace(make_manifest([[1_000_000, 500_000]] * 2), restart=2),
+                          FetchSettings(slo=10.0, policy="mpc"), context_id="ctx", beliefs=Beliefs(prior_bps=1e6))
+    feed(ctl, ev.Started(0.01, 0.04, 0.0, continuations=True))
+    assert feed(ctl, ev.AnswerBegan(0, 1_000_000, 0.01), ev.PartArrived(0, 300_000, 1, 0.2)) == [ev.SendCancel(0)]
+    feed(ctl, *(e for layer in range(3) for e in (ev.SectionHanded(0, layer, 250_000, 0.3),
+                                                   ev.LayerDelivering(0, layer, 0.31))),
+         ev.PartArrived(0, 770_000, 3, 0.3))
+    assert feed(ctl, ev.AnswerEnded(0, True, 0.35))[0] == ev.SendRequest(0, 1, first_layer=2)
+    assert ctl.chunks[0].expected == ctl.manifest.answer_bytes(0, 1, 2)
+    feed(ctl, ev.AnswerBegan(0, 251_000, 0.4), ev.PartArrived(0, 251_000, 4, 0.6), ev.AnswerEnded(0, False, 0.6),
+         ev.LayerDelivering(0, 3, 0.62), ev.ChunkDone(0, 0.62))
+    report = ctl.finish(0.7).chunks[0]
+    assert report.level == 1 and report.layer_levels == [(0, 0), (3, 1)]
+    assert cancel.InFlight(level=0, remaining_bytes=1, delivered_layers=3, layers=4, continuable=True,
+                           restart=2).remaining_share == 0.5   # layers 2 and 3 travel

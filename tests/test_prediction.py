@@ -2,6 +2,7 @@
 from the previous *decoded* layer misses, held to the values' error, decoded layer by layer."""
 from __future__ import annotations
 
+import json
 import struct
 import warnings
 
@@ -16,6 +17,7 @@ from codec.errors import CorruptBitstream, ProfileMismatchWarning
 from codec.profile import Profile
 from codec.rotary import Rotary, rotate
 from codec.synthetic import chained_kv
+from streamer.wire.manifest import Manifest, ManifestError
 
 
 def chained(seed: int, tokens: int = 400) -> torch.Tensor:
@@ -157,8 +159,35 @@ def test_version_and_profile_must_agree(profiles):
     assert torch.equal(codec.decode(exact, predicted), kv)
 
 
-def test_the_streamer_refuses_to_store_a_predicting_profile(profiles, tmp_path):
-    _, predicted = profiles
+def test_a_predicted_context_says_where_its_continuations_start(profiles, tmp_path):
+    """The manifest of a context stored with a predicting profile carries its restart
+    period (manifest version 4): a continuation at a profile level starts at the layer
+    coded alone before the first not delivered, at the exact level (raw) from that layer.
+    A context without prediction is still written as version 3."""
+    plain, predicted = profiles
     kv = chained(4)
-    with pytest.raises(ValueError, match="does not serve yet"):
-        put_context_now(str(tmp_path), "ctx", kv, list(range(kv.shape[2])), profile=predicted, chunk_tokens=200)
+    manifest = put_context_now(str(tmp_path), "ctx", kv, list(range(kv.shape[2])), profile=predicted,
+                               chunk_tokens=200, exact=True)
+    assert manifest.restart == 3
+    doc = json.loads(manifest.to_bytes())
+    assert (doc["version"], doc["restart"]) == (4, 3)
+    assert Manifest.from_bytes(manifest.to_bytes()) == manifest
+    assert [manifest.resume_layer(1, delivered) for delivered in range(6)] == [0, 0, 0, 3, 3, 3]
+    assert [manifest.resume_layer(0, delivered) for delivered in range(6)] == list(range(6))   # exact: raw
+    same = put_context_now(str(tmp_path), "other", kv, list(range(kv.shape[2])), profile=plain, chunk_tokens=200)
+    doc = json.loads(same.to_bytes())
+    assert same.restart == 1 and doc["version"] == 3 and "restart" not in doc
+    assert [same.resume_layer(1, delivered) for delivered in range(6)] == list(range(6))
+    for version, keep in ((3, True), (4, False)):   # restart only in version 4, and always there
+        doc = json.loads(manifest.to_bytes())
+        doc["version"] = version
+        if not keep:
+            del doc["restart"]
+        with pytest.raises(ManifestError, match="keys"):
+            Manifest.from_bytes(json.dumps(doc).encode())
+    doc = json.loads(manifest.to_bytes())
+    doc["restart"] = 0
+    with pytest.raises(ManifestError, match="restart"):
+        Manifest.from_bytes(json.dumps(doc).encode())
+
+

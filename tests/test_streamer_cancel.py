@@ -17,6 +17,8 @@ from streamer.adapt.cancel import (COMMITTED_BYTES, PATIENCE_S, RECENT_S, InFlig
 from streamer.adapt.decide import time_left
 from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES, shortfall
 from streamer.adapt.mpc import mpc, mpc_plan
+from streamer.net import driver as driver_module
+from streamer.wire import protocol as p
 
 MB = 1_000_000
 
@@ -341,8 +343,10 @@ async def test_a_session_drops_a_connection_whose_cancel_a_stall_holds_up(tmp_pa
     assert report.reconnects == (0 if escalate_after < 1.0 else 1)
 
 
-@pytest.mark.parametrize("continuations", [False, True], ids=["text", "continuation"])
-async def test_a_switch_while_an_async_on_layer_runs_keeps_its_layer(tmp_path, monkeypatch, continuations) -> None:
+@pytest.mark.parametrize("continuations, predict", [(False, 0), (True, 0), (True, 2)],
+                         ids=["text", "continuation", "predicted-continuation"])
+async def test_a_switch_while_an_async_on_layer_runs_keeps_its_layer(tmp_path, monkeypatch, continuations,
+                                                                      predict) -> None:
     """The consumer's on_layer is async and still awaiting on chunk 0's first layer when
     the cancel rule (here made to ask for level 2 once a layer of the chunk is out) gives
     the chunk up. The layer counts as delivered from the call, so the running call keeps
@@ -351,14 +355,21 @@ async def test_a_switch_while_an_async_on_layer_runs_keeps_its_layer(tmp_path, m
     coming until the CANCEL takes effect), then its text, and the report says how many
     layers the text superseded. With them (protocol version 2) the layers not delivered
     come at level 2: every layer exactly once, in order, no text, and the report lists the
-    two runs."""
+    two runs. With a predicting profile (layers 0 and 2 coded alone) the continuation asks
+    from the layer coded alone before the first not delivered: the layers between come
+    again, feed the decoder's chain and are not delivered again."""
     import codec
+    from codec.synthetic import chained_kv
     from streamer.adapt import cancel
     from streamer_helpers import synthetic_kv
 
     layers, heads, head_dim, tokens = 4, 8, 64, 4 * 512
-    kv = synthetic_kv(3, tokens, layers, heads, head_dim)
-    profile = codec.calibrate([synthetic_kv(4, 2048, layers, heads, head_dim)])
+    if predict:
+        kv = chained_kv(layers, heads, head_dim, tokens, 3)
+        profile = codec.calibrate([chained_kv(layers, heads, head_dim, 2048, 4)], predict=predict)
+    else:
+        kv = synthetic_kv(3, tokens, layers, heads, head_dim)
+        profile = codec.calibrate([synthetic_kv(4, 2048, layers, heads, head_dim)])
     store = await streamer.open_store(str(tmp_path))
     await streamer.put_context(store, "ctx", kv, list(range(tokens)), profile=profile, chunk_tokens=512)
     asked_with: list[int] = []
@@ -372,6 +383,15 @@ async def test_a_switch_while_an_async_on_layer_runs_keeps_its_layer(tmp_path, m
         return None
 
     monkeypatch.setattr(cancel, "reconsider", give_up_once_a_layer_is_out)
+    requested: list[tuple[int, int | str, int]] = []
+    sent = driver_module.FetchDriver._send
+
+    def record_requests(self, frame):
+        if isinstance(frame, p.Request):
+            requested.append((frame.chunk, frame.level, frame.first_layer))
+        return sent(self, frame)
+
+    monkeypatch.setattr(driver_module.FetchDriver, "_send", record_requests)
     seen: list[tuple] = []
     decoded: dict[int, torch.Tensor] = {}
 
@@ -408,6 +428,8 @@ async def test_a_switch_while_an_async_on_layer_runs_keeps_its_layer(tmp_path, m
     assert chunk0.level == 2 and chunk0.superseded_layers == 0
     (start, level0), (continued_from, level2) = chunk0.layer_levels
     assert (start, level0, level2) == (0, 0, 2) and 1 <= continued_from < layers
+    asked_from = continued_from - continued_from % predict if predict else continued_from
+    assert (0, 2, asked_from) in requested
     # the layers came at the levels the report says: each as that level's stored blob decodes it
     for layer, k in decoded.items():
         level = 0 if layer < continued_from else 2

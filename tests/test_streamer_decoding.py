@@ -22,8 +22,9 @@ from streamer_helpers import held_decode
 
 
 class _Header:
-    """The one field of a blob header the delivery reads: a section's decoded size."""
+    """The fields of a blob header the delivery reads: a section's decoded size, and whether it is predicted."""
     raw_size = 64
+    predicted = False
 
 
 HEADER = _Header()

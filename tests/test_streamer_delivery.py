@@ -19,8 +19,9 @@ LAYERS = 3
 
 
 class _Header:
-    """The one field of a blob header the delivery reads: a section's decoded size."""
+    """The fields of a blob header the delivery reads: a section's decoded size, and whether it is predicted."""
     raw_size = 64
+    predicted = False
 
 
 HEADER = _Header()
@@ -255,7 +256,7 @@ async def test_a_stream_decoder_is_told_of_a_retargeted_chunk_once_and_of_a_deli
     """Chunk 0 is retargeted to text while its sections are held in the decoder (the
     consumer waits on one of them): the decoder cancels that chunk once. Chunk 1 is an
     ordinary chunk: never cancelled."""
-    first, second = object(), object()
+    first, second = _Header(), _Header()
     fake, seen = _StreamFake(held={first}), []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = _streamed(fake, pool, seen, chunks=2)
@@ -273,7 +274,7 @@ async def test_a_stream_decoder_is_told_of_a_retargeted_chunk_once_and_of_a_deli
 
 
 async def test_a_stream_decoder_is_told_of_a_failed_chunk_once() -> None:
-    header, failure = object(), RuntimeError("stays corrupt")
+    header, failure = _Header(), RuntimeError("stays corrupt")
     fake, seen = _StreamFake(held={header}), []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         delivery = _streamed(fake, pool, seen)
@@ -293,7 +294,7 @@ async def test_a_stream_decoder_forgets_both_answers_of_a_refetched_chunk() -> N
     """Layer 1 of the first answer is corrupt; the refetch is a new header whose layer 0 is
     skipped (it went out): the first answer is cancelled when the second lands, and the
     second once the chunk is delivered, as the decoder still waits for its layer 0."""
-    first, again = object(), object()
+    first, again = _Header(), _Header()
     fake, seen = _StreamFake(bad={(first, 1)}), []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         holder: dict = {}
@@ -367,3 +368,129 @@ async def test_a_section_reports_its_own_decode_time_not_its_wait_behind_the_oth
     seconds = {e.layer: e.seconds for e in observed if isinstance(e, ev.SectionDecoded)}
     assert sorted(seconds) == list(range(LAYERS))
     assert all(seconds[layer] < seconds[0] for layer in range(1, LAYERS))
+
+
+class _PredictedHeader(_Header):
+    """A predicted blob's header (format 6): its sections decode in order, with a chain."""
+    predicted = True
+
+
+class _Profile:
+    restart = 2   # layers 0, 2, 4 coded alone
+
+
+def _chained_decoder(order: list[tuple[int, int]], bad: set[tuple[int, int]] = frozenset()):
+    """Decodes b'tag,' sections like ``codec.decode_section`` a predicted blob's: refuses a
+    layer whose chain does not hold the layer before it (unless coded alone), advances the
+    chain, and records (tag, layer) in decode order."""
+    bad = set(bad)
+
+    def decode(header, profile, layer, section, chain=None):
+        tag = int(bytes(section).split(b",")[0])
+        if layer % profile.restart and chain.layer != layer - 1:
+            raise ValueError(f"layer {layer} decoded after layer {chain.layer}")
+        time.sleep(0.002)   # long enough for a decode beside it to show
+        order.append((tag, layer))
+        chain.layer = layer
+        if (tag, layer) in bad:
+            bad.discard((tag, layer))
+            raise codec.CorruptBitstream("bad section")
+        return torch.full((1,), float(tag)), torch.full((1,), float(layer))
+    return decode
+
+
+async def test_a_predicted_chunks_sections_decode_in_order_in_one_chain() -> None:
+    """Two workers, sections landing at once: each layer of a predicted answer decodes after
+    the one before it (never beside it), and every layer is delivered once, in order."""
+    order: list[tuple[int, int]] = []
+    seen: list[tuple[int, int]] = []
+    layers = 6
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        delivery = OrderedDelivery(chunks=1, layers=layers, on_layer=lambda c, l, k, v: seen.append((c, l)),
+                                   on_text=None, observe=lambda event: None, executor=pool,
+                                   decode=_chained_decoder(order))
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 0)
+        header = _PredictedHeader()
+        for layer in range(layers):
+            delivery.add_section(0, layer, header, _Profile(), b"0,")
+        await consumer
+    assert order == [(0, l) for l in range(layers)]
+    assert seen == [(0, l) for l in range(layers)]
+
+
+async def test_a_predicted_continuation_decodes_the_layers_before_it_as_context() -> None:
+    """Three of six layers went out at level 0 when the chunk continues at level 2: the
+    answer starts at layer 2 (coded alone), layer 2 feeds the chain and is not delivered
+    again, layers 3.. are delivered from the continuation, each layer once."""
+    order: list[tuple[int, int]] = []
+    events: list[tuple[int, int]] = []
+    handed: list[int] = []
+    layers = 6
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        gate = asyncio.Event()
+
+        async def on_layer(c, l, k, v):
+            events.append((l, int(k.item())))
+            if l == 2:
+                await gate.wait()
+
+        def observe(event):
+            if isinstance(event, ev.SectionHanded):
+                handed.append(event.layer)
+
+        delivery = OrderedDelivery(chunks=1, layers=layers, on_layer=on_layer, on_text=None, observe=observe,
+                                   executor=pool, decode=_chained_decoder(order),
+                                   resume_layer=lambda level, delivered: delivered - delivered % 2)
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 0)
+        first = _PredictedHeader()
+        for layer in range(4):
+            delivery.add_section(0, layer, first, _Profile(), b"0,")
+        while delivery.delivered_layers(0) < 3:
+            await asyncio.sleep(0.001)
+        with pytest.raises(RuntimeError, match="only continue from layer 2"):
+            delivery.resolve(0, 2, first_layer=3)
+        delivery.resolve(0, 2, first_layer=2)
+        gate.set()
+        again = _PredictedHeader()
+        for layer in range(2, layers):
+            delivery.add_section(0, layer, again, _Profile(), b"5,")
+        await consumer
+    assert events == [(0, 0), (1, 0), (2, 0), (3, 5), (4, 5), (5, 5)]
+    assert order[-4:] == [(5, 2), (5, 3), (5, 4), (5, 5)]   # the continuation's chain, from layer 2
+    assert handed[-4:] == [2, 3, 4, 5]   # the context layer counts as decoding work
+
+
+async def test_a_corrupt_predicted_layer_cuts_off_the_layers_predicted_from_it() -> None:
+    """Layer 1 of a predicted answer fails its checks: layers 2 (coded alone) decodes, layer
+    3 (predicted from 2) too, but the consumer stops at layer 1 and the refetch (from layer
+    0 = the delivered count's restart) replaces every layer not delivered, decoded afresh
+    in its own chain; one Corrupt per bad answer."""
+    order: list[tuple[int, int]] = []
+    seen: list[tuple[int, int]] = []
+    corrupt: list[int] = []
+    layers = 4
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        holder: dict = {}
+
+        def on_corrupt(chunk: int, layer: int, message: str) -> None:
+            corrupt.append(layer)
+            refetch = _PredictedHeader()
+            for again in range(layers):
+                holder["delivery"].add_section(chunk, again, refetch, _Profile(), b"7,")
+
+        delivery = OrderedDelivery(chunks=1, layers=layers, on_layer=lambda c, l, k, v: seen.append((l, int(k.item()))),
+                                   on_text=None, observe=_on_corrupt(on_corrupt), executor=pool,
+                                   decode=_chained_decoder(order, bad={(0, 1)}),
+                                   resume_layer=lambda level, delivered: delivered - delivered % 2)
+        holder["delivery"] = delivery
+        consumer = asyncio.create_task(_run(delivery))
+        delivery.resolve(0, 0)
+        header = _PredictedHeader()
+        for layer in range(layers):
+            delivery.add_section(0, layer, header, _Profile(), b"0,")
+        await consumer
+    assert corrupt == [1]
+    assert seen == [(0, 0), (1, 7), (2, 7), (3, 7)]
+    assert [layer for tag, layer in order if tag == 7] == [0, 1, 2, 3]   # the old chain may still run beside

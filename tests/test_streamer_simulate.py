@@ -3,6 +3,7 @@ on every policy, the policies' deadline rule, and decision agreement with a real
 StreamSession on a recorded throughput history. No timing thresholds."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -84,7 +85,8 @@ def _oracle_timing(sim: Simulator, trace: Trace, choices, start: float, layer_le
     with no gaps, each text chunk recomputed once it is in and the chunk before it is
     delivered (overlapping later transfers), only the last chunk's decode tail. A chunk
     whose ``layer_levels`` entry is ``((0, a), (k, b))`` carries k/layers of level a's
-    bytes and the rest of level b's."""
+    bytes and level b's from the layer its prediction restarts at before k (k itself
+    without prediction: ``Manifest.restart`` 1)."""
     owd = sim.rtt / 2
     t = owd
     done = 0.0
@@ -94,7 +96,8 @@ def _oracle_timing(sim: Simulator, trace: Trace, choices, start: float, layer_le
         runs = layer_levels[j] if layer_levels else ()
         if runs:
             (_, a), (k, b) = runs
-            size = (k * sim.sizes[j][a] + (layers - k) * sim.sizes[j][b]) / layers
+            fetched_from = k - k % sim.manifest.restart
+            size = (k * sim.sizes[j][a] + (layers - fetched_from) * sim.sizes[j][b]) / layers
         else:
             size = sim.text_bytes[j] if c == TEXT else sim.sizes[j][c]
         t += trace.time_to_send(8.0 * size, start + t)
@@ -128,14 +131,19 @@ def test_oracle_is_the_exact_optimum_by_brute_force(s) -> None:
 def split_scenarios(draw):
     """Few chunks, levels and layers (every one-switch split of every chunk is tried),
     and distortions drawn apart from the sizes, so that a chunk's hull of (bytes,
-    distortion) can skip levels and splits of levels not adjacent on it can matter."""
+    distortion) can skip levels and splits of levels not adjacent on it can matter; the
+    levels may predict each layer from the one before (a restart period over 1), so a
+    split's second level is fetched from before its first layer."""
     s = draw(scenarios())
     m = s["manifest"]
     levels, chunks = min(m.levels, 3), m.chunks[:3]
     distortion = tuple(sorted(draw(st.lists(st.floats(1e-4, 0.4), min_size=levels, max_size=levels,
                                             unique=True))))
-    s["manifest"] = make_manifest([list(c.sizes[:levels]) for c in chunks], [c.tokens for c in chunks],
-                                  chunks[0].text_bytes, draw(st.integers(2, 5)), distortion)
+    layers = draw(st.integers(2, 5))
+    s["manifest"] = dataclasses.replace(
+        make_manifest([list(c.sizes[:levels]) for c in chunks], [c.tokens for c in chunks],
+                      chunks[0].text_bytes, layers, distortion),
+        restart=draw(st.integers(1, layers)))
     return s
 
 
@@ -470,12 +478,17 @@ def test_a_decode_prior_ten_times_off_costs_at_most_the_first_chunk(scale: float
         assert poisoned.choices == [TEXT] * 12 and not poisoned.met
 
 
-@pytest.mark.parametrize("continuations", [True, False], ids=["continued", "text"])
-def test_a_simulated_chunk_continues_its_remaining_layers_at_a_lower_level(monkeypatch, continuations) -> None:
+@pytest.mark.parametrize("continuations, restart", [(True, 1), (False, 1), (True, 3)],
+                         ids=["continued", "text", "predicted"])
+def test_a_simulated_chunk_continues_its_remaining_layers_at_a_lower_level(monkeypatch, continuations,
+                                                                           restart) -> None:
     """The cancel rule (made to ask for level 2 once a layer of chunk 0 is out) on a
     sender that takes continuations: the simulated link answers with the layers not
     delivered only (sections numbered from there), and the result lists both runs and
-    costs them by their layers. Without continuations the chunk goes to text."""
+    costs them by their layers. Without continuations the chunk goes to text. Where the
+    levels predict each layer from the one before (restart 3), the continuation starts
+    at the layer coded alone before the first not delivered: the layers between are
+    handed to the decoder again (its chain needs them) and not delivered again."""
     asked: list[int] = []
 
     def switch_once_a_layer_is_out(plan, head, **_):
@@ -485,19 +498,29 @@ def test_a_simulated_chunk_continues_its_remaining_layers_at_a_lower_level(monke
         return None
 
     monkeypatch.setattr(controller_module.cancel, "reconsider", switch_once_a_layer_is_out)
-    m = make_manifest([[400_000, 250_000, 100_000]] * 2, [256, 256], layers=8)
+    m = dataclasses.replace(make_manifest([[400_000, 250_000, 100_000]] * 2, [256, 256], layers=8), restart=restart)
     sim = Simulator(m, rtt=0.004, decode_seconds=0.0)
-    r = sim.run("mpc", Trace([0.0], [8.0]), slo=5.0, prior_bps=1e6, continuations=continuations)
+    decoded: list[tuple[int, int]] = []
+
+    def decode_time(chunk: int, layer: int, nbytes: int) -> float:
+        decoded.append((chunk, layer))
+        return 0.0
+
+    r = sim.run("mpc", Trace([0.0], [8.0]), slo=5.0, prior_bps=1e6, continuations=continuations,
+                decode_time=decode_time)
     assert asked and r.cancels == 1
     requests = [a for a in r.actions if isinstance(a, ev.SendRequest) and a.chunk == 0]
     if not continuations:
         assert r.choices[0] == TEXT and r.layer_levels[0] == ()
         return
     first = requests[-1].first_layer
-    assert requests[-1].choice == 2 and 1 <= first < 8
-    assert r.choices[0] == 2 and r.layer_levels[0] == ((0, 0), (first, 2))
+    delivered = r.layer_levels[0][1][0]
+    assert requests[-1].choice == 2 and 1 <= delivered < 8 and first == delivered - delivered % restart
+    assert r.choices[0] == 2 and r.layer_levels[0] == ((0, 0), (delivered, 2))
+    layers = [layer for chunk, layer in decoded if chunk == 0]
+    assert layers[-(8 - first):] == list(range(first, 8))   # the continuation's, its context included
     d = m.level_distortion
-    assert r.cost == pytest.approx((first * d[0] + (8 - first) * d[2]) / 8 + d[r.choices[1]])
+    assert r.cost == pytest.approx((delivered * d[0] + (8 - delivered) * d[2]) / 8 + d[r.choices[1]])
     # the continuation carried about its share of level 2's bytes, not the whole blob
     assert m.answer_bytes(0, 2, first) < 100_000 * (8 - first + 1) / 8
 

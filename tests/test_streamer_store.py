@@ -106,7 +106,7 @@ def _drop(key: str):
 
 @pytest.mark.parametrize("mutate, message", [
     (_set("format", "something-else"), "not a kvwire manifest"),
-    (_set("version", 4), "unsupported manifest version"),
+    (_set("version", 5), "unsupported manifest version"),
     (_drop("tokens"), "missing keys ['tokens']"),
     (_set("surprise", 1), "unknown keys ['surprise']"),
     (_set("layers", 0), "layers must be an int >= 1"),

@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from codec.prediction import restart_layer
 from streamer.adapt.base import (TEXT, Choice, Observation, PlanInput, link_seconds, option_seconds,
                                  pipeline_budget, predicted_seconds)
 from streamer.adapt.estimator import GUARD_FACTOR, MIN_SAMPLE_BYTES
@@ -173,11 +174,15 @@ class InFlight:
     #: once some went out (the connection takes continuations: protocol version 2)
     layers: int = 1
     continuable: bool = False
+    #: the context's prediction period (``Manifest.restart``): a continuation of a
+    #: predicted level starts at the layer coded alone before the first not delivered
+    restart: int = 1
 
     @property
     def remaining_share(self) -> float:
-        """The share of the chunk's layers not delivered: what a continuation carries."""
-        return (self.layers - self.delivered_layers) / self.layers
+        """The share of the chunk's layers a continuation carries: those not delivered, and
+        those back to the layer a predicted level restarts at (decoded, not delivered)."""
+        return (self.layers - restart_layer(self.delivered_layers, self.restart)) / self.layers
 
 
 def reconsider(plan: PlanInput, head: InFlight, *, rate: float, rtt: float,

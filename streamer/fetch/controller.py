@@ -42,7 +42,10 @@ The delivery contract it keeps: a layer counts as delivered from the moment its
 layer, what follows it is a continuation (the layers not delivered yet, at the same
 level or a lower one: ``first_layer`` is the count delivered when the request goes out,
 so no running ``on_layer`` loses its layer and none comes twice) or text, which
-supersedes the chunk as a whole. A continued chunk's report lists its runs of layers
+supersedes the chunk as a whole. Where the context's levels predict each layer from
+the one before (``Manifest.restart``), a continuation asks from the layer coded alone
+at or before that count (``Manifest.resume_layer``): the layers up to the count come
+again, are decoded and not delivered, and their bytes count as the answer's. A continued chunk's report lists its runs of layers
 and their levels (``ChunkReport.layer_levels``).
 """
 from __future__ import annotations
@@ -834,7 +837,9 @@ class FetchController:
                        "streamer.model.CacheAssembler's), or an slo the link can meet")
             return
         info, layers = self.manifest.chunks[chunk.index], self.manifest.layers
-        first = chunk.delivered if choice != TEXT and self.continuations and chunk.delivered < layers else 0
+        # the layers delivered stay; a predicted level's answer starts at the layer coded alone before them
+        delivers_from = chunk.delivered if choice != TEXT and self.continuations and chunk.delivered < layers else 0
+        first = 0 if choice == TEXT else self.manifest.resume_layer(choice, delivers_from)   # type: ignore[arg-type]
         chunk.choice, chunk.requested_at, chunk.begin_at, chunk.first_layer = choice, now, None, first
         report = chunk.report
         assert report is not None   # made when the chunk was first decided
@@ -842,8 +847,8 @@ class FetchController:
             chunk.expected, report.layer_levels = info.text_bytes, []
         else:
             chunk.expected = self.manifest.answer_bytes(chunk.index, choice, first)  # type: ignore[arg-type]
-            runs = [run for run in report.layer_levels if run[0] < first]
-            report.layer_levels = runs if runs and runs[-1][1] == choice else [*runs, (first, choice)]
+            runs = [run for run in report.layer_levels if run[0] < delivers_from]
+            report.layer_levels = runs if runs and runs[-1][1] == choice else [*runs, (delivers_from, choice)]
         chunk.received = chunk.partial = 0
         chunk.sections = first
         chunk.marks, chunk.arrivals, chunk.held_seconds = [], [], 0.0
@@ -908,7 +913,7 @@ class FetchController:
         in_flight = cancel.InFlight(level=head.choice,  # type: ignore[arg-type]
                                     remaining_bytes=head.expected - head.progress,
                                     delivered_layers=head.delivered, layers=self.manifest.layers,
-                                    continuable=self.continuations,
+                                    continuable=self.continuations, restart=self.manifest.restart,
                                     remaining_decode_seconds=0.0 if cost is None
                                     else self._unarrived_decode(head, cost))
         switch = cancel.reconsider(plan, in_flight, rate=sample.bytes / sample.busy_seconds, rtt=self.rtt,

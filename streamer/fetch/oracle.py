@@ -18,7 +18,9 @@ chunk some of whose layers went out at level ``a`` with its remaining layers at 
 level ``b > a``. Such a chunk, layers ``[0, k)`` at ``a`` and ``[k, layers)`` at ``b``,
 costs the layer-weighted distortion ``(k d[a] + (layers - k) d[b]) / layers`` and carries
 ``k / layers`` of level ``a``'s bytes and ``(layers - k) / layers`` of level ``b``'s
-(sections are equal shares of an answer). Knowing the trace, the oracle never cancels,
+(sections are equal shares of an answer); where the levels predict each layer from the
+one before (``Manifest.restart``), level ``b`` is fetched from the layer coded alone at
+or before ``k``, the layers between decoded and not delivered. Knowing the trace, the oracle never cancels,
 so a split is one more KV option of the chunk: no recompute, and a level's decode tail
 when it is the last chunk.
 
@@ -56,6 +58,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from codec.prediction import restart_layer
 from streamer.adapt.base import TEXT, Choice
 from streamer.fetch.links import VectorLink
 
@@ -177,11 +180,14 @@ class _Options:
 
 @functools.lru_cache(maxsize=4096)
 def chunk_options(sizes: tuple[float, ...], text_bytes: float, distortion: tuple[float, ...], layers: int,
-                  splits: bool) -> _Options:
+                  splits: bool, resume: tuple[int, ...] | None = None) -> _Options:
     """A chunk's options: each stored level (size > 0), with ``splits`` every split
     ``((0, a), (k, b))`` of two stored levels ``a < b`` at ``k`` in ``1 .. layers - 1``,
     less the KV options another KV option beats in (bytes, cost) (see the module
-    docstring), then text. Cached: a simulator asks for the same chunks at every start."""
+    docstring), then text. ``resume[k]``: the first layer level ``b`` is fetched from to
+    continue at layer ``k`` (``Manifest.resume_layer``: before ``k`` where the levels
+    predict each layer from the one before; ``k`` when absent). Cached: a simulator asks
+    for the same chunks at every start."""
     size = np.asarray(sizes, dtype=np.float64)
     d = np.asarray(distortion, dtype=np.float64)
     levels = np.flatnonzero(size > 0)
@@ -189,8 +195,9 @@ def chunk_options(sizes: tuple[float, ...], text_bytes: float, distortion: tuple
     runs: list[tuple[tuple[int, int], ...]] = [()] * levels.size
     if splits:
         k = np.arange(1, layers)
+        fetched_from = k if resume is None else np.asarray(resume, dtype=np.int64)[k]
         for a, b in itertools.combinations(levels.tolist(), 2):
-            nbytes.append((k * size[a] + (layers - k) * size[b]) / layers)
+            nbytes.append((k * size[a] + (layers - fetched_from) * size[b]) / layers)
             cost.append((k * d[a] + (layers - k) * d[b]) / layers)
             column.append(np.full(k.size, b))
             runs += [((0, a), (int(j), b)) for j in k]
@@ -341,10 +348,12 @@ def solve(sim: Simulator, link: VectorLink, *, slo: float, start: float, splits:
     With splits, the program without them runs first: no split is faster than its
     smaller level, so a fetch it cannot fit has no feasible split schedule either (its
     fastest schedule is the answer), and its cost bounds the split program's search."""
-    layers = sim.manifest.layers
+    layers, restart = sim.manifest.layers, sim.manifest.restart
+    # a split's second level is never the exact one (it is level 0), so it restarts as the profile does
+    resume = None if restart == 1 else tuple(restart_layer(k, restart) for k in range(layers))
 
     def options(with_splits: bool) -> list[_Options]:
-        return [chunk_options(tuple(s), tb, tuple(sim.manifest.level_distortion), layers, with_splits)
+        return [chunk_options(tuple(s), tb, tuple(sim.manifest.level_distortion), layers, with_splits, resume)
                 for s, tb in zip(sim.sizes, sim.text_bytes)]
 
     plain = _search(sim, link, options(False), slo=slo, start=start, bound=None)

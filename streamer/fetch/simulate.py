@@ -118,6 +118,7 @@ class _Receiver:
     def __init__(self, manifest: Manifest, decode_time: DecodeTime, recompute_time: RecomputeTime,
                  decode_done: DecodeDone | None = None) -> None:
         n = len(manifest.chunks)
+        self.manifest = manifest
         self.layers, self.tokens = manifest.layers, [c.tokens for c in manifest.chunks]
         self.decode_time, self.recompute_time, self.decode_done = decode_time, recompute_time, decode_done
         self.choice: list[Choice | None] = [None] * n
@@ -151,10 +152,14 @@ class _Receiver:
         self._advance(now)
 
     def take(self, chunk: int, layer: int, nbytes: int, now: float) -> bool:
-        """A section landed: False if it was delivered or decoded already (a refetch's copy)."""
-        if layer < self.delivered[chunk] or layer in self.decoded[chunk] or \
-                any(q[0] == chunk and q[1] == layer for q in self.queue) or \
-                any(r[1:3] == (chunk, layer) for r in self.running):
+        """A section landed: False if it was delivered or decoded already (a refetch's copy).
+        At a level that predicts each layer from the one before, every section of an
+        answer decodes, in order: the layers after it need it (delivered or not)."""
+        level = self.choice[chunk]
+        chained = level != TEXT and self.manifest.restart > 1 and not self.manifest.is_exact(level)  # type: ignore[arg-type]
+        if not chained and (layer < self.delivered[chunk] or layer in self.decoded[chunk] or
+                            any(q[0] == chunk and q[1] == layer for q in self.queue) or
+                            any(r[1:3] == (chunk, layer) for r in self.running)):
             return False
         self.queue.append((chunk, layer, nbytes, self.choice[chunk]))   # type: ignore[arg-type]
         self._start_decode(now)

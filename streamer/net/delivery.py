@@ -16,10 +16,13 @@ while the caller recomputes (an async one must not block the loop either).
 
 A layer counts as delivered from the moment its ``on_layer`` is called: an async
 ``on_layer`` may still be running when the session decides about its chunk. A chunk
-some of whose layers went out may continue at another level from exactly the layers
-delivered (``resolve(chunk, level, first_layer)``: what was decoded of the old level
-past them is dropped, each layer still goes out once), so one chunk's layers may come
-at two or more levels (``ChunkReport.layer_levels``). It may also switch to text (its
+some of whose layers went out may continue at another level from the layers delivered
+(``resolve(chunk, level, first_layer)``: what was decoded of the old level past them is
+dropped, each layer still goes out once), so one chunk's layers may come at two or more
+levels (``ChunkReport.layer_levels``). A predicted blob's sections (format 6) decode in
+order, each answer with its own ``codec.LayerChain``: a continuation of one starts at a
+layer coded alone at or before the first not delivered, and the layers before that
+one are decoded into the chain and not delivered again. It may also switch to text (its
 sections stayed corrupt, or finishing it would miss the deadline): the consumer then
 gets ``on_text`` for that chunk once the running call returns, and must recompute the
 whole chunk, the delivered layers included (``ChunkReport.superseded_layers``).
@@ -42,6 +45,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 import codec
+from codec.prediction import is_intra
 from streamer.fetch import events as ev
 
 TEXT = "text"
@@ -73,6 +77,9 @@ class _Waiting:
     profile: codec.Profile
     section: bytes | memoryview
     arrived: float   # perf_counter: a stream decoder's time counts from here (waits included)
+    #: a layer delivered already, sent again because the layers after it are predicted
+    #: from it: decoded into the answer's chain, not delivered
+    context: bool = False
 
 
 class _Retarget:
@@ -85,6 +92,9 @@ class _ChunkSlots:
     layers: dict[int, asyncio.Future] = field(default_factory=dict)
     header: codec.BlobHeader | None = None   # of the sections last handed to the decoder
     submitted: int = 0            # layers of ``header`` handed to the decoder
+    #: a predicted answer's chain (format 6), and its last decode started: the next waits for it
+    chain: codec.LayerChain | None = None
+    chain_tail: asyncio.Future | None = None
     failure: BaseException | None = None     # what fail_chunk made the consumer raise
     text: asyncio.Future | None = None
     delivered: int = 0            # layers whose on_layer was called (counted from the call)
@@ -95,8 +105,13 @@ class OrderedDelivery:
     def __init__(self, *, chunks: int, layers: int, on_layer: LayerCallback | None,
                  on_text: TextCallback | None, observe: Observer,
                  executor: concurrent.futures.Executor,
-                 decode: SectionDecoder | StreamingDecoder = codec.decode_section) -> None:
+                 decode: SectionDecoder | StreamingDecoder = codec.decode_section,
+                 resume_layer: Callable[[int, int], int] = lambda level, delivered: delivered) -> None:
+        """``resume_layer(level, delivered)``: the first layer a continuation at ``level``
+        must start from (``Manifest.resume_layer``; the delivered count, where no level
+        predicts one layer from another)."""
         self._loop = asyncio.get_running_loop()
+        self._resume_layer = resume_layer
         self._layers = layers
         self._on_layer = on_layer
         self._on_text = on_text
@@ -145,7 +160,10 @@ class OrderedDelivery:
             if needed in self._waiting:
                 self._start(needed)
             for key in list(self._waiting):
-                if self.admit is not None and not self.admit(self._waiting[key].header.raw_size):
+                if key not in self._waiting:
+                    continue   # started already, before a later layer of its chain
+                item = self._waiting[key]
+                if not item.context and self.admit is not None and not self.admit(item.header.raw_size):
                     break
                 self._start(key)
         if self.on_progress is not None:
@@ -187,17 +205,20 @@ class OrderedDelivery:
         """Fix how a chunk's layers from ``first_layer`` on will be delivered. Another level
         is allowed for the whole chunk until a layer went out, and after that for a
         continuation from exactly the layers delivered (``first_layer``: those already
-        out stay, the rest come at ``kind``); TEXT is allowed until the chunk is done (it
-        supersedes delivered layers)."""
+        out stay, the rest come at ``kind``), or, at a level predicting each layer from
+        the one before, from the layer coded alone before them (``resume_layer``: the
+        layers up to the delivered ones are decoded as context); TEXT is allowed until the chunk is done (it supersedes
+        delivered layers)."""
         state = self._chunks[chunk]
         if state.kind.done():
             if state.kind.result() == kind:
                 return
             if state.done:
                 raise RuntimeError(f"chunk {chunk} was delivered already; it cannot change")
-            if state.delivered and kind != TEXT and first_layer != state.delivered:
-                raise RuntimeError(f"chunk {chunk} already delivered {state.delivered} layers; another level "
-                                   f"can only continue from layer {state.delivered}, not {first_layer}")
+            resume = self._resume_layer(kind, state.delivered) if kind != TEXT else 0   # type: ignore[arg-type]
+            if state.delivered and kind != TEXT and first_layer != resume:
+                raise RuntimeError(f"chunk {chunk} already delivered {state.delivered} layers; level {kind} "
+                                   f"can only continue from layer {resume}, not {first_layer}")
             state.kind = self._loop.create_future()
             for fut in state.layers.values():
                 if not fut.done():
@@ -219,7 +240,12 @@ class OrderedDelivery:
 
     def add_section(self, chunk: int, layer: int, header: codec.BlobHeader, profile: codec.Profile,
                     section: bytes | memoryview) -> None:
-        """Start decoding one layer section now; the consumer picks the result up in order."""
+        """Start decoding one layer section now; the consumer picks the result up in order.
+        A predicted blob's sections (format 6) decode in order, each from the one before
+        it in the same answer (``_add_chained``)."""
+        if header.predicted:
+            self._add_chained(chunk, layer, header, profile, section)
+            return
         state = self._chunks[chunk]
         if layer < state.delivered:
             return  # a refetch resent a layer that already went out: exactly once
@@ -229,14 +255,44 @@ class OrderedDelivery:
         if (chunk, layer) in self._waiting:
             return  # duplicate part of a section not decoding yet: the first copy wins
         if header is not state.header:
-            self._cancel_decode(state)   # a refetch's new answer: the old one's rest never comes
-            for key in [k for k in self._waiting if k[0] == chunk]:
-                del self._waiting[key]
-            state.header, state.submitted = header, 0
+            self._new_answer(chunk, state, header)
+        self._hand(chunk, layer, state, _Waiting(header, profile, section, time.perf_counter()))
+
+    def _add_chained(self, chunk: int, layer: int, header: codec.BlobHeader, profile: codec.Profile,
+                     section: bytes | memoryview) -> None:
+        """A section of a predicted blob: every section of its answer decodes, in order, with
+        one ``codec.LayerChain``; those of layers delivered already (a continuation starts
+        at a layer coded alone before them) only feed the chain. A new answer (a refetch)
+        decodes afresh every layer not delivered: what the old answer decoded of them came
+        from another chain."""
+        state = self._chunks[chunk]
+        if header is not state.header:
+            for undelivered in [l for l in state.layers if l >= state.delivered]:
+                slot = state.layers.pop(undelivered)
+                if not slot.done():
+                    slot.set_result(_Retarget())   # the consumer asks again, for the new answer's
+                self.backlog_bytes -= self._backlog.pop((chunk, undelivered), 0)
+                self._decoding.pop((chunk, undelivered), None)
+            self._new_answer(chunk, state, header)
+            state.chain, state.chain_tail = codec.LayerChain(), None
+        context = layer < state.delivered
+        if not context and (self._slot(chunk, layer).done() or (chunk, layer) in self._waiting):
+            return   # a duplicate part: the first copy wins
+        self._hand(chunk, layer, state, _Waiting(header, profile, section, time.perf_counter(), context))
+
+    def _new_answer(self, chunk: int, state: _ChunkSlots, header: codec.BlobHeader) -> None:
+        """The sections of another answer begin (a refetch, or a continuation): the old one's
+        rest never comes."""
+        self._cancel_decode(state)
+        for key in [k for k in self._waiting if k[0] == chunk]:
+            del self._waiting[key]
+        state.header, state.submitted = header, 0
+
+    def _hand(self, chunk: int, layer: int, state: _ChunkSlots, item: _Waiting) -> None:
         state.submitted += 1
-        self._observe(ev.SectionHanded(chunk, layer, len(section), time.monotonic()))
-        self._hold((chunk, layer), len(section))
-        self._waiting[(chunk, layer)] = _Waiting(header, profile, section, time.perf_counter())
+        self._observe(ev.SectionHanded(chunk, layer, len(item.section), time.monotonic()))
+        self._hold((chunk, layer), len(item.section))
+        self._waiting[(chunk, layer)] = item
         if self._stream is not None:
             self._start((chunk, layer))   # its output is on the device, not in this budget
         self.pump()
@@ -244,20 +300,43 @@ class OrderedDelivery:
     def _start(self, key: tuple[int, int]) -> None:
         chunk, layer = key
         item = self._waiting.pop(key)
-        output = 0
-        if self._stream is not None:   # groups upload and decode as sections land
+        state, output = self._chunks[chunk], 0
+        if self._stream is not None:   # groups upload and decode as sections land (a run chains its own)
             job = asyncio.ensure_future(_submitted(self._stream.submit(item.header, item.profile, layer,
                                                                        item.section), item.arrived))
+        elif item.header.predicted:
+            for earlier in sorted(k for k in self._waiting if k[0] == chunk and k[1] < layer):
+                self._start(earlier)   # the layers it is predicted from go first
+            output = 0 if item.context else item.header.raw_size
+            job = asyncio.ensure_future(self._chained_decode(state.chain_tail, state.chain, item, layer))
+            state.chain_tail = job
+            self._hold(key, len(item.section) + output)
         else:
             output = item.header.raw_size
             job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, item.header,
                                              item.profile, layer, item.section)
             self._hold(key, len(item.section) + output)
-        self._slot(chunk, layer).set_result(job)
+        if not item.context:
+            self._slot(chunk, layer).set_result(job)
         self._decoding[key] = job
-        job.add_done_callback(functools.partial(self._decoded, key, len(item.section), output))
+        job.add_done_callback(functools.partial(self._decoded, key, len(item.section), output, item.context))
 
-    def _decoded(self, key: tuple[int, int], size: int, output: int, job: asyncio.Future) -> None:
+    async def _chained_decode(self, previous: asyncio.Future | None, chain: codec.LayerChain | None,
+                              item: _Waiting, layer: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Decode a predicted blob's layer once the layer before it in its answer has: in
+        the same chain, so never beside it. A layer predicted from one that did not decode
+        is corrupt too (a layer coded alone decodes whatever came before it)."""
+        if previous is not None:
+            await asyncio.wait([previous])
+            failed = previous.cancelled() or previous.exception() is not None
+            if failed and not is_intra(layer, item.profile.restart):
+                raise codec.CorruptBitstream(f"layer {layer} is predicted from layer {layer - 1}, "
+                                             "which did not decode")
+        decode = functools.partial(self._decode, chain=chain)
+        return await self._loop.run_in_executor(self._executor, _timed_decode, decode, item.header,
+                                                item.profile, layer, item.section)
+
+    def _decoded(self, key: tuple[int, int], size: int, output: int, context: bool, job: asyncio.Future) -> None:
         # a failed decode is the consumer's to raise (exception() only marks it seen: a
         # retargeted chunk's moot failure is not logged as unretrieved)
         ok = not job.cancelled() and job.exception() is None
@@ -265,7 +344,10 @@ class OrderedDelivery:
         self._observe(ev.SectionDecoded(*key, size, seconds, time.monotonic()))
         if self._decoding.get(key) is job:   # not released or replaced meanwhile
             del self._decoding[key]
-            self._hold(key, output if ok else 0)   # the coded bytes are free now
+            if context:   # its values live on in the chain only
+                self.backlog_bytes -= self._backlog.pop(key, 0)
+            else:
+                self._hold(key, output if ok else 0)   # the coded bytes are free now
             if self.on_progress is not None:
                 self.on_progress()
 

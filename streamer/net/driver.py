@@ -64,7 +64,7 @@ class FetchDriver:
         self.delivery = OrderedDelivery(chunks=len(self.manifest.chunks), layers=self.manifest.layers,
                                         on_layer=session._on_layer, on_text=session._on_text,
                                         observe=self._observe, executor=session._executor,
-                                        decode=session._decode)
+                                        decode=session._decode, resume_layer=self.manifest.resume_layer)
         self.delivery.on_progress = self._on_progress
         self.delivery.admit = self._admit
         self.share = process_budget().join(self.delivery.pump)

@@ -48,7 +48,7 @@ from streamer.net.devices import decode_executor, section_decoder
 from streamer.net.delivery import OrderedDelivery
 from streamer.net.driver import ContextChanged, ContextTooLarge, FetchDriver, FetchFailed, TextNotConsumed
 from streamer.wire import protocol as p
-from streamer.wire.manifest import Manifest
+from streamer.wire.manifest import Manifest, ManifestError
 
 _profiles: "collections.OrderedDict[str, codec.Profile]" = collections.OrderedDict()
 #: bytes of profiles kept for later sessions (least recently used first out; the one in use
@@ -325,6 +325,11 @@ class StreamSession:
             profile = codec.Profile.from_bytes(data)
             if profile.id != manifest.profile_id:
                 raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
+        restart = profile.restart if profile.predicts else 1
+        if manifest.restart != restart:
+            # a continuation asks from the manifest's restart layer; the decoder chains by the profile's
+            raise ManifestError(f"context {self.context_id!r}'s manifest says its layers restart prediction "
+                                f"every {manifest.restart}, its profile {profile.id} every {restart}")
         _remember_profile(profile)
         self.profile = profile
         # round trips included, so a lower bound on the link: the first chunk's prior when

@@ -233,11 +233,6 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
     if profile is None:
         profile = await asyncio.to_thread(codec.calibrate, [kv])
     profile.check_shape(layers, heads, head_dim)
-    if profile.predicts:
-        raise ValueError(f"profile {profile.id} predicts each layer from the one before it (blob format 6), "
-                         f"which the streamer does not serve yet: a fetch that continues a chunk at another "
-                         f"level would need the layers from the chunk's restart layer sent too, and decodes its "
-                         f"sections one at a time. Calibrate without --predict to store a context")
     chosen = _check_levels(levels, profile)
     await store.put_profile(profile)
     async with store.writer(context_id) as writer:
@@ -250,7 +245,7 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
             context_id=context_id, version=writer.version, layers=layers, heads=heads, head_dim=head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), tokens=tokens, profile_id=profile.id,
             level_distortion=(0.0,) * exact + tuple(profile.targets), chunks=tuple(chunks), created=time.time(),
-            vocab_size=vocab_size)
+            vocab_size=vocab_size, restart=profile.restart if profile.predicts else 1)
         await writer.commit(manifest, replace=replace)
     return manifest
 

@@ -5,7 +5,7 @@ the chunk's token ids (the text fallback: the receiver can recompute the KV inst
 fetching it). The manifest lists every chunk's token range and blob sizes, so a sender
 can plan per-chunk quality against a deadline without touching the blobs.
 
-It is JSON (tagged ``"format": "kvwire-manifest", "version": 3``), not pickle: any
+It is JSON (tagged ``"format": "kvwire-manifest", "version": 4``), not pickle: any
 language can read it and a malformed one cannot execute anything. Every field is
 checked on construction, so a ``Manifest`` that exists is internally consistent
 (contiguous chunks covering ``[0, tokens)``, one size per level, ...).
@@ -19,6 +19,13 @@ Version 3 allows an *exact* level: a first ``level_distortion`` of 0 says level 
 each chunk's KV exactly (``codec.encode_exact``) and levels ``1..`` are the profile's
 levels ``0..`` (:meth:`Manifest.codec_level`). A version 2 reader refuses such a manifest
 by its version instead of misreading level numbers.
+
+Version 4 adds ``"restart"``: the context was coded with a predicting profile (blob
+format 6, ``codec.prediction``), whose layers 0, restart, 2*restart, .. are coded alone
+and every other layer from the one before it. A continuation must then start at such a
+layer (:meth:`Manifest.resume_layer`). A manifest without prediction (restart 1) is
+still written as version 3, so receivers that predate prediction keep reading it; one
+with prediction is refused by them by its version, before any blob is fetched.
 """
 from __future__ import annotations
 
@@ -29,12 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from codec.container import EXACT_LEVEL, plain_header_size
+from codec.prediction import restart_layer
 from streamer.wire.events import TEXT_LEVEL
 
 MANIFEST_FORMAT = "kvwire-manifest"
-MANIFEST_VERSION = 3
-#: Manifest format versions this build reads (1: before ``vocab_size``; 2: before the exact level).
-READABLE_VERSIONS = (1, 2, 3)
+MANIFEST_VERSION = 4
+#: Manifest format versions this build reads (1: before ``vocab_size``; 2: before the exact
+#: level; 3: before ``restart``).
+READABLE_VERSIONS = (1, 2, 3, 4)
 DTYPES = ("float16", "bfloat16", "float32")
 
 # Ids become file names and redis key parts: no separators (/ :), no leading dot
@@ -155,7 +164,8 @@ class Manifest:
     ``level_distortion`` is the target distortion per level (best first): the profile's,
     after a 0 for the exact level when the context was stored with one (:attr:`exact`).
     ``vocab_size`` is the model's vocabulary size when the writer knew it: every token id
-    of the text fallback is below it.
+    of the text fallback is below it. ``restart`` is the profile's prediction period
+    (``codec.Profile.restart``): 1 when every layer is coded alone.
     """
 
     context_id: str
@@ -170,6 +180,7 @@ class Manifest:
     chunks: tuple[ChunkInfo, ...]
     created: float
     vocab_size: int | None = None
+    restart: int = 1
 
     def __post_init__(self) -> None:
         _id(self.context_id, "context id")
@@ -189,6 +200,7 @@ class Manifest:
         _finite(self.created, "created", positive=False)
         if self.vocab_size is not None:
             _int(self.vocab_size, "vocab_size", 1)
+        _int(self.restart, "restart", 1)
         self._check_chunks()
 
     def _check_chunks(self) -> None:
@@ -248,6 +260,17 @@ class Manifest:
         if not 0 <= first_layer < self.layers:
             raise ValueError(f"first layer {first_layer} out of range: context has {self.layers} layers")
 
+    def resume_layer(self, level: int, delivered: int) -> int:
+        """The first layer a request for more of a chunk asks for at ``level`` once
+        ``delivered`` of its layers went out: the delivered count itself, or, where the
+        level's blobs predict each layer from the one before (not the exact level, whose
+        sections are raw), the layer coded alone at or before it. The layers from there
+        to ``delivered`` travel again, to be decoded and not delivered: what a
+        continuation of a predicted chunk costs."""
+        if self.restart == 1 or self.is_exact(level):
+            return delivered
+        return restart_layer(delivered, self.restart)
+
     def answer_bytes(self, chunk: int, level: int, first_layer: int = 0) -> int:
         """Bytes of the answer to REQUEST(chunk, level, first_layer): the blob's size for a
         whole chunk; for a continuation an estimate, until its CHUNK_BEGIN says: the header
@@ -273,7 +296,7 @@ class Manifest:
         ``"context_version"``.
         """
         doc = {
-            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION if self.restart > 1 else 3,
             "context_id": self.context_id, "context_version": self.version,
             "layers": self.layers, "heads": self.heads, "head_dim": self.head_dim,
             "dtype": self.dtype, "tokens": self.tokens, "profile_id": self.profile_id,
@@ -283,6 +306,8 @@ class Manifest:
                         "text_bytes": c.text_bytes, "sink_tokens": c.sink_tokens}
                        for c in self.chunks],
         }
+        if self.restart > 1:
+            doc["restart"] = self.restart
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -299,7 +324,8 @@ class Manifest:
         if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise ManifestError(f"unsupported manifest version {version!r} "
                                 f"(this build reads versions {READABLE_VERSIONS})")
-        fields = _exact_keys(doc, _MANIFEST_KEYS | ({"vocab_size"} if version >= 2 else set()), "manifest")
+        fields = _exact_keys(doc, _MANIFEST_KEYS | ({"vocab_size"} if version >= 2 else set())
+                             | ({"restart"} if version >= 4 else set()), "manifest")
         distortion = _tuple(fields["level_distortion"], "level_distortion")
         if version < 3 and distortion and distortion[0] == 0:
             raise ManifestError(f"a version {version} manifest has no exact level: level_distortion[0] must be > 0")
@@ -313,6 +339,7 @@ class Manifest:
             level_distortion=distortion,
             chunks=tuple(_chunk_from_json(c, i) for i, c in enumerate(chunks)),
             created=fields["created"], vocab_size=fields.get("vocab_size"),
+            restart=fields.get("restart", 1),
         )
 
 
