@@ -399,6 +399,13 @@ def _chained_decoder(order: list[tuple[int, int]], bad: set[tuple[int, int]] = f
     return decode
 
 
+def _predicted_answer(delivery: OrderedDelivery, layers: range, tag: int) -> None:
+    """One answer's sections (a header of its own), tagged ``tag``, for chunk 0."""
+    header = _PredictedHeader()
+    for layer in layers:
+        delivery.add_section(0, layer, header, _Profile(), f"{tag},".encode())
+
+
 async def test_a_predicted_chunks_sections_decode_in_order_in_one_chain() -> None:
     """Two workers, sections landing at once: each layer of a predicted answer decodes after
     the one before it (never beside it), and every layer is delivered once, in order."""
@@ -411,9 +418,7 @@ async def test_a_predicted_chunks_sections_decode_in_order_in_one_chain() -> Non
                                    decode=_chained_decoder(order))
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 0)
-        header = _PredictedHeader()
-        for layer in range(layers):
-            delivery.add_section(0, layer, header, _Profile(), b"0,")
+        _predicted_answer(delivery, range(layers), 0)
         await consumer
     assert order == [(0, l) for l in range(layers)]
     assert seen == [(0, l) for l in range(layers)]
@@ -444,18 +449,14 @@ async def test_a_predicted_continuation_decodes_the_layers_before_it_as_context(
                                    resume_layer=lambda level, delivered: delivered - delivered % 2)
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 0)
-        first = _PredictedHeader()
-        for layer in range(4):
-            delivery.add_section(0, layer, first, _Profile(), b"0,")
+        _predicted_answer(delivery, range(4), 0)
         while delivery.delivered_layers(0) < 3:
             await asyncio.sleep(0.001)
         with pytest.raises(RuntimeError, match="only continue from layer 2"):
             delivery.resolve(0, 2, first_layer=3)
         delivery.resolve(0, 2, first_layer=2)
         gate.set()
-        again = _PredictedHeader()
-        for layer in range(2, layers):
-            delivery.add_section(0, layer, again, _Profile(), b"5,")
+        _predicted_answer(delivery, range(2, layers), 5)
         await consumer
     assert events == [(0, 0), (1, 0), (2, 0), (3, 5), (4, 5), (5, 5)]
     assert order[-4:] == [(5, 2), (5, 3), (5, 4), (5, 5)]   # the continuation's chain, from layer 2
@@ -476,9 +477,7 @@ async def test_a_corrupt_predicted_layer_cuts_off_the_layers_predicted_from_it()
 
         def on_corrupt(chunk: int, layer: int, message: str) -> None:
             corrupt.append(layer)
-            refetch = _PredictedHeader()
-            for again in range(layers):
-                holder["delivery"].add_section(chunk, again, refetch, _Profile(), b"7,")
+            _predicted_answer(holder["delivery"], range(layers), 7)
 
         delivery = OrderedDelivery(chunks=1, layers=layers, on_layer=lambda c, l, k, v: seen.append((l, int(k.item()))),
                                    on_text=None, observe=_on_corrupt(on_corrupt), executor=pool,
@@ -487,9 +486,7 @@ async def test_a_corrupt_predicted_layer_cuts_off_the_layers_predicted_from_it()
         holder["delivery"] = delivery
         consumer = asyncio.create_task(_run(delivery))
         delivery.resolve(0, 0)
-        header = _PredictedHeader()
-        for layer in range(layers):
-            delivery.add_section(0, layer, header, _Profile(), b"0,")
+        _predicted_answer(delivery, range(layers), 0)
         await consumer
     assert corrupt == [1]
     assert seen == [(0, 0), (1, 7), (2, 7), (3, 7)]
