@@ -321,7 +321,8 @@ def seed_inputs(target: str) -> list[bytes]:
                 out += [bytes([i]) + f for f in stream] + [bytes([i]) + b"".join(stream)]
         return out
     if target == "manifest":
-        return [b"\x00" + fuzz_data.seed_manifest(), b"\x00" + fuzz_data.seed_manifest(exact=True), b"\x01"]
+        return [b"\x00" + fuzz_data.seed_manifest(), b"\x00" + fuzz_data.seed_manifest(exact=True),
+                b"\x00" + fuzz_data.seed_manifest(restart=2), b"\x01"]
     if target == "text":
         return [bytes([flags]) + p for p in fuzz_data.seed_texts() for flags in (0, 7)]
     if target == "http":

@@ -24,17 +24,18 @@ from streamer.tools.fuzz_codec import FuzzBug
 
 
 # ------------------------------------------------------------------------ manifest
-@functools.lru_cache(maxsize=2)
-def seed_manifest(exact: bool = False) -> bytes:
+@functools.lru_cache(maxsize=4)
+def seed_manifest(exact: bool = False, restart: int = 1) -> bytes:
     """A valid 3-chunk manifest (sinks in chunk 0, one level not stored) as bytes; ``exact``:
-    its level 0 is the exact level."""
+    its level 0 is the exact level; ``restart`` over 1: its levels predict each layer from
+    the one before (version 4)."""
     from streamer.wire.manifest import ChunkInfo, Manifest
 
     chunks = (ChunkInfo(0, 0, 16, (900, 400, 0), 60, 4), ChunkInfo(1, 16, 32, (880, 390, 0), 58, 0),
               ChunkInfo(2, 32, 40, (450, 200, 90), 31, 0))
     return Manifest("ctx-0", "v1", layers=2, heads=2, head_dim=8, dtype="float16", tokens=40,
                     profile_id="0123456789abcdef", level_distortion=(0.0 if exact else 1e-3, 1e-2, 5e-2), chunks=chunks,
-                    created=1.5e9, vocab_size=32000).to_bytes()
+                    created=1.5e9, vocab_size=32000, restart=restart).to_bytes()
 
 
 #: top-level manifest keys an edit may replace (chunk keys are addressed per chunk)
