@@ -120,7 +120,7 @@ def test_manifest_records_the_vocabulary_size() -> None:
     ({"vocab_size": True}, "vocab_size must be an int"),
     ({"vocab_size": "50257"}, "vocab_size must be an int"),
     ({"version": 1}, "unknown keys \\['vocab_size'\\]"),
-    ({"version": 4}, "unsupported manifest version 4"),
+    ({"version": 5}, "unsupported manifest version 5"),
     ({"version": True}, "unsupported manifest version True"),
 ])
 def test_malformed_vocab_size_or_version(change: dict, message: str) -> None:
