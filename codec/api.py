@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import zstandard
 
-from . import backends, container, control, layer_codec, prediction, rans
+from . import backends, container, control, layer_codec, prediction
 from .stages import CONVERT, CRC, LANE_TABLE, stage
 from .container import BlobHeader
 from .errors import CorruptBitstream, ProfileMismatch, ProfileMismatchWarning
@@ -68,12 +68,8 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
     if not raw:
         steps = control.profile_steps(profile, slot, layer) if parts is None else tuple(p.step for p in parts)
         try:
-            # a step the control measured the rate-distortion choice with, or the profile's,
-            # designed for plain rounding
-            weight = rans.RD_WEIGHT if parts is not None else 0.0
             lanes = layer_codec.encode_layer(profile, slot, layer, body[0], body[1], steps=steps,
-                                             kept=_coded_rows(profile, slot, layer, parts), coefficients=coefficients,
-                                             weight=weight)
+                                             kept=_coded_rows(profile, slot, layer, parts), coefficients=coefficients)
         except layer_codec.NotCodable:
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])

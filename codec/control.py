@@ -37,10 +37,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from . import rans, transform
+from . import transform
 from .levels import KEEP_THRESHOLD
 from .profile import Profile
-from .tables import CoderTables, coder_tables
 
 #: relative distortion error the search stops at: a third of the +-15% the levels promise,
 #: the rest left to the sample's estimate of the whole chunk
@@ -164,11 +163,9 @@ def weigh_sample(own: np.ndarray, sample: np.ndarray, mean: np.ndarray, factor: 
 
 
 class _Part:
-    """A sample's first ``rows`` transformed rows (the rest count as dropped); distortion per
-    step, as the encoder quantizes (``rans.quantization_error``: each row's table and shift)."""
+    """A sample's first ``rows`` transformed rows (the rest count as dropped); distortion per step."""
 
-    def __init__(self, sample: PartSample, rows: int, table: np.ndarray, shift: np.ndarray,
-                 tables: CoderTables) -> None:
+    def __init__(self, sample: PartSample, rows: int) -> None:
         self.drop = sample.drop
         self.coef = sample.coef[:, :rows] if self.drop else sample.coef
         self.tokens = sample.tokens
@@ -177,9 +174,6 @@ class _Part:
         self.beyond = max(sample.total - float(self.energy.sum()), 0.0)  # rows the profile never stores
         self.tail = np.concatenate([np.cumsum(self.energy[::-1])[::-1], [0.0]]) + self.beyond
         self.variance = sample.variance
-        self.edges = np.empty((self.coef.shape[1], 2 * rans.EDGE_SPAN + 1))
-        rans.row_edges(table[:self.coef.shape[1]], shift[:self.coef.shape[1]], tables.freq, tables.cost,
-                       rans.RD_WEIGHT, self.edges)
 
     def kept_for(self, step: float) -> int:
         if not self.drop:
@@ -188,9 +182,9 @@ class _Part:
 
     def distortion(self, step: float, kept: int) -> float:
         """MSE/var of coding the sample with ``step`` and ``kept`` rows."""
-        # contiguous: one kernel specialization whatever the rows kept
-        error = rans.quantization_error(np.ascontiguousarray(self.coef[:, :kept]), np.float32(step), self.edges)
-        return self.relative(error / self.tokens + float(self.tail[kept]))
+        head = self.coef[:, :kept]
+        err = head - np.float32(step) * np.rint(head / np.float32(step))
+        return self.relative(float(np.square(err, dtype=np.float64).sum()) / self.tokens + float(self.tail[kept]))
 
     def dropped_share(self, kept: int, typical: float) -> float:
         """The median token's energy beyond ``kept`` rows over ``typical``, the median
@@ -229,8 +223,7 @@ def control_part(profile: Profile, slot: int, layer: int, kind: int, sample: Par
     does not move.
     """
     kept0 = int(profile.kept[slot, layer, kind])
-    part = _Part(sample, sample_rows_needed(profile, slot, layer, kind),
-                 profile.table[slot, layer, kind, 0], profile.shift[slot, layer, kind, 0], coder_tables(profile))
+    part = _Part(sample, sample_rows_needed(profile, slot, layer, kind))
     target = profile.section_target(slot, layer, kind)  # the level's, times the section's weight
     step0 = clamp_step(profile.steps[slot, layer, kind])
     at_profile = part.distortion(step0, kept0)

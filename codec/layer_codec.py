@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import math
 import struct
+import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from . import control, parallel, rans, transform
+from . import control, entropy, parallel, rans, transform
 from .errors import CorruptBitstream
 from .profile import Profile
 from .stages import ENTROPY, stage
-from .tables import coder_tables
 
 #: ideal bits the encoder aims to put in one lane (FORMAT.md, "The encoder's choice")
 LANE_BITS = 2048
@@ -50,6 +50,32 @@ class ValuesOutOfRange(NotCodable):
 class RowsTooLong(NotCodable):
     """Rows too long for one lane that cannot be cut into pieces starting at anchors
     (a profile whose delta group exceeds MAX_LANE_VALUES, for chunks longer than that)."""
+
+
+@dataclass(frozen=True)
+class CoderTables:
+    freq: np.ndarray
+    cdf: np.ndarray
+    lut: np.ndarray
+    coder: np.ndarray       # u32 [classes, ALPHABET]: freq | cdf << 16, what the CPU decoder loads
+    cost: np.ndarray        # f64 [classes, ALPHABET]: entropy.symbol_cost_bits
+    value_bits: np.ndarray  # f64 [classes, PROB_BITS + 1]: rans.min_value_bits
+
+
+_coder_tables: "weakref.WeakKeyDictionary[Profile, CoderTables]" = weakref.WeakKeyDictionary()
+
+
+def coder_tables(profile: Profile) -> CoderTables:
+    """Frequency, cumulative and slot tables of a profile (built once per profile)."""
+    tables = _coder_tables.get(profile)
+    if tables is None:
+        tables = CoderTables(freq=profile.tables, cdf=entropy.cumulative(profile.tables),
+                             lut=entropy.slot_lookup(profile.tables),
+                             coder=entropy.packed_coder(profile.tables),
+                             cost=entropy.symbol_cost_bits(profile.tables),
+                             value_bits=rans.min_value_bits(profile.tables))
+        _coder_tables[profile] = tables
+    return tables
 
 
 @dataclass(frozen=True)
@@ -192,14 +218,12 @@ def layer_coefficients(profile: Profile, layer: int, k: torch.Tensor, v: torch.T
 
 def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
                    steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None,
-                   coefficients: Coefficients | None = None,
-                   weight: float = 0.0) -> tuple[LayerPlan, np.ndarray, np.ndarray]:
+                   coefficients: Coefficients | None = None) -> tuple[LayerPlan, np.ndarray, np.ndarray]:
     """(plan, quantized rows [R, T] int32, ideal coded bits per row) of one layer.
 
     k and v are float32 [coded_tokens, C]; ``steps`` and ``kept`` as in plan_layer;
     ``coefficients``: their ``layer_coefficients`` for at least the plan's kept rows
-    (None: computed here); ``weight``: the quantizer's rate-distortion weight
-    (``rans.quantize_rows``; 0, plain rounding, for the profile's steps, designed for it). The plan's lane shape is not chosen yet (``shape_lanes``
+    (None: computed here). The plan's lane shape is not chosen yet (``shape_lanes``
     does, from the bits).
     """
     plan = plan_layer(profile, slot, layer, k.shape[0], steps, kept)
@@ -214,8 +238,7 @@ def quantize_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: 
         rows = slice(first, first + coef.values.shape[0])
         first = rows.stop
         if parallel.launch(rans.quantize_rows, *coef, plan.step[rows], plan.group[rows], plan.table[rows],
-                           plan.shift[rows], tables.freq, tables.cost, weight, q[rows],
-                           row_bits[rows]) != rans.OK:
+                           plan.shift[rows], tables.freq, tables.cost, q[rows], row_bits[rows]) != rans.OK:
             raise ValuesOutOfRange(f"layer {layer}: KV values too large to quantize at this level "
                                    f"(more than {rans.MAX_ABS_Q} steps from the profile mean)")
     return plan, q, row_bits
@@ -230,11 +253,11 @@ def ideal_layer_bits(profile: Profile, plan: LayerPlan, q: np.ndarray) -> float:
 
 def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
                  steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None,
-                 coefficients: Coefficients | None = None, weight: float = 0.0) -> bytes:
+                 coefficients: Coefficients | None = None) -> bytes:
     """Lane payload of one layer: k and v are float32 [coded_tokens, C]; ``steps`` and
     ``kept`` as in plan_layer (recorded in the lane table); ``coefficients`` as in
     quantize_layer."""
-    plan, q, row_bits = quantize_layer(profile, slot, layer, k, v, steps, kept, coefficients, weight)
+    plan, q, row_bits = quantize_layer(profile, slot, layer, k, v, steps, kept, coefficients)
     return pack_lanes(profile, shape_lanes(plan, row_bits), q)
 
 

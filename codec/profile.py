@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import entropy, rans, transform
+from . import entropy, transform
 from .allocation import fit_to_budget, validate_weights
 from .container import MAX_CHANNELS, MAX_LEVELS, MAX_TABLES, MAX_TOKENS, MAX_U16
 from .errors import CorruptBitstream
@@ -535,36 +535,24 @@ def _fit_one(section: _Basis, targets: Sequence[float], delta: str) -> _Fit:
 
 
 def _symbol_histograms(fit: _Fit, level: int, shift: np.ndarray, table: np.ndarray,
-                       hist: np.ndarray, coder: tuple[np.ndarray, np.ndarray] | None = None) -> float:
-    """Add the symbols of one (layer, K/V, level) on the design sample to ``hist``: each
-    value rounded, or with ``coder`` (tables' frequencies and costs) as the encoder
-    quantizes under them (``rans.RD_WEIGHT``: a step nearer zero where that pays).
+                       hist: np.ndarray) -> float:
+    """Add the symbols of one (layer, K/V, level) on the design sample to ``hist``.
 
     Returns the raw bits spent outside the tables (low bits and escape payloads).
     """
     step, kept = fit.steps[level], fit.kept[level]
     coef = fit.sample_coef[:kept]
-
-    def quantized(values: np.ndarray, kind: int) -> np.ndarray:
-        if coder is None:
-            return np.rint(values / step).astype(np.int64)
-        edges = np.empty((kept, 2 * rans.EDGE_SPAN + 1))
-        rans.row_edges(table[kind, :kept], shift[kind, :kept], *coder, rans.RD_WEIGHT, edges)
-        out = np.empty(values.shape, dtype=np.int64)
-        rans.quantize_values(np.ascontiguousarray(values, dtype=np.float32), np.float32(step), edges, out)
-        return out
-
     kinds = [(coef, 0)]
     if fit.delta:
         n = coef.shape[1] - coef.shape[1] % DELTA_GROUP
         # explicit sizes: a level that keeps no component has an empty sample to reshape
         groups = coef[:, :n].reshape(kept, n // DELTA_GROUP, DELTA_GROUP)
-        anchors = quantized(groups[:, :, 0], 0)[:, :, None] * step  # as the decoder rebuilds them
+        anchors = np.rint(groups[:, :, :1] / step) * step  # as the decoder rebuilds them
         kinds = [(coef[:, ::DELTA_GROUP], 0),
                  ((groups[:, :, 1:] - anchors).reshape(kept, n // DELTA_GROUP * (DELTA_GROUP - 1)), 1)]
     raw_bits = 0.0
     for values, kind in kinds:
-        q = quantized(values, kind)
+        q = np.rint(values / step).astype(np.int64)
         b = shift[kind, :kept].astype(np.int64)[:, None]
         idx = (q >> b) + entropy.ZERO_SYMBOL
         escaped = (idx < 0) | (idx >= entropy.ESCAPE)
@@ -635,15 +623,6 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
                 shift[v, l, kv], table[v, l, kv] = _assign_classes(fit, v, C)
                 raw_bits[v] += _symbol_histograms(fit, v, shift[v, l, kv], table[v, l, kv], hist[v])
                 elements[v] += fit.sample_coef.shape[1] * C
-    tables = entropy.build_tables(hist.sum(axis=0))
-    # the encoder codes a value a step nearer zero where that pays under the tables
-    # (``rans.RD_WEIGHT``): fit them again on the symbols it then codes
-    coder = (tables, entropy.symbol_cost_bits(tables))
-    hist[:], raw_bits[:] = 0.0, 0.0
-    for l in range(L):
-        for kv in range(2):
-            for v in range(V):
-                raw_bits[v] += _symbol_histograms(fits[l][kv], v, shift[v, l, kv], table[v, l, kv], hist[v], coder)
     tables = entropy.build_tables(hist.sum(axis=0))
     cost = entropy.symbol_cost_bits(tables)
     coded = np.where(hist > 0, hist * np.where(np.isfinite(cost), cost, 0.0)[None], 0.0)

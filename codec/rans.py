@@ -130,18 +130,6 @@ def _value_bits(v, b, tab, freq, cost):
 #: stands for "past MAX_ABS_Q" among quantized values (no valid one reaches it)
 _OVERFLOW_Q = np.int64(MAX_ABS_Q) << 2
 
-#: The encoder's rate-distortion weight, in squared steps per bit: a value is coded one
-#: step nearer zero when that saves more bits than its added squared error (in steps)
-#: costs at this weight. High-rate theory puts the slope of a uniform quantizer's
-#: distortion at 2 ln 2 / 12 squared steps per bit; the step control then holds each
-#: section's distortion, so the saving is bits at the level's error (an encoder's choice:
-#: the decoder dequantizes ``q * step`` whatever chose ``q``; FORMAT.md).
-RD_WEIGHT = 2.0 * np.log(2.0) / 12.0
-#: the integers (either side of 0) the choice applies to; larger ones are rounded (their
-#: bits barely differ from their neighbours'), so a row's choice is a table of 2 * 8 + 1
-#: boundaries (``row_edges``) and the quantizer stays a branch-light lookup
-EDGE_SPAN = 8
-
 
 @njit(cache=True, nogil=True, inline="always")
 def _scaled(value, kind, anchor, s):
@@ -150,95 +138,16 @@ def _scaled(value, kind, anchor, s):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _edges(b, tab, freq, cost, weight, out):
-    """``out`` [2 * EDGE_SPAN + 1]: for each integer v in -EDGE_SPAN .. EDGE_SPAN, how far
-    (in steps, at most half) past the rounding boundary below it a value is still coded
-    one step nearer zero: half the bits that saves under table ``tab`` and shift ``b``
-    times ``weight``; 0 at v = 0, and for none at ``weight`` 0 (plain rounding)."""
-    for j in range(2 * EDGE_SPAN + 1):
-        v = np.int64(j - EDGE_SPAN)
-        out[j] = 0.0
-        if v != 0 and weight > 0.0:
-            nearer = v - 1 if v > 0 else v + 1
-            saved = _value_bits(v, b, tab, freq, cost) - _value_bits(nearer, b, tab, freq, cost)
-            out[j] = min(max(0.5 * weight * saved, 0.0), 0.5)
-
-
-@njit(cache=True, nogil=True)
-def row_edges(table, shift, freq, cost, weight, out):
-    """``out`` [rows, 2 * EDGE_SPAN + 1]: ``_edges`` of each row's table and shift."""
-    for r in range(out.shape[0]):
-        _edges(np.int64(shift[r]), table[r], freq, cost, weight, out[r])
+def _integer(scaled):
+    """The quantizer's integer for a value ``scaled`` steps from 0, or _OVERFLOW_Q."""
+    return np.int64(np.rint(scaled)) if abs(scaled) < MAX_ABS_Q else _OVERFLOW_Q
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _integer(scaled, edges):
-    """The quantizer's integer for a value ``scaled`` steps from 0, or _OVERFLOW_Q: the
-    nearest, or one step nearer zero within its ``edges`` entry past the rounding
-    boundary below it. That boundary moves up by at most half a step, so the integer
-    is still non-decreasing in ``scaled``."""
-    if not abs(scaled) < MAX_ABS_Q:
-        return _OVERFLOW_Q
-    v = np.int64(np.rint(scaled))
-    j = v + EDGE_SPAN
-    if 0 <= j <= 2 * EDGE_SPAN and abs(scaled) - abs(v) + 0.5 < edges[j]:
-        v = v - 1 if v > 0 else v + 1   # (edges[EDGE_SPAN] is 0: never at v = 0)
-    return v
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _quantized(value, kind, anchor, s, edges):
+def _quantized(value, kind, anchor, s):
     """The quantizer's integer for coefficient ``value`` (float32): non-decreasing in
     ``value`` for a step ``s`` > 0, which is what makes an interval's two ends decide it."""
-    return _integer(_scaled(value, kind, anchor, s), edges)
-
-
-@njit(cache=True, nogil=True)
-def quantize_values(values, step, edges, out):
-    """``out`` int64 [rows, N]: ``values`` float32 [rows, N] quantized with ``step`` as
-    :func:`quantize_rows` quantizes directly coded values (each row's ``row_edges``),
-    _OVERFLOW_Q where out of range. What calibration fits its tables on."""
-    s = np.float32(step)
-    for r in range(values.shape[0]):
-        for t in range(values.shape[1]):
-            out[r, t] = _integer(values[r, t] / s, edges[r])
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _squared_error(x, s, edges):
-    """(x - q * s)^2 in float64, q what ``_integer`` quantizes ``x / s`` to (rounded where
-    that overflows)."""
-    v = _integer(x / s, edges)
-    q = np.float32(np.rint(x / s)) if v == _OVERFLOW_Q else np.float32(v)
-    e = np.float64(x - q * s)
-    return e * e
-
-
-@njit(cache=True, nogil=True)
-def quantization_error(head, step, edges):
-    """Summed squared error (float64) of quantizing ``head`` float32 [tokens, rows] with
-    ``step`` as :func:`quantize_rows` quantizes directly coded values (each row's
-    ``row_edges``): what the step control measures a step by, several times a section.
-    Four running sums per row, in a fixed order, so the adds overlap and the sum is the
-    same on any machine."""
-    s = np.float32(step)
-    tokens = head.shape[0]
-    total = 0.0
-    for r in range(head.shape[1]):
-        row = edges[r]
-        a0 = a1 = a2 = a3 = 0.0
-        t = 0
-        while t + 4 <= tokens:
-            a0 += _squared_error(head[t, r], s, row)
-            a1 += _squared_error(head[t + 1, r], s, row)
-            a2 += _squared_error(head[t + 2, r], s, row)
-            a3 += _squared_error(head[t + 3, r], s, row)
-            t += 4
-        while t < tokens:
-            a0 += _squared_error(head[t, r], s, row)
-            t += 1
-        total += (a0 + a1) + (a2 + a3)
-    return total
+    return _integer(_scaled(value, kind, anchor, s))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -252,13 +161,12 @@ def _exact_coefficient(basis, tokens, r, t):
 
 @njit(cache=True, nogil=True, parallel=True)
 def quantize_rows(coef, basis, tokens, row_bound, token_norm, step, group, table, shift, freq, cost,
-                  weight, q_out, row_bits):
+                  q_out, row_bits):
     """Quantize rows of coefficients to integers; the ideal coded bits of each row.
 
     ``coef`` is float32 [R, T]; delta values are taken against the anchor as the
     decoder will rebuild it (float32 ``q * step``), so errors never accumulate.
-    ``cost`` is ``entropy.symbol_cost_bits`` of the tables; ``weight`` the squared
-    steps a bit is worth (``RD_WEIGHT``; 0: plain rounding). Returns OK, or OVERFLOW
+    ``cost`` is ``entropy.symbol_cost_bits`` of the tables. Returns OK, or OVERFLOW
     when a value exceeds the representable range.
 
     ``coef`` may come from a float32 GEMM of ``basis`` [R, C] by ``tokens`` [T, C],
@@ -277,15 +185,10 @@ def quantize_rows(coef, basis, tokens, row_bound, token_norm, step, group, table
         bound = row_bound[r]
         reach = 2.0 * bound / s  # twice the bound in steps, per unit of token norm
         total = 0.0
-        direct, delta = np.empty(2 * EDGE_SPAN + 1), np.empty(2 * EDGE_SPAN + 1)
-        _edges(np.int64(shift[r, 0]), table[r, 0], freq, cost, weight, direct)
-        if g > 0:
-            _edges(np.int64(shift[r, 1]), table[r, 1], freq, cost, weight, delta)
         if g == 0:  # no anchors: one table and shift for the row (most rows; 2-3x faster so)
             tab, b = table[r, 0], np.int64(shift[r, 0])
             for t in range(tokens_n):
-                v = _reference_q(coef[r, t], 0, np.float32(0.0), s, bound, reach, token_norm[t], basis, tokens, r, t,
-                                 direct)
+                v = _reference_q(coef[r, t], 0, np.float32(0.0), s, bound, reach, token_norm[t], basis, tokens, r, t)
                 if v == _OVERFLOW_Q:
                     status[r], v = OVERFLOW, np.int64(0)
                 q_out[r, t] = v
@@ -294,8 +197,7 @@ def quantize_rows(coef, basis, tokens, row_bound, token_norm, step, group, table
             anchor = np.float32(0.0)
             for t in range(tokens_n):
                 kind = _symbol_kind(t, g)
-                v = _reference_q(coef[r, t], kind, anchor, s, bound, reach, token_norm[t], basis, tokens, r, t,
-                                 direct if kind == 0 else delta)
+                v = _reference_q(coef[r, t], kind, anchor, s, bound, reach, token_norm[t], basis, tokens, r, t)
                 if v == _OVERFLOW_Q:
                     status[r], v = OVERFLOW, np.int64(0)
                 q_out[r, t] = v
@@ -307,29 +209,20 @@ def quantize_rows(coef, basis, tokens, row_bound, token_norm, step, group, table
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _reference_q(value, kind, anchor, s, bound, reach, norm, basis, tokens, r, t, edges):
+def _reference_q(value, kind, anchor, s, bound, reach, norm, basis, tokens, r, t):
     """The integer the reference coefficient of ``value`` quantizes to (quantize_rows):
-    ``value``'s own unless a decision boundary lies within its bound (``bound * norm``;
-    ``reach``: twice ``bound / s``) of it, or _OVERFLOW_Q."""
+    ``value``'s own unless it lies within its bound (``bound * norm``; ``reach``: twice
+    ``bound / s``) of a rounding boundary, or _OVERFLOW_Q."""
     scaled = _scaled(value, kind, anchor, s)
-    if not abs(scaled) < MAX_ABS_Q:
-        return _OVERFLOW_Q
-    q = np.rint(scaled)
-    v = np.int64(q)
-    past = abs(scaled) - abs(q) + 0.5   # where it lies in its rounding cell, [0, 1]
-    j = v + EDGE_SPAN
-    edge = edges[j] if 0 <= j <= 2 * EDGE_SPAN else 0.0   # 0 at v = 0
-    if past < edge:
-        v = v - 1 if v > 0 else v + 1
-    # cheap and conservative, in steps: the boundaries near a value are its rounding
-    # cell's ends and the one its integer's edge moves up to
-    if bound > 0 and min(past, 1.0 - past, abs(past - edge)) <= reach * norm + 2.0 ** -20 * (abs(scaled) + 1.0):
+    v = _integer(scaled)
+    # cheap and conservative: far (in steps) from a rounding boundary, v stands
+    if bound > 0 and 0.5 - abs(scaled - np.rint(scaled)) <= reach * norm + 2.0 ** -20 * (abs(scaled) + 1.0):
         # exact: the interval, widened past float32's rounding of its ends
         wide = np.float64(value)
         slack = bound * norm * (1.0 + 2.0 ** -20) + abs(wide) * 2.0 ** -20 + 2.0 ** -140
         lo, hi = np.float32(wide - slack), np.float32(wide + slack)
-        if _quantized(lo, kind, anchor, s, edges) != _quantized(hi, kind, anchor, s, edges):
-            v = _quantized(_exact_coefficient(basis, tokens, r, t), kind, anchor, s, edges)
+        if _quantized(lo, kind, anchor, s) != _quantized(hi, kind, anchor, s):
+            v = _quantized(_exact_coefficient(basis, tokens, r, t), kind, anchor, s)
     return v
 
 

@@ -36,10 +36,8 @@ from .synthetic import synthetic_kv
 log = logging.getLogger("kvwire.codec")
 
 #: the numba kernels of the encode and decode paths, as ``module.name`` (numba's cache
-#: index names; ``rans.ideal_bits`` is benchmark-only; ``rans.quantize_values`` is calibration's,
-#: which the warm-up runs to have a profile)
+#: index names; ``rans.ideal_bits`` is benchmark-only)
 KERNELS = ("rans.quantize_rows", "rans.lane_spans", "rans.encode_lanes", "rans.lane_tasks", "rans.decode_lanes",
-           "rans.row_edges", "rans.quantization_error", "rans.quantize_values",
            "rotary._rope_rows", "control.weigh_sample")
 _MODULES = {"rans": rans, "control": control, "rotary": rotary}
 

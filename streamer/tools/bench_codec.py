@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from codec import api, baselines, container, entropy, layer_codec, rans, stages
+from codec import api, baselines, container, entropy, layer_codec, stages
 from codec.levels import DEFAULT_LEVEL
 from codec.calibration import calibrate, calibrate_like
 from codec.profile import CodedBody, Profile
@@ -189,10 +189,8 @@ def coder_cost(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
                 continue
             payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
             coded = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version).plan
-            # as the encoder chose them: at the control's steps with the rate-distortion weight
-            weight = rans.RD_WEIGHT if header.coded_tokens >= api.MISFIT_MIN_TOKENS else 0.0
             plan, q, _ = layer_codec.quantize_layer(profile, level, layer, *body.layer(layer),
-                                                    coded.steps, coded.kept, weight=weight)
+                                                    coded.steps, coded.kept)
             ideal += layer_codec.ideal_layer_bits(profile, plan, q)
             real += 8 * len(payload)
             lanes += coded.lanes
