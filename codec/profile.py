@@ -336,6 +336,12 @@ class Profile:
         """Whether blobs of this profile predict layers from the layers before them (format 6)."""
         return self.predictor is not None
 
+    @property
+    def intra_period(self) -> int:
+        """Every how many layers one is coded alone: ``restart`` with a predictor, else 1
+        (each layer is). What a stored context's manifest records (``Manifest.restart``)."""
+        return self.restart if self.predicts else 1
+
     def check_shape(self, layers: int, heads: int, head_dim: int) -> None:
         if (layers, heads, head_dim) != (self.layers, self.heads, self.head_dim):
             raise ValueError(

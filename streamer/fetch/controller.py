@@ -45,8 +45,9 @@ so no running ``on_layer`` loses its layer and none comes twice) or text, which
 supersedes the chunk as a whole. Where the context's levels predict each layer from
 the one before (``Manifest.restart``), a continuation asks from the layer coded alone
 at or before that count (``Manifest.resume_layer``): the layers up to the count come
-again, are decoded and not delivered, and their bytes count as the answer's. A continued chunk's report lists its runs of layers
-and their levels (``ChunkReport.layer_levels``).
+again, are decoded and not delivered, and their bytes count as the answer's. A
+continued chunk's report lists its runs of layers and their levels
+(``ChunkReport.layer_levels``).
 """
 from __future__ import annotations
 

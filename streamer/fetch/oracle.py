@@ -20,9 +20,9 @@ costs the layer-weighted distortion ``(k d[a] + (layers - k) d[b]) / layers`` an
 ``k / layers`` of level ``a``'s bytes and ``(layers - k) / layers`` of level ``b``'s
 (sections are equal shares of an answer); where the levels predict each layer from the
 one before (``Manifest.restart``), level ``b`` is fetched from the layer coded alone at
-or before ``k``, the layers between decoded and not delivered. Knowing the trace, the oracle never cancels,
-so a split is one more KV option of the chunk: no recompute, and a level's decode tail
-when it is the last chunk.
+or before ``k``, the layers between decoded and not delivered. Knowing the trace, the
+oracle never cancels, so a split is one more KV option of the chunk: no recompute, and a
+level's decode tail when it is the last chunk.
 
 Which splits. A split's (bytes, distortion) is the convex combination of its two levels'
 points at weight ``k / layers``; off the chunk's lower convex hull of (bytes, distortion)

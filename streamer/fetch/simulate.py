@@ -156,7 +156,7 @@ class _Receiver:
         At a level that predicts each layer from the one before, every section of an
         answer decodes, in order: the layers after it need it (delivered or not)."""
         level = self.choice[chunk]
-        chained = level != TEXT and self.manifest.restart > 1 and not self.manifest.is_exact(level)  # type: ignore[arg-type]
+        chained = level != TEXT and self.manifest.predicted(level)  # type: ignore[arg-type]
         if not chained and (layer < self.delivered[chunk] or layer in self.decoded[chunk] or
                             any(q[0] == chunk and q[1] == layer for q in self.queue) or
                             any(r[1:3] == (chunk, layer) for r in self.running)):

@@ -207,8 +207,8 @@ class OrderedDelivery:
         continuation from exactly the layers delivered (``first_layer``: those already
         out stay, the rest come at ``kind``), or, at a level predicting each layer from
         the one before, from the layer coded alone before them (``resume_layer``: the
-        layers up to the delivered ones are decoded as context); TEXT is allowed until the chunk is done (it supersedes
-        delivered layers)."""
+        layers up to the delivered ones are decoded as context); TEXT is allowed until
+        the chunk is done (it supersedes delivered layers)."""
         state = self._chunks[chunk]
         if state.kind.done():
             if state.kind.result() == kind:
@@ -220,10 +220,7 @@ class OrderedDelivery:
                 raise RuntimeError(f"chunk {chunk} already delivered {state.delivered} layers; level {kind} "
                                    f"can only continue from layer {resume}, not {first_layer}")
             state.kind = self._loop.create_future()
-            for fut in state.layers.values():
-                if not fut.done():
-                    fut.set_result(_Retarget())
-            state.layers.clear()
+            self._drop_slots(chunk, 0)
             self._cancel_decode(state)
             self._release(chunk)
         state.kind.set_result(kind)
@@ -267,18 +264,25 @@ class OrderedDelivery:
         from another chain."""
         state = self._chunks[chunk]
         if header is not state.header:
-            for undelivered in [l for l in state.layers if l >= state.delivered]:
-                slot = state.layers.pop(undelivered)
-                if not slot.done():
-                    slot.set_result(_Retarget())   # the consumer asks again, for the new answer's
-                self.backlog_bytes -= self._backlog.pop((chunk, undelivered), 0)
-                self._decoding.pop((chunk, undelivered), None)
             self._new_answer(chunk, state, header)
+            for undelivered in self._drop_slots(chunk, state.delivered):
+                self._release(chunk, undelivered)
             state.chain, state.chain_tail = codec.LayerChain(), None
         context = layer < state.delivered
         if not context and (self._slot(chunk, layer).done() or (chunk, layer) in self._waiting):
             return   # a duplicate part: the first copy wins
         self._hand(chunk, layer, state, _Waiting(header, profile, section, time.perf_counter(), context))
+
+    def _drop_slots(self, chunk: int, first: int) -> list[int]:
+        """Forget the chunk's slots of layers ``first`` on (their layers: the consumer,
+        if it waits on one, is woken to ask again)."""
+        slots = self._chunks[chunk].layers
+        dropped = [layer for layer in slots if layer >= first]
+        for layer in dropped:
+            slot = slots.pop(layer)
+            if not slot.done():
+                slot.set_result(_Retarget())
+        return dropped
 
     def _new_answer(self, chunk: int, state: _ChunkSlots, header: codec.BlobHeader) -> None:
         """The sections of another answer begin (a refetch, or a continuation): the old one's
@@ -304,17 +308,16 @@ class OrderedDelivery:
         if self._stream is not None:   # groups upload and decode as sections land (a run chains its own)
             job = asyncio.ensure_future(_submitted(self._stream.submit(item.header, item.profile, layer,
                                                                        item.section), item.arrived))
-        elif item.header.predicted:
-            for earlier in sorted(k for k in self._waiting if k[0] == chunk and k[1] < layer):
-                self._start(earlier)   # the layers it is predicted from go first
-            output = 0 if item.context else item.header.raw_size
-            job = asyncio.ensure_future(self._chained_decode(state.chain_tail, state.chain, item, layer))
-            state.chain_tail = job
-            self._hold(key, len(item.section) + output)
         else:
-            output = item.header.raw_size
-            job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, item.header,
-                                             item.profile, layer, item.section)
+            output = 0 if item.context else item.header.raw_size
+            if item.header.predicted:
+                for earlier in sorted(k for k in self._waiting if k[0] == chunk and k[1] < layer):
+                    self._start(earlier)   # the layers it is predicted from go first
+                job = asyncio.ensure_future(self._chained_decode(state.chain_tail, state.chain, item, layer))
+                state.chain_tail = job
+            else:
+                job = self._loop.run_in_executor(self._executor, _timed_decode, self._decode, item.header,
+                                                 item.profile, layer, item.section)
             self._hold(key, len(item.section) + output)
         if not item.context:
             self._slot(chunk, layer).set_result(job)

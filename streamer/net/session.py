@@ -325,11 +325,10 @@ class StreamSession:
             profile = codec.Profile.from_bytes(data)
             if profile.id != manifest.profile_id:
                 raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
-        restart = profile.restart if profile.predicts else 1
-        if manifest.restart != restart:
+        if manifest.restart != profile.intra_period:
             # a continuation asks from the manifest's restart layer; the decoder chains by the profile's
             raise ManifestError(f"context {self.context_id!r}'s manifest says its layers restart prediction "
-                                f"every {manifest.restart}, its profile {profile.id} every {restart}")
+                                f"every {manifest.restart}, its profile {profile.id} every {profile.intra_period}")
         _remember_profile(profile)
         self.profile = profile
         # round trips included, so a lower bound on the link: the first chunk's prior when

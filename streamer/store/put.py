@@ -245,7 +245,7 @@ async def put_context(store: Store, context_id: str, kv: torch.Tensor,
             context_id=context_id, version=writer.version, layers=layers, heads=heads, head_dim=head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), tokens=tokens, profile_id=profile.id,
             level_distortion=(0.0,) * exact + tuple(profile.targets), chunks=tuple(chunks), created=time.time(),
-            vocab_size=vocab_size, restart=profile.restart if profile.predicts else 1)
+            vocab_size=vocab_size, restart=profile.intra_period)
         await writer.commit(manifest, replace=replace)
     return manifest
 

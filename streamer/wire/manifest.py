@@ -260,16 +260,19 @@ class Manifest:
         if not 0 <= first_layer < self.layers:
             raise ValueError(f"first layer {first_layer} out of range: context has {self.layers} layers")
 
+    def predicted(self, level: int) -> bool:
+        """Whether ``level``'s blobs predict each layer from the one before (format 6): a
+        profile level of a context with a restart period; never the exact level, whose
+        sections are raw."""
+        return self.restart > 1 and not self.is_exact(level)
+
     def resume_layer(self, level: int, delivered: int) -> int:
         """The first layer a request for more of a chunk asks for at ``level`` once
-        ``delivered`` of its layers went out: the delivered count itself, or, where the
-        level's blobs predict each layer from the one before (not the exact level, whose
-        sections are raw), the layer coded alone at or before it. The layers from there
-        to ``delivered`` travel again, to be decoded and not delivered: what a
+        ``delivered`` of its layers went out: the delivered count itself, or, at a
+        :meth:`predicted` level, the layer coded alone at or before it. The layers from
+        there to ``delivered`` travel again, to be decoded and not delivered: what a
         continuation of a predicted chunk costs."""
-        if self.restart == 1 or self.is_exact(level):
-            return delivered
-        return restart_layer(delivered, self.restart)
+        return restart_layer(delivered, self.restart) if self.predicted(level) else delivered
 
     def answer_bytes(self, chunk: int, level: int, first_layer: int = 0) -> int:
         """Bytes of the answer to REQUEST(chunk, level, first_layer): the blob's size for a
