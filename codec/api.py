@@ -320,7 +320,7 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
     for layer in range(layers):
         values = body.layer(layer)
         guess = None if prediction.is_intra(layer, profile.restart) else \
-            prediction.predict(previous, profile.predictor32[layer])
+            prediction.predict(previous, profile.predictor32[layer], bool(profile.predictor_by_kind[layer]))
         coded = values if guess is None else values - guess
         parts = None
         if controlled:
@@ -446,7 +446,8 @@ class LayerChain:
             raise ValueError(f"layer {layer} of a predicted blob decodes from layer {layer - 1}, and the "
                              f"chain holds {held}: decode sections in order from layer "
                              f"{prediction.restart_layer(layer, profile.restart)} with one LayerChain")
-        return prediction.predict(self.values, (profile.predictor32 if maps is None else maps)[layer])
+        return prediction.predict(self.values, (profile.predictor32 if maps is None else maps)[layer],
+                                  bool(profile.predictor_by_kind[layer]))
 
 
 def decode_section(header: BlobHeader, profile: Profile | None, layer: int,

@@ -84,10 +84,27 @@ def predict_rows(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     return torch.addmm(matrix[-1].expand(previous.shape[0], -1), previous, matrix[:-1])
 
 
-def predict(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+def by_kind(predictor: np.ndarray) -> np.ndarray:
+    """bool [L]: the layers whose map predicts K from K and V from V only (zero across
+    the two: ``kind_groups``, or a layer coded alone), whose prediction :func:`predict`
+    computes as two C x C products, half the dense map's work."""
+    channels = predictor.shape[2] // 2
+    across = predictor[:, :channels, channels:].any(axis=(1, 2)) | predictor[:, channels:2 * channels, :channels].any(axis=(1, 2))
+    return ~across
+
+
+def predict(previous: torch.Tensor, matrix: torch.Tensor, kind_blocks: bool = False) -> torch.Tensor:
     """float32 [2, N, C]: :func:`predict_rows` in the codec's layout of a layer (K's
-    tokens, then V's), what the encoder and decoders hold."""
+    tokens, then V's), what the encoder and decoders hold. ``kind_blocks``: the map is
+    zero across K and V (:func:`by_kind`), so each is predicted from its own kind with
+    the map's two diagonal blocks, skipping the zeros (the same sums, in the BLAS's order)."""
     _, tokens, channels = previous.shape
+    if kind_blocks:
+        out = torch.empty_like(previous)
+        for kind in range(2):
+            part = slice(kind * channels, (kind + 1) * channels)
+            torch.addmm(matrix[-1, part].expand(tokens, -1), previous[kind], matrix[part, part], out=out[kind])
+        return out
     flat = previous.permute(1, 0, 2).reshape(tokens, 2 * channels)
     return predict_rows(flat, matrix).reshape(tokens, 2, channels).permute(1, 0, 2)
 

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import entropy, transform
+from . import entropy, prediction, transform
 from .allocation import fit_to_budget, validate_weights
 from .container import MAX_CHANNELS, MAX_LEVELS, MAX_TABLES, MAX_TOKENS, MAX_U16
 from .errors import CorruptBitstream
@@ -146,6 +146,12 @@ class Profile:
     def predictor32(self) -> torch.Tensor | None:
         """``predictor`` in float32, what every decoder multiplies by, converted once."""
         return None if self.predictor is None else torch.from_numpy(self.predictor.astype(np.float32))
+
+    @cached_property
+    def predictor_by_kind(self) -> np.ndarray | None:
+        """``codec.prediction.by_kind`` of ``predictor``: the layers predicted by kind
+        with half the work, found once."""
+        return None if self.predictor is None else prediction.by_kind(self.predictor)
 
     def section_target(self, slot: int, layer: int, kind: int) -> float:
         """The MSE/var level ``slot`` holds layer ``layer``'s K (kind 0) or V (kind 1) to:

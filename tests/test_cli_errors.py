@@ -25,3 +25,19 @@ def test_receive_refuses_a_model_path_that_is_not_a_model(tmp_path: Path, capsys
                  "--model", str(not_a_model)]) == 2
     err = capsys.readouterr().err
     assert f"cannot load model {not_a_model}" in err and "not a GGUF file" in err
+
+
+@pytest.mark.parametrize("command", [["calibrate", "--model", "smollm2", "-o", "unused.kvp"],
+                                     ["bench", "codec", "--workload", "small"]])
+def test_predict_maps_without_predict_is_refused(command: list[str], tmp_path: Path, capsys) -> None:
+    """--predict-maps only chooses --predict's maps: alone it would be silently ignored."""
+    assert main([*command, "--predict-maps", "kind"]) == 2
+    assert "--predict-maps chooses the maps of --predict N; give both" in capsys.readouterr().err
+    assert not (tmp_path / "unused.kvp").exists()
+
+
+def test_the_commands_offer_the_codecs_map_groups() -> None:
+    """The CLI spells the choices out (registering imports no torch); they must stay the codec's."""
+    from codec.profile import PREDICT_GROUPS
+    from streamer.tools.calibrate import PREDICT_MAPS
+    assert PREDICT_MAPS == PREDICT_GROUPS

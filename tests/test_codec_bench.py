@@ -104,3 +104,10 @@ def test_predicted_rows_sit_beside_the_plain_ones_at_the_same_error() -> None:
     for p, q in zip(plain, predicted):
         assert q.level == p.level and q.distortion == pytest.approx(p.distortion, rel=0.15)
         assert q.decode_mb_s > 0 and q.encode_mb_s > 0 and q.ratio_fp16 == pytest.approx(16 / q.bits_per_element)
+
+
+def test_predicted_rows_name_the_maps_they_were_calibrated_with() -> None:
+    workload = bench_codec.synthetic_workload("small", 512)
+    report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=2, predict_maps="kind")
+    assert report.config["predict_maps"] == "kind"
+    assert len([r for r in report.rows if r.method == "kvwire-predicted/2/kind"]) == 5

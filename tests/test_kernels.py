@@ -469,14 +469,16 @@ def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.
     assert _ulps(got[1], want) <= 1
 
 
-def test_adapter_decodes_predicted_blobs_and_cuts_off_what_a_corrupt_layer_feeds(host_kernel) -> None:
+@pytest.mark.parametrize("maps", ["all", "kind"])
+def test_adapter_decodes_predicted_blobs_and_cuts_off_what_a_corrupt_layer_feeds(host_kernel, maps: str) -> None:
     """Format 6 through GpuDecoder's own code: groups of 4 layers, each group's batched
-    GEMM then each layer's prediction in turn (the chain crosses groups), equal to the
-    CPU decoder to 1 ulp. A corrupt section in a stream decoder's chunk fails its layer
-    and the layers predicted from it up to the next intra layer; that one decodes."""
+    GEMM then each layer's prediction in turn (the chain crosses groups; K-from-K maps by
+    their blocks), equal to the CPU decoder to 1 ulp. A corrupt section in a stream
+    decoder's chunk fails its layer and the layers predicted from it up to the next intra
+    layer; that one decodes."""
     from kvwire_kernels.stream import StreamDecoder
 
-    profile = codec.calibrate([chained_kv(6, 3, 4, 400, seed) for seed in (1, 2)], predict=3)
+    profile = codec.calibrate([chained_kv(6, 3, 4, 400, seed) for seed in (1, 2)], predict=3, predict_groups=maps)
     blob = codec.encode(chained_kv(6, 3, 4, 120, 3).half(), 1, profile)
     header, sections = _sections(blob)
     want = codec.decode(blob, profile)

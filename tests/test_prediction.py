@@ -121,6 +121,27 @@ def test_rotary_profile_predicts_position_free_keys():
         relative_error(codec.decode(plain_blob, plain), kv), rel=0.15)
 
 
+def test_maps_by_kind_predict_with_their_blocks_alone(profiles):
+    """K-from-K/V-from-V maps are found as such and predicted with their two diagonal
+    blocks (half the work): the same numbers as the dense product, and a round trip that
+    holds the plain level's error; a dense map is not mistaken for one."""
+    plain, dense = profiles
+    by_kind = codec.calibrate([chained(seed) for seed in range(3)], predict=3, predict_groups="kind")
+    assert by_kind.predictor_by_kind.all()
+    assert list(dense.predictor_by_kind) == [prediction.is_intra(layer, 3) for layer in range(6)]
+    previous = torch.randn(2, 50, 32, generator=torch.Generator().manual_seed(3))
+    for layer in (1, 2, 4, 5):
+        maps = by_kind.predictor32[layer]
+        torch.testing.assert_close(prediction.predict(previous, maps, kind_blocks=True),
+                                   prediction.predict(previous, maps), rtol=1e-5, atol=1e-5)
+    kv = chained(21)
+    blob = codec.encode(kv, 2, by_kind)
+    layered = torch.stack([torch.stack([k, v]) for _, k, v in codec.decode_layers(blob, by_kind)])
+    assert torch.equal(layered, codec.decode(blob, by_kind))
+    assert relative_error(layered, kv) == pytest.approx(
+        relative_error(codec.decode(codec.encode(kv, 2, plain), plain), kv), rel=0.15)
+
+
 def test_profile_version_4_round_trips_and_is_checked(profiles):
     _, predicted = profiles
     again = Profile.from_bytes(predicted.to_bytes())

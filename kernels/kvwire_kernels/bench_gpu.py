@@ -63,12 +63,14 @@ class Prepared:
 
 
 def prepare(shape: tuple[int, int, int], tokens: int, chunks: int, levels: list[int] | None = None,
-            predict: int = 0) -> tuple[codec.Profile, list[Prepared]]:
+            predict: int = 0, predict_maps: str = "all") -> tuple[codec.Profile, list[Prepared]]:
     """A profile calibrated on one synthetic draw, and per level ``chunks`` other draws
     encoded (no sink tokens: a context's later chunks have none). ``predict`` > 0: the
     profile predicts each layer from the one before (blob format 6, layers 0, predict, ..
-    coded alone), so the decode adds each layer's prediction in turn."""
-    profile = codec.calibrate([synthetic_kv(*shape, tokens, seed=1)], predict=predict)
+    coded alone), so the decode adds each layer's prediction in turn; ``predict_maps`` its
+    ``predict_groups`` (``kind``: the decode multiplies by the map's two diagonal blocks)."""
+    profile = codec.calibrate([synthetic_kv(*shape, tokens, seed=1)], predict=predict,
+                              predict_groups=predict_maps if predict else "all")
     kvs = [synthetic_kv(*shape, tokens, seed=10 + i).half() for i in range(chunks)]
     out = []
     for level in range(len(profile.levels)) if levels is None else levels:
@@ -233,9 +235,11 @@ def run_gpu(args: argparse.Namespace) -> dict:
         raise SystemExit(f"GPU benchmark needs a GPU: {reason}")
     decoder = gpu.decoder("cuda")
     report = {"device": torch.cuda.get_device_name(), "shape": list(args.shape), "tokens": args.tokens[0],
-              "chunks": args.chunks, "group_layers": decoder.group_layers, "predict": args.predict, "results": []}
+              "chunks": args.chunks, "group_layers": decoder.group_layers, "predict": args.predict,
+              "predict_maps": args.predict_maps, "results": []}
     write_report(report, args.out)
-    profile, levels = prepare(tuple(args.shape), args.tokens[0], args.chunks, predict=args.predict)
+    profile, levels = prepare(tuple(args.shape), args.tokens[0], args.chunks, predict=args.predict,
+                              predict_maps=args.predict_maps)
     for prepared in levels:
         report["results"].append(measure_level(decoder, profile, prepared, args.repeat))
         write_report(report, args.out)
@@ -308,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--predict", type=int, default=0, metavar="N",
                         help="blobs of a profile that predicts each layer from the one before (format 6; "
                              "layers 0, N, 2N, .. coded alone): what the prediction adds to a decode")
+    parser.add_argument("--predict-maps", choices=("all", "kind", "head"), default="all",
+                        help="with --predict: the maps (kvwire calibrate --predict-maps; default all)")
     parser.add_argument("--kit", default=None, help="a copy of ../shared/device-kit: builds pycuda if missing")
     parser.add_argument("--site", default=os.environ.get("SITE", "/tmp/site"), help="where the kit installs pycuda")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder the JSON report is rewritten in")

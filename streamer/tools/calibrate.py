@@ -12,10 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+#: ``codec.PREDICT_GROUPS``, spelled out so that registering the command imports no torch
+PREDICT_MAPS = ("all", "kind", "head")
+
 DEFAULT_CALIBRATION_TOKENS = 8192
 #: --rotary and --allocation: the default (streamer.model.quality.ROTARY_DEFAULT,
 #: ALLOCATION_DEFAULT), or forced on / off
 _ROTARY = {"auto": None, "on": True, "off": False}
+#: what each of PREDICT_MAPS reads, as the summary line says it
+_MAPS_READ = {"all": "every channel from every channel", "kind": "K from K, V from V",
+              "head": "each KV head from its own"}
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -23,6 +29,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from streamer.model import hf, quality
 
+    if args.predict_maps is not None and not args.predict:
+        print("kvwire calibrate: --predict-maps chooses the maps of --predict N; give both", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     try:
         texts = [Path(t) for t in args.text] if args.text else list(hf.CALIBRATION_TEXTS)
@@ -37,7 +46,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     kwargs = {"targets": tuple(args.targets)} if args.targets else {}
     if args.predict:
-        kwargs["predict"] = args.predict
+        kwargs["predict"], kwargs["predict_groups"] = args.predict, args.predict_maps or "all"
     try:
         profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window,
                                             rotary=_ROTARY[args.rotary],
@@ -59,6 +68,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                           "rotary": None if profile.rotary is None else profile.rotary.to_json(),
                           "weights": None if profile.weights is None else profile.weights.tolist(),
                           "predict": profile.restart,
+                          "predict_maps": kwargs.get("predict_groups"),
                           "seconds": round(seconds, 2), "levels": levels},
                          indent=2))
         return 0
@@ -68,8 +78,8 @@ def _calibrate(args: argparse.Namespace) -> int:
           + ("; keys coded without RoPE" if profile.rotary is not None else "")
           + (f"; section targets weighted {float(profile.weights.min()):.2g}..{float(profile.weights.max()):.2g}x "
              "by measured sensitivity" if profile.weights is not None else "")
-          + (f"; each layer predicted from the one before (layers 0, {profile.restart}, .. coded alone; "
-             "blob format 6)" if profile.predicts else ""))
+          + (f"; each layer predicted from the one before ({_MAPS_READ[kwargs['predict_groups']]}; layers 0, "
+             f"{profile.restart}, .. coded alone; blob format 6)" if profile.predicts else ""))
     print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
     for lv in levels:
         default = "  (default)" if lv["level"] == codec.DEFAULT_LEVEL else ""
@@ -140,9 +150,15 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         "on SmolLM2, fewer bits at a higher cosine on MiniLM), 'on', 'off'")
     p.add_argument("--predict", type=int, default=0, metavar="N",
                    help="predict each layer from the one before it, coding only what the prediction misses "
-                        "(blob format 6; layers 0, N, 2N, .. coded alone; 0, the default: off). Fewer bits at "
-                        "the same error; decoded layer by layer in order, and not yet served by the "
-                        "streamer (kvwire put refuses such a profile)")
+                        "(blob format 6; layers 0, N, 2N, .. coded alone, where a continued chunk restarts; "
+                        "0, the default: off). Fewer bits at the same error, for a CPU decode about twice as "
+                        "slow; kvwire put and the streamer carry such contexts")
+    p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,
+                   help="with --predict: which values each layer's map reads. 'all' (the default): every K "
+                        "and V channel of the layer before; 'kind': K from K and V from V, half the map and "
+                        "half its decode work, fewer bits than 'all' at the coarse levels (MSE/var 0.03 and "
+                        "up) on SmolLM2 and more at the fine ones; 'head': each KV head from its own "
+                        "(kvwire bench quality --ablation layer-predicted layer-predicted-kind measures them)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
 

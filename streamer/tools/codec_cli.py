@@ -2,15 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from streamer.tools.calibrate import PREDICT_MAPS
 
 
 def _bench(args: argparse.Namespace) -> int:
     from streamer.tools import bench_codec as bench
 
+    if args.predict_maps != "all" and not args.predict:
+        print("kvwire bench codec: --predict-maps chooses the maps of --predict N; give both", file=sys.stderr)
+        return 2
+
     bench.main(workload=args.workload, tokens=args.tokens, calibration_tokens=args.calibration_tokens,
                chunk_tokens=args.chunk_tokens, repeat=args.repeat, as_json=args.json,
                plot_path=None if args.no_plot else args.plot, variants=not args.quick, stages_only=args.stages,
-               predict=args.predict)
+               predict=args.predict, predict_maps=args.predict_maps)
     return 0
 
 
@@ -36,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="also measure every level with inter-layer prediction (blob format 6; the profile "
                         "calibrated again with --predict N: layers 0, N, 2N, .. coded alone), rows "
                         "kvwire-predicted/N: bits, distortion, encode and decode speed beside the plain rows")
+    p.add_argument("--predict-maps", choices=PREDICT_MAPS, default="all",
+                   help="with --predict: the maps calibrated (kvwire calibrate --predict-maps; default all); "
+                        "rows kvwire-predicted/N/kind or /head for the others")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default="codec_rd.png", help="rate-distortion PNG path (default codec_rd.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
