@@ -275,6 +275,10 @@ def test_bench_quality_ablation_rows(llama_dir, capsys):
               if name.startswith("layer-predicted")}
     sizes = [fitted[f"layer-predicted{g}"]["map_values"] for g in ("", "-kind", "-head")]
     assert sizes[0] > sizes[1] >= sizes[2]   # this model's two KV heads: a block per head is per kind
+    # a decoder reads a map by kind by its blocks: half the dense map's multiply-adds
+    work = {name: facts["added_multiply_adds_per_value"] for name, facts in fitted.items()}
+    assert work["layer-predicted-kind"] == pytest.approx(work["layer-predicted"] / 2, abs=0.1)
+    assert work["layer-predicted-head"] == work["layer-predicted"]
 
 
 def test_bench_quality_ablation_table_and_errors(llama_dir, tmp_path, capsys, monkeypatch):

@@ -196,14 +196,18 @@ def _layer_predicted(grouping: str = "all", restart: int = 0
         def apply(w: Window, _p: codec.Profile, level: int) -> tuple[torch.Tensor, int]:
             blob = codec.encode(w.kv, level, predicted)
             return codec.decode(blob, predicted), len(blob)
-        intra = sum(prediction.is_intra(layer, predicted.restart) for layer in range(predicted.layers))
-        width = 2 * predicted.channels
+        predicted_layers = [layer for layer in range(predicted.layers)
+                            if not prediction.is_intra(layer, predicted.restart)]
+        # one multiply-add per map row a decoder reads and decoded value: 2C rows of the
+        # dense map, C of a map by kind (its blocks; a map per head is read dense), on
+        # every predicted layer (modelled, not timed)
+        rows = sum(predicted.channels if predicted.predictor_by_kind[layer] else 2 * predicted.channels
+                   for layer in predicted_layers)
         return Fitted(apply, {
             "profile_id": predicted.id, "profile_bytes": len(predicted.to_bytes()),
-            "map_values": int(np.count_nonzero(predicted.predictor)), "intra_layers": intra,
-            # the decoder multiplies by the dense map whatever its blocks: one multiply-add
-            # per map row and decoded value, on every predicted layer (modelled, not timed)
-            "added_multiply_adds_per_value": round(width * (predicted.layers - intra) / predicted.layers, 1)})
+            "map_values": int(np.count_nonzero(predicted.predictor)),
+            "intra_layers": predicted.layers - len(predicted_layers),
+            "added_multiply_adds_per_value": round(rows / predicted.layers, 1)})
     return prepare
 
 
