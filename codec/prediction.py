@@ -19,10 +19,13 @@ import torch
 
 from .rotary import Rotary, rotate
 
-#: Ridge added to the normal equations' diagonal, relative to its mean: the map from a
-#: layer's 2C values to the next layer's is fitted on a few thousand tokens, and a few
-#: directions barely vary.
-RIDGE = 1e-4
+#: Ridge added to the normal equations' diagonal, relative to its mean. The map is fitted
+#: on exact values but multiplies decoded ones, whose error is about the level's MSE/var
+#: of the layer's variance (2.5e-4 to 3.2e-2 of the ladder): directions that vary less
+#: than that carry mostly quantization noise into the prediction, and a ridge of that
+#: order shrinks them. On SmolLM2, 1e-2 against 1e-4 codes full maps in 4% fewer bits at
+#: the default level and 22% at level 4 (maps by kind barely move).
+RIDGE = 1e-2
 
 
 def is_intra(layer: int, restart: int) -> bool:
