@@ -23,8 +23,9 @@ from .rotary import Rotary, rotate
 #: on exact values but multiplies decoded ones, whose error is about the level's MSE/var
 #: of the layer's variance (2.5e-4 to 3.2e-2 of the ladder): directions that vary less
 #: than that carry mostly quantization noise into the prediction, and a ridge of that
-#: order shrinks them. On SmolLM2, 1e-2 against 1e-4 codes full maps in 4% fewer bits at
-#: the default level and 22% at level 4 (maps by kind barely move).
+#: order shrinks them, at the cost of a little prediction where the error is smaller: on
+#: SmolLM2 (kvwire bench codec --predict 30) full maps fitted with 1e-2 rather than 1e-4
+#: take 2-3% more bits at levels 0-1 and 2-23% fewer at levels 2-4.
 RIDGE = 1e-2
 
 

@@ -156,8 +156,8 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,
                    help="with --predict: which values each layer's map reads. 'all' (the default): every K "
                         "and V channel of the layer before; 'kind': K from K and V from V, half the map and "
-                        "half its decode work, fewer bits than 'all' at the coarse levels (MSE/var 0.03 and "
-                        "up) on SmolLM2 and more at the fine ones; 'head': each KV head from its own "
+                        "half its decode work, for 10-14%% more bits than 'all' on SmolLM2; 'head': each KV "
+                        "head from its own "
                         "(kvwire bench quality --ablation layer-predicted layer-predicted-kind measures them)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
