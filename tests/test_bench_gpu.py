@@ -20,6 +20,8 @@ def test_arguments_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.kit, args.json, args.out, args.chunks, args.dry_run) == (".kit", True, "/tmp/out-here", 2, False)
     assert bench_gpu.build_parser().parse_args(["--dry-run", "--tokens", "512", "1024"]).tokens == [512, 1024]
     assert args.predict == 0 and bench_gpu.build_parser().parse_args(["--predict", "4"]).predict == 4
+    with pytest.raises(SystemExit):   # --predict-maps alone would be ignored
+        bench_gpu.main(["--dry-run", "--predict-maps", "kind"])
 
 
 @pytest.mark.parametrize("predict, maps", [(0, "all"), (2, "all"), (2, "kind")])

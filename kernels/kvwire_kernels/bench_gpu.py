@@ -40,6 +40,7 @@ import torch
 
 import codec
 from codec import container, layer_codec
+from codec.profile import PREDICT_GROUPS
 from codec.synthetic import synthetic_kv
 from kvwire_kernels import gpu, occupancy
 
@@ -69,8 +70,7 @@ def prepare(shape: tuple[int, int, int], tokens: int, chunks: int, levels: list[
     profile predicts each layer from the one before (blob format 6, layers 0, predict, ..
     coded alone), so the decode adds each layer's prediction in turn; ``predict_maps`` its
     ``predict_groups`` (``kind``: the decode multiplies by the map's two diagonal blocks)."""
-    profile = codec.calibrate([synthetic_kv(*shape, tokens, seed=1)], predict=predict,
-                              predict_groups=predict_maps if predict else "all")
+    profile = codec.calibrate([synthetic_kv(*shape, tokens, seed=1)], predict=predict, predict_groups=predict_maps)
     kvs = [synthetic_kv(*shape, tokens, seed=10 + i).half() for i in range(chunks)]
     out = []
     for level in range(len(profile.levels)) if levels is None else levels:
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--predict", type=int, default=0, metavar="N",
                         help="blobs of a profile that predicts each layer from the one before (format 6; "
                              "layers 0, N, 2N, .. coded alone): what the prediction adds to a decode")
-    parser.add_argument("--predict-maps", choices=("all", "kind", "head"), default="all",
+    parser.add_argument("--predict-maps", choices=PREDICT_GROUPS, default="all",
                         help="with --predict: the maps (kvwire calibrate --predict-maps; default all)")
     parser.add_argument("--kit", default=None, help="a copy of ../shared/device-kit: builds pycuda if missing")
     parser.add_argument("--site", default=os.environ.get("SITE", "/tmp/site"), help="where the kit installs pycuda")
@@ -322,7 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.predict_maps != "all" and not args.predict:
+        parser.error("--predict-maps chooses the maps of --predict N; give both")
     if args.dry_run:
         report = dry_run(args.tokens or [512, 1024, 1536], args.calibration_tokens, tuple(args.shape))
         write_report(report, args.out)
