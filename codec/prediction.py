@@ -23,9 +23,8 @@ from .rotary import Rotary, rotate
 #: on exact values but multiplies decoded ones, whose error is about the level's MSE/var
 #: of the layer's variance (2.5e-4 to 3.2e-2 of the ladder): directions that vary less
 #: than that carry mostly quantization noise into the prediction, and a ridge of that
-#: order shrinks them, at the cost of a little prediction where the error is smaller: on
-#: SmolLM2 (kvwire bench codec --predict 30) full maps fitted with 1e-2 rather than 1e-4
-#: take 2-3% more bits at levels 0-1 and 2-23% fewer at levels 2-4.
+#: order shrinks them, at the cost of a little prediction at the finest levels, whose
+#: error is smaller (kvwire bench codec --predict N measures each level's bits).
 RIDGE = 1e-2
 
 
@@ -93,8 +92,9 @@ def by_kind(predictor: np.ndarray) -> np.ndarray:
     the two: ``kind_groups``, or a layer coded alone), whose prediction :func:`predict`
     computes as two C x C products, half the dense map's work."""
     channels = predictor.shape[2] // 2
-    across = predictor[:, :channels, channels:].any(axis=(1, 2)) | predictor[:, channels:2 * channels, :channels].any(axis=(1, 2))
-    return ~across
+    k_from_v = predictor[:, channels:2 * channels, :channels].any(axis=(1, 2))
+    v_from_k = predictor[:, :channels, channels:].any(axis=(1, 2))
+    return ~(k_from_v | v_from_k)
 
 
 def predict(previous: torch.Tensor, matrix: torch.Tensor, kind_blocks: bool = False) -> torch.Tensor:

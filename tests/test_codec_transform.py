@@ -124,4 +124,3 @@ def test_layer_coefficients_split_into_k_and_v_rows():
         basis = torch.from_numpy(profile.basis[0, kind, :plan.kept[kind]])
         reference = transform.forward(body[kind], torch.from_numpy(profile.mean[0, kind]), basis).numpy()
         assert np.array_equal(q[rows], np.rint(reference / plan.step[rows, None]).astype(np.int32))
-

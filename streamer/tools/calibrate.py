@@ -12,16 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-#: ``codec.PREDICT_GROUPS``, spelled out so that registering the command imports no torch
-PREDICT_MAPS = ("all", "kind", "head")
-
 DEFAULT_CALIBRATION_TOKENS = 8192
 #: --rotary and --allocation: the default (streamer.model.quality.ROTARY_DEFAULT,
 #: ALLOCATION_DEFAULT), or forced on / off
 _ROTARY = {"auto": None, "on": True, "off": False}
-#: what each of PREDICT_MAPS reads, as the summary line says it
+#: what each choice of --predict-maps reads, as the summary line says it
 _MAPS_READ = {"all": "every channel from every channel", "kind": "K from K, V from V",
               "head": "each KV head from its own"}
+#: ``codec.PREDICT_GROUPS``, spelled out so that registering the command imports no torch
+PREDICT_MAPS = tuple(_MAPS_READ)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
