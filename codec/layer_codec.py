@@ -441,5 +441,6 @@ def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Te
         if kv == 0 and profile.rotary is not None and out is not None:
             rope = (profile.rotary, profile.rotary.angles(position, plan.tokens))
         transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
-                          _basis(profile, layer, kv, plan.kept[kv]), None if out is None else out[kv], rope,
+                          None if profile.basis16 is None else profile.basis16[layer, kv],
+                          None if out is None else out[kv], rope,
                           None if prediction is None else prediction[kv], None if decoded is None else decoded[kv])

@@ -143,6 +143,12 @@ class Profile:
         return None if self.basis is None else self.basis.astype(np.float64)
 
     @cached_property
+    def basis16(self) -> torch.Tensor | None:
+        """``basis`` in bfloat16, what the CPU decoder's inverse transform multiplies by
+        (``codec.transform.product``), converted once."""
+        return None if self.basis is None else torch.from_numpy(self.basis).to(torch.bfloat16)
+
+    @cached_property
     def predictor32(self) -> torch.Tensor | None:
         """``predictor`` in float32, what every decoder multiplies by, converted once."""
         return None if self.predictor is None else torch.from_numpy(self.predictor.astype(np.float32))

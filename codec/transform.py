@@ -4,12 +4,13 @@ Why across heads: on real KV, PCA over the layer's full H*D channels needs ~40%
 fewer bits than per-head PCA at the same distortion (shared/reference.md, and
 ``kvwire bench codec --transform`` measures it again). The inverse costs one
 [tokens, kept] x [kept, H*D] matrix product per layer and K/V, which torch runs on
-all cores (and the GPU decoder as a GEMM).
+all cores (and the GPU decoder as a GEMM), in bfloat16 (:func:`product`).
 
 All functions here are pure: tensors in, tensors out.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -127,17 +128,51 @@ def _ieee_float32_products() -> bool:
             and getattr(mkldnn, "fp32_precision", "none") in ("none", "ieee"))
 
 
+@functools.cache
+def _cpu_multiplies_bfloat16() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported",
+                                                                   "_is_amx_tile_supported"))
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware (a GPU; a CPU with
+    AVX-512 BF16 or AMX), at twice float32's rate or more; elsewhere :func:`product`
+    gets the same numbers from a float32 GEMM."""
+    return device.type != "cpu" or _cpu_multiplies_bfloat16()
+
+
+def product(coef_t: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """bfloat16 ``coef_t @ basis`` ([..., N, k] float32 by [..., k, C] bfloat16): the
+    inverse transform's product, with its operands rounded to bfloat16, every product
+    of two exact in the float32 sum, and the sum rounded to bfloat16 (FORMAT.md,
+    "Inverse transform").
+
+    Why bfloat16: the product is most of a CPU decode's time, and a CPU with bfloat16
+    dot products runs it twice as fast; its three roundings (up to 2^-8 of a value, on
+    a product centered on the mean) add about 7e-6 of the variance to the error, against
+    the finest default level's 2.5e-4 and the default's 4e-3. A CPU without them sums
+    the rounded operands' products with a float32 GEMM (each exact in float32), so
+    every device agrees up to the sum's order, which moves a result by one bfloat16
+    unit where its float32 sums lie on either side of a rounding boundary."""
+    rounded = coef_t.to(torch.bfloat16)
+    if native_bfloat16(coef_t.device):
+        return torch.matmul(rounded, basis)
+    return torch.matmul(rounded.float(), basis.float()).to(torch.bfloat16)
+
+
 def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
             out: torch.Tensor | None, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None,
             prediction: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> None:
     """Write tokens [N, C] reconstructed from coefficients [kept, N] into ``out``.
 
-    With a basis, components past ``kept`` were dropped (they reconstruct as the
-    mean); the identity transform always keeps every channel. The GEMM always writes
-    a fresh (aligned) tensor: writing into a view of a larger output lets the BLAS
-    pick another kernel and round differently, and every decode path must agree.
-    Values are clamped to the output dtype's finite range, so a reconstruction that
-    lands a hair past fp16's largest value never becomes inf. ``rope`` (a rotary and
+    With a basis (bfloat16 [>= kept, C], :func:`product`), components past ``kept``
+    were dropped (they reconstruct as the mean); the identity transform always keeps
+    every channel. The GEMM always writes a fresh (aligned) tensor: writing into a view
+    of a larger output lets the BLAS pick another kernel and round differently, and
+    every decode path must agree. Values are clamped to the output dtype's finite
+    range, so a reconstruction that lands a hair past fp16's largest value never
+    becomes inf. ``rope`` (a rotary and
     its angles for these tokens) re-applies RoPE to reconstructed keys, in float32.
     ``prediction`` (float32 [N, C], ``codec.prediction``) is added to the reconstruction
     first, and ``decoded`` ([N, C] float32) receives the sum before RoPE: what the next
@@ -152,7 +187,7 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
         elif kept == 0:
             result = bias.clone()
         else:
-            result = torch.addmm(bias, coef.T, basis[:kept])
+            result = torch.add(product(coef.T, basis[:kept]), mean)   # float32, by promotion
         if prediction is not None:
             result.add_(prediction)   # result is always a fresh tensor here
         if decoded is not None:

@@ -1,4 +1,5 @@
-"""CUDA decode of kvwire blobs (PyCUDA), bit-exact with the CPU decoder.
+"""CUDA decode of kvwire blobs (PyCUDA), bit-exact with the CPU decoder up to the GEMM's
+summation order (codec/FORMAT.md, "Inverse transform").
 
 Importing this package registers the CUDA section decoder with ``codec`` (the codec
 never imports it); pycuda itself is imported only when a decoder is first built, so

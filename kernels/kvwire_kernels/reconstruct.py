@@ -10,17 +10,17 @@ format that moves the step from the profile into each section changes both decod
 at once.
 
 Stage 2 is here, written once for every device: the inverse transform of a group of
-layers as one batched GEMM (``torch.baddbmm`` over K and V of every layer in the
-group, coefficients zero-padded to the group's widest kept count), the means, RoPE
+layers as one batched GEMM (``codec.transform.product`` over K and V of every layer in
+the group, coefficients zero-padded to the group's widest kept count), the means, RoPE
 back onto the keys of a rotary profile, the clamp to the output dtype, and the write
 straight into a caller-provided KV tensor. It runs on CPU tensors too, which is how
 it is tested on machines without a GPU (tests/test_reconstruct.py).
 
-Against the CPU decoder (one ``addmm`` per layer and K/V): the coefficients, means,
-RoPE and clamp are the same float32 operations; only the GEMM's summation order
-differs (one padded batched GEMM, or cuBLAS, vs MKL per matrix), so results agree to
-float32 GEMM rounding, which is at most one unit in the last place of a float16 or
-bfloat16 output.
+Against the CPU decoder (one product per layer and K/V): the coefficients, means,
+RoPE and clamp are the same float32 operations and the products take the same
+bfloat16 operands; only the GEMM's summation order differs (one padded batched GEMM,
+or cuBLAS, vs oneDNN per matrix), which moves a product by one bfloat16 unit where its
+float32 sum lies next to a rounding boundary, and otherwise by nothing.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def cpu_coefficients(profile: Profile, parsed: ParsedSection, coded_tokens: int)
 
 @dataclass(frozen=True)
 class DeviceTables:
-    """A profile's means, basis and inter-layer maps on one device (float32)."""
+    """A profile's means and inter-layer maps (float32) and basis (bfloat16, what the
+    inverse transform multiplies by) on one device."""
 
     mean: torch.Tensor                # [layers, 2, C]
     basis: torch.Tensor | None        # [layers, 2, stored rows, C]; None: identity transform
@@ -88,7 +89,7 @@ def device_tables(profile: Profile, device: torch.device) -> DeviceTables:
     tables = per_device.get(device)
     if tables is None:
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
-        tables = DeviceTables(to(profile.mean), None if profile.basis is None else to(profile.basis),
+        tables = DeviceTables(to(profile.mean), None if profile.basis16 is None else profile.basis16.to(device),
                               None if profile.predictor32 is None else profile.predictor32.to(device))
         per_device[device] = tables
     return tables
@@ -106,13 +107,13 @@ def inverse_group(tables: DeviceTables, layers: Sequence[int], kept: Sequence[tu
         coef = torch.stack(list(coefficients)).view(n, tokens, 2, channels).transpose(1, 2)
         return coef + mean[:, :, None, :]
     widest = max(max(k) for k in kept)
-    padded = torch.zeros((n, 2, tokens, widest), dtype=torch.float32, device=mean.device)
+    padded = torch.zeros((n, 2, tokens, widest), dtype=torch.bfloat16, device=mean.device)
     for i, ((kept_k, kept_v), coef) in enumerate(zip(kept, coefficients)):
         padded[i, 0, :, :kept_k] = coef[:, :kept_k]
         padded[i, 1, :, :kept_v] = coef[:, kept_k:kept_k + kept_v]
     basis = tables.basis.index_select(0, index)[:, :, :widest]          # [n, 2, widest, C]
-    out = torch.baddbmm(mean.reshape(2 * n, 1, channels), padded.view(2 * n, tokens, widest),
-                        basis.reshape(2 * n, widest, channels))
+    out = torch.add(transform.product(padded.view(2 * n, tokens, widest), basis.reshape(2 * n, widest, channels)),
+                    mean.reshape(2 * n, 1, channels))   # float32, by promotion
     return out.view(n, 2, tokens, channels)
 
 

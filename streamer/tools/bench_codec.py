@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from codec import api, baselines, container, entropy, layer_codec, stages
+from codec import api, baselines, container, entropy, layer_codec, stages, transform
 from codec.levels import DEFAULT_LEVEL
 from codec.calibration import calibrate, calibrate_like
 from codec.profile import CodedBody, Profile
@@ -456,11 +456,12 @@ def _coder_steps_per_s(profile: Profile, repeat: int) -> float:
 
 
 def _gemm_flops_per_s(shape: tuple[int, int, int], repeat: int) -> float:
-    """float32 FLOP/s of torch's matmul [N, kept] x [kept, C] into a preallocated output,
-    the inverse transform's largest product, on torch's threads."""
+    """FLOP/s of the inverse transform's largest product, [N, kept] float32 by [kept, C]
+    bfloat16 (``codec.transform.product``: its operand's rounding included, in hardware
+    where the CPU multiplies bfloat16), alone on torch's threads."""
     n, kept, c = shape
-    a, b, out = torch.randn(n, kept), torch.randn(kept, c), torch.empty(n, c)
-    seconds, _ = _best_time(lambda: [torch.mm(a, b, out=out) for _ in range(10)], repeat)
+    a, b = torch.randn(n, kept), torch.randn(kept, c).to(torch.bfloat16)
+    seconds, _ = _best_time(lambda: [transform.product(a, b) for _ in range(10)], repeat)
     return 10 * 2.0 * n * kept * c / seconds
 
 
@@ -491,7 +492,7 @@ def _quiet(measure: Callable[[], float]) -> float:
 
 def measure_stages(profile: Profile, level: int, chunks: Sequence[torch.Tensor], repeat: int) -> StageReport:
     """The CPU decode of ``chunks`` at ``level``, stage by stage (``codec.stages``), each
-    against its bound on this CPU: the inverse transform's FLOPs at torch's matmul rate
+    against its bound on this CPU: the inverse transform's FLOPs at its product's rate
     of the same shape, the coder's steps at ``_tight_rans``'s rate, CRC bytes at zlib's
     rate on a hot buffer, RoPE and the conversion's bytes at a float32 copy's rate."""
     half = [c.to(torch.float16) for c in chunks]
@@ -516,7 +517,7 @@ def measure_stages(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
         stages.LANE_TABLE: (None, "-"),
         stages.ENTROPY: (work.steps / coder_rate, f"{work.steps / 1e6:.0f} M steps at a tight loop's "
                                                   f"{coder_rate / 1e6:.0f} M/s"),
-        stages.TRANSFORM: (work.flops / gemm_rate, f"{work.flops / 1e9:.1f} GFLOP at torch.mm's "
+        stages.TRANSFORM: (work.flops / gemm_rate, f"{work.flops / 1e9:.1f} GFLOP at the bf16 product's "
                                                   f"{gemm_rate / 1e9:.0f} GFLOP/s"),
         stages.ROPE: (work.rope_bytes / copy_rate, f"{work.rope_bytes / 1e6:.0f} MB at a copy's "
                                                   f"{copy_rate / 1e9:.1f} GB/s"),
