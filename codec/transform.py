@@ -187,7 +187,7 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
         elif kept == 0:
             result = bias.clone()
         else:
-            result = torch.add(product(coef.T, basis[:kept]), mean)   # float32, by promotion
+            result = product(coef.T, basis[:kept]).float().add_(mean)   # not torch.add's promotion: 20x slower
         if prediction is not None:
             result.add_(prediction)   # result is always a fresh tensor here
         if decoded is not None:

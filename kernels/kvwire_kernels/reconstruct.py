@@ -112,8 +112,8 @@ def inverse_group(tables: DeviceTables, layers: Sequence[int], kept: Sequence[tu
         padded[i, 0, :, :kept_k] = coef[:, :kept_k]
         padded[i, 1, :, :kept_v] = coef[:, kept_k:kept_k + kept_v]
     basis = tables.basis.index_select(0, index)[:, :, :widest]          # [n, 2, widest, C]
-    out = torch.add(transform.product(padded.view(2 * n, tokens, widest), basis.reshape(2 * n, widest, channels)),
-                    mean.reshape(2 * n, 1, channels))   # float32, by promotion
+    out = transform.product(padded.view(2 * n, tokens, widest), basis.reshape(2 * n, widest, channels))
+    out = out.float().add_(mean.reshape(2 * n, 1, channels))
     return out.view(n, 2, tokens, channels)
 
 
