@@ -161,6 +161,14 @@ def product(coef_t: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return torch.matmul(rounded.float(), basis.float()).to(torch.bfloat16)
 
 
+def centered_inverse(coef_t: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """float32 :func:`product` plus ``mean`` (broadcast over its tokens): the inverse
+    transform of a layer, or of a batch of them, as every decoder computes it. The
+    product is converted before the add: torch.add's bfloat16 + float32 promotion runs
+    a kernel about 20x slower than the conversion and an in-place float32 add."""
+    return product(coef_t, basis).float().add_(mean)
+
+
 def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
             out: torch.Tensor | None, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None,
             prediction: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> None:
@@ -172,22 +180,21 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
     of a larger output lets the BLAS pick another kernel and round differently, and
     every decode path must agree. Values are clamped to the output dtype's finite
     range, so a reconstruction that lands a hair past fp16's largest value never
-    becomes inf. ``rope`` (a rotary and
-    its angles for these tokens) re-applies RoPE to reconstructed keys, in float32.
-    ``prediction`` (float32 [N, C], ``codec.prediction``) is added to the reconstruction
-    first, and ``decoded`` ([N, C] float32) receives the sum before RoPE: what the next
-    layer is predicted from. ``out`` None: only ``decoded`` is wanted (the encoder's own
-    decode of a predicted layer), so no RoPE or conversion is done.
+    becomes inf. ``rope`` (a rotary and its angles for these tokens) re-applies RoPE
+    to reconstructed keys, in float32. ``prediction`` (float32 [N, C],
+    ``codec.prediction``) is added to the reconstruction first, and ``decoded`` ([N, C]
+    float32) receives the sum before RoPE: what the next layer is predicted from.
+    ``out`` None: only ``decoded`` is wanted (the encoder's own decode of a predicted
+    layer), so no RoPE or conversion is done.
     """
     kept, tokens = coef.shape
-    bias = mean.expand(tokens, mean.shape[0])
     with stage(TRANSFORM):
         if basis is None:
             result = coef.T + mean
         elif kept == 0:
-            result = bias.clone()
+            result = mean.expand(tokens, mean.shape[0]).clone()
         else:
-            result = product(coef.T, basis[:kept]).float().add_(mean)   # not torch.add's promotion: 20x slower
+            result = centered_inverse(coef.T, basis[:kept], mean)
         if prediction is not None:
             result.add_(prediction)   # result is always a fresh tensor here
         if decoded is not None:

@@ -22,8 +22,7 @@ Files in tests/data/:
 
 The tests check that (a) the committed blobs decode, with the committed profile, to the
 committed tensors (to a bfloat16 unit of the inverse transform's product, as FORMAT.md
-allows) and to the formula
-within the level's distortion, and (b) encoding the formula's input again reproduces the
+allows) and to the formula within the level's distortion, and (b) encoding the formula's input again reproduces the
 committed bytes exactly, so any change of the format is deliberate. They also read the
 blob with nothing but FORMAT.md (header fields, CRCs, sinks, lane table, profile id).
 

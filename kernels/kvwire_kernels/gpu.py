@@ -18,8 +18,9 @@ daemon calls on shutdown: it synchronizes and releases every decoder).
 
 Entropy decoding and dequantization are bit-identical to the CPU decoder; the GEMM takes
 the same bfloat16 operands and its summation order differs (cuBLAS vs oneDNN), so output
-agrees with the CPU's but for a bfloat16 unit of the product where a float32 sum lies next
-to a rounding boundary (FORMAT.md, "Inverse transform"). A raw section's tokens and sink tokens are copied synchronously (rare).
+agrees with the CPU's but for a bfloat16 unit of the product where a float32 sum lies
+next to a rounding boundary (FORMAT.md, "Inverse transform"). A raw section's tokens and
+sink tokens are copied synchronously (rare).
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ format that moves the step from the profile into each section changes both decod
 at once.
 
 Stage 2 is here, written once for every device: the inverse transform of a group of
-layers as one batched GEMM (``codec.transform.product`` over K and V of every layer in
-the group, coefficients zero-padded to the group's widest kept count), the means, RoPE
+layers as one batched GEMM (``codec.transform.centered_inverse`` over K and V of every
+layer in the group, coefficients zero-padded to the group's widest kept count), the means, RoPE
 back onto the keys of a rotary profile, the clamp to the output dtype, and the write
 straight into a caller-provided KV tensor. It runs on CPU tensors too, which is how
 it is tested on machines without a GPU (tests/test_reconstruct.py).
@@ -112,8 +112,8 @@ def inverse_group(tables: DeviceTables, layers: Sequence[int], kept: Sequence[tu
         padded[i, 0, :, :kept_k] = coef[:, :kept_k]
         padded[i, 1, :, :kept_v] = coef[:, kept_k:kept_k + kept_v]
     basis = tables.basis.index_select(0, index)[:, :, :widest]          # [n, 2, widest, C]
-    out = transform.product(padded.view(2 * n, tokens, widest), basis.reshape(2 * n, widest, channels))
-    out = out.float().add_(mean.reshape(2 * n, 1, channels))
+    out = transform.centered_inverse(padded.view(2 * n, tokens, widest), basis.reshape(2 * n, widest, channels),
+                                     mean.reshape(2 * n, 1, channels))
     return out.view(n, 2, tokens, channels)
 
 
