@@ -9,7 +9,7 @@ Decoders for other devices plug in through ``backends`` (``import kvwire_kernels
 ``parallel`` makes them safe to call from several threads on any numba threading layer.
 ``Rotary`` (a profile's RoPE parameters) makes keys be coded position-free (``rotary``).
 A profile calibrated with ``predict`` codes each layer as what a map from the layer
-before it misses (``prediction``; format 6, decoded layer by layer with a ``LayerChain``).
+before it misses (``prediction``; format 7, decoded layer by layer with a ``LayerChain``).
 """
 from .api import (LayerChain, decode, decode_layers, decode_section, encode, encode_exact, encode_levels,
                   header_length, inspect, parse_header, resolve_profile, section_decoder)

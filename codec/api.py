@@ -302,9 +302,9 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
 
 
 def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int, start: int) -> bytes:
-    """The blob (format 6) of ``kv`` at ``level`` of a predicting profile: layer by layer,
-    each predicted layer's residual from the previous layer *as the decoder will decode
-    it* (the encoder decodes each section it writes), so that errors do not pile up
+    """The blob (format 7) of ``kv`` at ``level`` of a predicting profile: layer by layer,
+    each predicted layer's residual from the previous layer's state *as the decoder will
+    decode it* (the encoder decodes each section it writes), so that errors do not pile up
     through the chain. The step control holds each section's error against the variance
     of the layer's values, not of the residual: a predicted level loses what the plain
     one does, in fewer bits. Levels do not share work: each has its own chain."""
@@ -319,9 +319,10 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
     previous: torch.Tensor | None = None
     for layer in range(layers):
         values = body.layer(layer)
-        guess = None if prediction.is_intra(layer, profile.restart) else \
-            prediction.predict(previous, profile.predictor32[layer], bool(profile.predictor_by_kind[layer]))
-        coded = values if guess is None else values - guess
+        coded = values
+        if not prediction.is_intra(layer, profile.restart):
+            coded = values - prediction.guess(previous, profile.chain_matrices[layer], int(profile.chain_reach[layer]),
+                                              profile.chain_offsets[layer] - torch.from_numpy(profile.mean[layer]))
         parts = None
         if controlled:
             parts = tuple(control.control_part(profile, level, layer, kind, control.PartSample(
@@ -334,13 +335,12 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
         modes.append(mode)
         if mode == container.MODE_RAW:
             raw_layers.add(layer)
-            previous = values
+            previous = prediction.values_state(values, profile.chain_offsets[layer])
         else:
-            previous = torch.empty_like(values)
             lanes = layer_codec.parse_lanes(profile, level, layer, body.tokens,
                                             memoryview(section)[container.token_bytes(sinks, channels, kv.dtype):],
                                             container.PREDICTED_VERSION)
-            layer_codec.decode_layer(profile, layer, lanes, None, start + sinks, guess, previous)
+            previous = layer_codec.decode_layer(profile, layer, lanes, None, start + sinks, previous)
     misfits = _misfits(controls, limits, frozenset(raw_layers)) if controlled else {}
     if misfits:  # stacklevel: the caller of encode or encode_levels
         warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=4)
@@ -423,38 +423,39 @@ def section_decoder(device: str | torch.device):
 
 
 class LayerChain:
-    """What decoding a predicted blob (format 6) carries from one layer to the next: the
-    last decoded layer's values (position-free float32 [2, coded tokens, C]), from which
-    the next is predicted. ``decode`` and ``decode_layers`` keep their own; a caller of
-    ``decode_section`` passes one per blob, to every layer in order from an intra-coded
-    layer (``codec.prediction.restart_layer``)."""
+    """What decoding a predicted blob (format 7) carries from one layer to the next: the
+    last decoded layer's state (K's and V's, bfloat16 [coded tokens, C], ``codec.prediction``),
+    from which the next is predicted. ``decode`` and ``decode_layers`` keep their own; a
+    caller of ``decode_section`` passes one per blob, to every layer in order from an
+    intra-coded layer (``codec.prediction.restart_layer``)."""
 
     def __init__(self) -> None:
         self.layer: int | None = None
-        self.values: torch.Tensor | None = None
+        self.state: prediction.State | None = None
 
-    def prediction(self, header: BlobHeader, profile: Profile, layer: int,
-                   maps: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Layer ``layer``'s prediction (None: it is coded alone) from ``maps`` (the
-        profile's ``predictor32``, or a copy on the chain's device); ValueError if the
-        chain does not hold the layer before it."""
+    def previous(self, header: BlobHeader, profile: Profile, layer: int) -> prediction.State | None:
+        """The state layer ``layer`` is predicted from (None: it is coded alone);
+        ValueError if the chain does not hold the layer before it."""
         if prediction.is_intra(layer, profile.restart):
             return None
-        if self.layer != layer - 1 or self.values is None \
-                or self.values.shape != (2, header.coded_tokens, header.channels):
+        if self.layer != layer - 1 or self.state is None \
+                or self.state[0].shape != (header.coded_tokens, header.channels):
             held = "nothing" if self.layer is None else f"layer {self.layer}"
             raise ValueError(f"layer {layer} of a predicted blob decodes from layer {layer - 1}, and the "
                              f"chain holds {held}: decode sections in order from layer "
                              f"{prediction.restart_layer(layer, profile.restart)} with one LayerChain")
-        return prediction.predict(self.values, (profile.predictor32 if maps is None else maps)[layer],
-                                  bool(profile.predictor_by_kind[layer]))
+        return self.state
+
+    def hold(self, layer: int, state: prediction.State) -> None:
+        """Carry ``layer``'s state to the next layer."""
+        self.layer, self.state = layer, state
 
 
 def decode_section(header: BlobHeader, profile: Profile | None, layer: int,
                    section: bytes | memoryview, out: torch.Tensor | None = None,
                    chain: LayerChain | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [tokens, heads, head_dim] of one layer from its section bytes alone, or,
-    in a predicted blob (format 6), from its section and ``chain``: the layers before it
+    in a predicted blob (format 7), from its section and ``chain``: the layers before it
     back to an intra-coded one, decoded with the same chain (which this call advances).
 
     The section is verified against the header's length and checksum, and its lane
@@ -499,19 +500,21 @@ def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _
     sink_bytes, rest = checked
     sinks = header.sink_tokens
     flat = out.view(2, header.tokens, header.channels)
-    guess = None if chain is None else chain.prediction(header, profile, layer)
-    decoded = None if chain is None else torch.empty(2, header.coded_tokens, header.channels)
+    previous = None if chain is None else chain.previous(header, profile, layer)
+    state = None
     if isinstance(rest, layer_codec.LanePayload):
-        layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:], header.start + sinks, guess, decoded)
+        state = layer_codec.decode_layer(profile, layer, rest, flat[:, sinks:], header.start + sinks, previous)
     with stage(CONVERT):
         if not isinstance(rest, layer_codec.LanePayload):
             flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
             if chain is not None:   # a raw section holds the layer itself: predict from it exactly
-                decoded = prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks)
+                state = prediction.values_state(
+                    prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks),
+                    profile.chain_offsets[layer])
         if sinks:
             flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
     if chain is not None:
-        chain.layer, chain.values = layer, decoded
+        chain.hold(layer, state)
 
 
 def _section_slices(blob: bytes | memoryview, header: BlobHeader) -> Iterator[tuple[int, memoryview]]:

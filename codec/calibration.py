@@ -40,7 +40,7 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
     holds every section to the level's target. Weights whose estimated bits exceed the
     uniform split's at any level are first scaled up until they do not (``_budget_weights``);
     the profile carries the weights it used.
-    ``predict`` > 0: inter-layer prediction (``codec.prediction``; blobs of format 6),
+    ``predict`` > 0: inter-layer prediction (``codec.prediction``; blobs of format 7),
     layers 0, predict, 2 predict, .. coded alone; ``predict_groups`` one of PREDICT_GROUPS
     (which channels each map reads). The maps are fitted on the samples' coded tokens, and
     the transform, steps and tables on what the maps leave (from exact previous layers).

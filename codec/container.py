@@ -20,14 +20,17 @@ from .rotary import MAX_POSITION  # token positions are u32: start + tokens <= 2
 
 MAGIC = b"KVWB"
 FORMAT_VERSION = 5
-#: Version 6: the layout of version 5, written with a profile that predicts each layer
+#: Version 7: the layout of version 5, written with a profile that predicts each layer
 #: from the one before (FORMAT.md, "Inter-layer prediction"): its coded sections hold
 #: what the prediction misses. A profile without prediction still writes version 5.
-PREDICTED_VERSION = 6
+PREDICTED_VERSION = 7
 #: Version 2 blobs (no start position: start = 0), version 3 ones (lanes of whole rows,
 #: u32 word counts) and version 4 ones (no per-section steps: the profile's) are still
-#: read; layer_codec reads every version's lane table.
+#: read; layer_codec reads every version's lane table. Version 6 (the first prediction,
+#: from float32 values) is not: its decode depends on arithmetic this build no longer does.
 READABLE_VERSIONS = (2, 3, 4, 5, PREDICTED_VERSION)
+RETIRED_VERSIONS = {6: "a predicted blob of an earlier build, whose prediction this build no longer "
+                       "computes: encode it again"}
 FIXED = struct.Struct("<4sBBBBHHHHI8sI")
 #: Version 3: the absolute position of the blob's first token, right after the fixed header.
 START = struct.Struct("<I")
@@ -92,7 +95,7 @@ class BlobHeader:
 
     @property
     def predicted(self) -> bool:
-        """Whether its coded sections hold what inter-layer prediction misses (version 6)."""
+        """Whether its coded sections hold what inter-layer prediction misses (version 7)."""
         return self.version == PREDICTED_VERSION
 
     @functools.cached_property
@@ -204,6 +207,8 @@ def _unpack_fixed(data: bytes | memoryview) -> tuple:
     fields = FIXED.unpack_from(data, 0)
     if fields[0] != MAGIC:
         raise CorruptBitstream("not a kvwire blob (bad magic)")
+    if fields[1] in RETIRED_VERSIONS:
+        raise CorruptBitstream(f"blob format version {fields[1]} is no longer read: {RETIRED_VERSIONS[fields[1]]}")
     if fields[1] not in READABLE_VERSIONS:
         raise CorruptBitstream(f"unsupported blob format version {fields[1]} (this build reads "
                                f"{', '.join(map(str, READABLE_VERSIONS))})")
@@ -254,7 +259,7 @@ def parse_header(data: bytes | memoryview) -> BlobHeader:
         raise CorruptBitstream("an exact-level blob must have every section raw, no embedded profile and a "
                                "version of 5 or older")
     if version == PREDICTED_VERSION and embedded:
-        raise CorruptBitstream("a version 6 (predicted) blob cannot embed its profile")
+        raise CorruptBitstream(f"a version {PREDICTED_VERSION} (predicted) blob cannot embed its profile")
     return header
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from . import control, entropy, parallel, rans, transform
+from . import control, entropy, parallel, prediction, rans, transform
 from .errors import CorruptBitstream
 from .profile import Profile
-from .stages import ENTROPY, stage
+from .stages import ENTROPY, TRANSFORM, stage
 
 #: ideal bits the encoder aims to put in one lane (FORMAT.md, "The encoder's choice")
 LANE_BITS = 2048
@@ -424,23 +424,33 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
 
 
 def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor | None, position: int = 0,
-                 prediction: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> None:
+                 previous: prediction.State | None = None) -> prediction.State | None:
     """Decode one layer's parsed lanes into ``out`` [2, coded_tokens, C] (K then V).
 
     ``position``: the first coded token's absolute position, where a rotary profile's
     keys get their RoPE back (in float32, before rounding to ``out``'s dtype).
-    ``prediction`` and ``decoded`` (float32 [2, coded_tokens, C]): a predicted layer's
-    prediction, added to what the lanes code, and where the position-free result goes
-    (``transform.inverse``; ``out`` None: only there).
+    A predicting profile's layer is decoded from ``previous``, the state of the layer
+    before it (None at an intra layer), and its own state (K's and V's, bfloat16
+    [coded_tokens, C]) is returned for the next (``codec.prediction``); ``out`` None: only the state is
+    wanted (the encoder's own decode of the layer).
     """
     plan = lanes.plan
     coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, plan.tokens))
     rows = (coef_t[: plan.kept[0]], coef_t[plan.kept[0]:])
+    states = []
     for kv in range(2):
         rope = None
         if kv == 0 and profile.rotary is not None and out is not None:
             rope = (profile.rotary, profile.rotary.angles(position, plan.tokens))
-        transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
-                          None if profile.basis16 is None else profile.basis16[layer, kv],
-                          None if out is None else out[kv], rope,
-                          None if prediction is None else prediction[kv], None if decoded is None else decoded[kv])
+        if profile.predictor is None:
+            values = transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
+                                       None if profile.basis16 is None else profile.basis16[layer, kv])
+        else:
+            with stage(TRANSFORM):
+                states.append(prediction.coded_state(rows[kv].T, profile.chain_matrices[layer][kv],
+                                                     int(profile.chain_reach[layer]), previous, kv))
+                if out is None:
+                    continue
+                values = states[kv].float().add_(profile.chain_offsets[layer, kv])
+        transform.finish(values, out[kv], rope)
+    return tuple(states) if states else None

@@ -1,12 +1,20 @@
 """Inter-layer prediction: each layer's coded tokens predicted from the previous layer's
-decoded ones, so that a section codes only what the prediction misses (format 6).
+decoded ones, so that a section codes only what the prediction misses (format 7).
 
 The prediction is linear (as in AQUA-KV): layer l's position-free K and V of a token,
-one row of 2C numbers, is ``[previous, 1] @ predictor[l]``, ``previous`` being layer
-l - 1's *decoded* values of that token (float32, keys with RoPE removed, before rounding
-to the blob's dtype). One map per layer, fitted by least squares on calibration KV and
-stored in float16 in the profile. Layers ``0, restart, 2 restart, ..`` are coded alone
-(their predictor rows are zero): a decode can start there with nothing before it.
+one row of 2C numbers, is ``[previous, 1] @ predictor[l]``. One map per layer, fitted
+by least squares on calibration KV and stored in float16 in the profile. Layers ``0,
+restart, 2 restart, ..`` are coded alone (their predictor rows are zero): a decode can
+start there with nothing before it.
+
+A decoder carries a layer's *state* to the next: its values less a fixed per-layer
+offset, in bfloat16 (FORMAT.md, "Inter-layer prediction"). The state is what the
+inverse transform's bfloat16 product gives, and the next layer's prediction is more
+rows of that same product: ``[state_{l-1} | Y_l^T] @ [A_l ; B_l]``, one GEMM per layer
+and K/V that sums the prediction and the reconstruction before rounding. So a
+predicted layer costs its decoder one wider product, not a second, float32 one; and
+the state is centered (the offsets follow the means through the maps), so its
+bfloat16 rounding is as small as the product's own.
 
 Pure functions on tensors; the encoder and the decoders call them layer by layer.
 """
@@ -17,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import transform
 from .rotary import Rotary, rotate
 
 #: Ridge added to the normal equations' diagonal, relative to its mean. The map is fitted
@@ -82,35 +91,111 @@ def predict_rows(previous: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """float32 [N, 2C]: a layer's rows (a token's K then V) predicted from the previous
     layer's ``previous`` (float32 [N, 2C]) by its map ``matrix`` (float32 [2C + 1, 2C]).
 
-    One float32 product plus the constant row; its summation order is the BLAS's, so
-    decoders agree to float32 rounding here (FORMAT.md, "Inter-layer prediction")."""
+    What calibration fits and measures the maps with, on exact or decoded values; a
+    decoder predicts from its carried state instead (:func:`coded_state`)."""
     return torch.addmm(matrix[-1].expand(previous.shape[0], -1), previous, matrix[:-1])
 
 
 def by_kind(predictor: np.ndarray) -> np.ndarray:
     """bool [L]: the layers whose map predicts K from K and V from V only (zero across
-    the two: ``kind_groups``, or a layer coded alone), whose prediction :func:`predict`
-    computes as two C x C products, half the dense map's work."""
+    the two: ``kind_groups``, or a layer coded alone), which take half the dense map's
+    multiply-adds (:func:`reach`)."""
     channels = predictor.shape[2] // 2
     k_from_v = predictor[:, channels:2 * channels, :channels].any(axis=(1, 2))
     v_from_k = predictor[:, :channels, channels:].any(axis=(1, 2))
     return ~(k_from_v | v_from_k)
 
 
-def predict(previous: torch.Tensor, matrix: torch.Tensor, kind_blocks: bool = False) -> torch.Tensor:
-    """float32 [2, N, C]: :func:`predict_rows` in the codec's layout of a layer (K's
-    tokens, then V's), what the encoder and decoders hold. ``kind_blocks``: the map is
-    zero across K and V (:func:`by_kind`), so each is predicted from its own kind with
-    the map's two diagonal blocks, skipping the zeros (the same sums, in the BLAS's order)."""
-    _, tokens, channels = previous.shape
-    if kind_blocks:
-        out = torch.empty_like(previous)
-        for kind in range(2):
-            part = slice(kind * channels, (kind + 1) * channels)
-            torch.addmm(matrix[-1, part].expand(tokens, -1), previous[kind], matrix[part, part], out=out[kind])
-        return out
-    flat = previous.permute(1, 0, 2).reshape(tokens, 2 * channels)
-    return predict_rows(flat, matrix).reshape(tokens, 2, channels).permute(1, 0, 2)
+def offsets(mean: np.ndarray, predictor: np.ndarray, restart: int) -> np.ndarray:
+    """float32 [L, 2, C]: each layer's offset, what its values are its state plus: the
+    transform's mean at an intra layer, and at a predicted one the mean, the map's
+    constant row and the previous layer's offset through the map. Summed in float64
+    from the profile's numbers and rounded once, so every decoder holds the same."""
+    layers, _, channels = mean.shape
+    out = np.zeros((layers, 2 * channels))
+    for layer in range(layers):
+        out[layer] = mean[layer].astype(np.float64).reshape(2 * channels)
+        if not is_intra(layer, restart):
+            matrix = predictor[layer].astype(np.float64)
+            out[layer] += matrix[-1] + out[layer - 1] @ matrix[:-1]
+    return out.reshape(layers, 2, channels).astype(np.float32)
+
+
+def reach(predictor: np.ndarray, restart: int) -> np.ndarray:
+    """int [L]: how many of the previous layer's state channels each layer's product
+    takes before its coefficients: 0 at an intra layer, C where the map is by kind
+    (:func:`by_kind`: K from K, V from V, half the multiply-adds), else 2C."""
+    channels = predictor.shape[2] // 2
+    out = np.where(by_kind(predictor), channels, 2 * channels)
+    out[[is_intra(layer, restart) for layer in range(len(out))]] = 0
+    return out
+
+
+def chain_matrix(predictor: np.ndarray, basis: np.ndarray | None, layer: int, kind: int,
+                 rows: int) -> torch.Tensor:
+    """bfloat16 [rows + kept rows, C]: what layer ``layer``'s K (kind 0) or V (1) state is
+    a product by: the ``rows`` rows of its map that reach this kind (none at an intra
+    layer; K's then V's channels), then its basis (``basis``'s stored rows; the identity
+    when None)."""
+    channels = predictor.shape[2] // 2
+    columns = slice(kind * channels, (kind + 1) * channels)
+    first = kind * channels if rows == channels else 0
+    mapped = torch.from_numpy(predictor[layer, first:first + rows, columns].astype(np.float32))
+    own = torch.eye(channels) if basis is None else torch.from_numpy(basis[layer, kind])
+    return torch.cat([mapped, own]).to(torch.bfloat16)
+
+
+#: a layer's state: K's and V's, bfloat16 [N, C] each (a [2, N, C] tensor or a pair)
+State = Sequence[torch.Tensor]
+
+
+def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, previous: State | None,
+                kind: int) -> torch.Tensor:
+    """bfloat16 [N, C]: the state of a coded layer's K (kind 0) or V (1) from its
+    coefficients ``coef_t`` (float32 [N, kept]): ``transform.product`` of ``[previous's
+    reached channels | coef_t]`` by ``matrix`` (:func:`chain_matrix`; ``rows`` of it are
+    the map's, 0 at an intra layer, whose ``previous`` is None)."""
+    tokens, kept = coef_t.shape
+    if rows == 0:
+        if kept == 0:
+            return torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
+        return transform.product(coef_t, matrix[:kept])
+    operand = torch.empty(tokens, rows + kept, dtype=torch.bfloat16, device=coef_t.device)
+    _reached(previous, kind, rows, operand[:, :rows])
+    operand[:, rows:] = coef_t
+    return transform.product(operand, matrix[:rows + kept])
+
+
+def guess(previous: State, matrices: Sequence[torch.Tensor], rows: int, shift: torch.Tensor) -> torch.Tensor:
+    """float32 [2, N, C]: what the encoder takes from a predicted layer's values before
+    its transform: the previous layer's state by the map's rows of
+    ``matrices`` (the layer's K and V :func:`chain_matrix`), plus ``shift`` ([2, C]: the
+    layer's offset less its mean). A float32 product: the decoder's bfloat16 one differs
+    from it by rounding that its product's sum then rounds again."""
+    tokens, channels = previous[0].shape
+    out = torch.empty(2, tokens, channels)
+    reached = torch.empty(tokens, rows)
+    for kind in range(2):
+        _reached(previous, kind, rows, reached)
+        torch.addmm(shift[kind].expand(tokens, -1), reached, matrices[kind][:rows].float(), out=out[kind])
+    return out
+
+
+def _reached(previous: State, kind: int, rows: int, into: torch.Tensor) -> None:
+    """The channels of state ``previous`` that reach ``kind``, into ``into`` [N, rows]: its
+    own kind's (rows C), or K's then V's (rows 2C)."""
+    channels = previous[0].shape[1]
+    if rows == channels:
+        into.copy_(previous[kind])
+    else:
+        into[:, :channels] = previous[0]
+        into[:, channels:] = previous[1]
+
+
+def values_state(values: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [2, N, C]: the state of a layer held as values (float32 [2, N, C], a raw
+    section's tokens with RoPE removed), its ``offset`` ([2, C]) taken first."""
+    return (values - offset[:, None, :]).to(torch.bfloat16)
 
 
 def position_free(tokens: torch.Tensor, rotary: Rotary | None, position: int) -> torch.Tensor:

@@ -150,7 +150,7 @@ class Profile:
 
     @cached_property
     def predictor32(self) -> torch.Tensor | None:
-        """``predictor`` in float32, what every decoder multiplies by, converted once."""
+        """``predictor`` in float32, what calibration measures the maps with, converted once."""
         return None if self.predictor is None else torch.from_numpy(self.predictor.astype(np.float32))
 
     @cached_property
@@ -158,6 +158,27 @@ class Profile:
         """``codec.prediction.by_kind`` of ``predictor``: the layers predicted by kind
         with half the work, found once."""
         return None if self.predictor is None else prediction.by_kind(self.predictor)
+
+    @cached_property
+    def chain_offsets(self) -> torch.Tensor | None:
+        """float32 [L, 2, C]: ``codec.prediction.offsets``, each layer's values less its
+        carried state, found once."""
+        return None if self.predictor is None else \
+            torch.from_numpy(prediction.offsets(self.mean, self.predictor, self.restart))
+
+    @cached_property
+    def chain_reach(self) -> np.ndarray | None:
+        """int [L]: ``codec.prediction.reach``, the state channels each layer's product takes."""
+        return None if self.predictor is None else prediction.reach(self.predictor, self.restart)
+
+    @cached_property
+    def chain_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer, K's and V's ``codec.prediction.chain_matrix`` (bfloat16), what a
+        predicting profile's decoders multiply by, built once."""
+        if self.predictor is None:
+            return None
+        return [tuple(prediction.chain_matrix(self.predictor, self.basis, layer, kind, int(self.chain_reach[layer]))
+                      for kind in range(2)) for layer in range(self.layers)]
 
     def section_target(self, slot: int, layer: int, kind: int) -> float:
         """The MSE/var level ``slot`` holds layer ``layer``'s K (kind 0) or V (kind 1) to:
@@ -345,7 +366,7 @@ class Profile:
 
     @property
     def predicts(self) -> bool:
-        """Whether blobs of this profile predict layers from the layers before them (format 6)."""
+        """Whether blobs of this profile predict layers from the layers before them (format 7)."""
         return self.predictor is not None
 
     @property

@@ -169,44 +169,36 @@ def centered_inverse(coef_t: torch.Tensor, basis: torch.Tensor, mean: torch.Tens
     return product(coef_t, basis).float().add_(mean)
 
 
-def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None,
-            out: torch.Tensor | None, rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None,
-            prediction: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> None:
-    """Write tokens [N, C] reconstructed from coefficients [kept, N] into ``out``.
+def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """float32 tokens [N, C] reconstructed from coefficients [kept, N], a fresh tensor.
 
     With a basis (bfloat16 [>= kept, C], :func:`product`), components past ``kept``
     were dropped (they reconstruct as the mean); the identity transform always keeps
     every channel. The GEMM always writes a fresh (aligned) tensor: writing into a view
     of a larger output lets the BLAS pick another kernel and round differently, and
-    every decode path must agree. Values are clamped to the output dtype's finite
-    range, so a reconstruction that lands a hair past fp16's largest value never
-    becomes inf. ``rope`` (a rotary and its angles for these tokens) re-applies RoPE
-    to reconstructed keys, in float32. ``prediction`` (float32 [N, C],
-    ``codec.prediction``) is added to the reconstruction first, and ``decoded`` ([N, C]
-    float32) receives the sum before RoPE: what the next layer is predicted from.
-    ``out`` None: only ``decoded`` is wanted (the encoder's own decode of a predicted
-    layer), so no RoPE or conversion is done.
+    every decode path must agree.
     """
     kept, tokens = coef.shape
     with stage(TRANSFORM):
         if basis is None:
-            result = coef.T + mean
-        elif kept == 0:
-            result = mean.expand(tokens, mean.shape[0]).clone()
-        else:
-            result = centered_inverse(coef.T, basis[:kept], mean)
-        if prediction is not None:
-            result.add_(prediction)   # result is always a fresh tensor here
-        if decoded is not None:
-            decoded.copy_(result)
-    if out is None:
-        return
+            return coef.T + mean
+        if kept == 0:
+            return mean.expand(tokens, mean.shape[0]).clone()
+        return centered_inverse(coef.T, basis[:kept], mean)
+
+
+def finish(values: torch.Tensor, out: torch.Tensor,
+           rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    """Write reconstructed tokens ``values`` (float32 [N, C], consumed) into ``out``:
+    ``rope`` (a rotary and its angles for these tokens) re-applies RoPE to keys, in
+    float32, and values are clamped to the output dtype's finite range, so a
+    reconstruction that lands a hair past fp16's largest value never becomes inf."""
     if rope is not None:
         with stage(ROPE):   # the clamp in the same pass
-            result = result.contiguous()  # an identity profile's sum may keep coef's transposed strides
-            rotate_in_place(result, rope[0], rope[1], limit=dtype_limit(out.dtype))
+            values = values.contiguous()  # an identity profile's sum may keep coef's transposed strides
+            rotate_in_place(values, rope[0], rope[1], limit=dtype_limit(out.dtype))
     with stage(CONVERT):
-        out.copy_(result if rope is not None else clamp_to(result, out.dtype))
+        out.copy_(values if rope is not None else clamp_to(values, out.dtype))
 
 
 def dtype_limit(dtype: torch.dtype) -> float:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import codec
+from codec import container
 
 FIXED = 32          # FORMAT.md: fixed header size
 TABLE = FIXED + 4   # version 3: the u32 start position, then the section table
@@ -56,13 +57,13 @@ def embedded_blob(tiny_kv):
 
 @pytest.fixture(scope="module")
 def predicted_blob():
-    """(blob, profile): format 6, 3 layers each following from the one before, layer 1
+    """(blob, profile): format 7, 3 layers each following from the one before, layer 1
     coded as what its prediction from layer 0 misses (layer 2 restarts), ~500 bytes."""
     from codec.synthetic import chained_kv
 
     profile = codec.calibrate([chained_kv(3, 1, 3, 64, 0)], predict=2)
     blob = codec.encode(chained_kv(3, 1, 3, 24, 1), 2, profile)
-    assert codec.inspect(blob)["format_version"] == 6 and codec.inspect(blob)["sections"]["raw_layers"] == []
+    assert codec.inspect(blob)["format_version"] == container.PREDICTED_VERSION and codec.inspect(blob)["sections"]["raw_layers"] == []
     return blob, profile
 
 

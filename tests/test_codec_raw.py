@@ -50,7 +50,7 @@ def _header_bytes(blob: bytes) -> int:
 
 @pytest.fixture(scope="module")
 def predicting_profile() -> codec.Profile:
-    """Layer 1 predicted from layer 0 (blob format 6)."""
+    """Layer 1 predicted from layer 0 (blob format 7)."""
     layers, _, heads, head_dim = SHAPE
     return codec.calibrate([synthetic_kv(layers, heads, head_dim, 256, seed=1)], predict=2)
 

@@ -66,7 +66,7 @@ def _contexts() -> dict:
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest, _contexts: dict):
     """An 8-chunk context in a file store. A row parametrized with ``"predicted"``
-    (indirect) stores it with a predicting profile (blob format 6; layers 0 and 2 coded
+    (indirect) stores it with a predicting profile (blob format 7; layers 0 and 2 coded
     alone, 1 and 3 from the layer before)."""
     kind = getattr(request, "param", "plain")
     if kind not in _contexts:

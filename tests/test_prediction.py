@@ -1,4 +1,4 @@
-"""Inter-layer prediction (profile version 4, blob format 6): each layer coded as what a map
+"""Inter-layer prediction (profile version 4, blob format 7): each layer coded as what a map
 from the previous *decoded* layer misses, held to the values' error, decoded layer by layer."""
 from __future__ import annotations
 
@@ -122,24 +122,74 @@ def test_rotary_profile_predicts_position_free_keys():
 
 
 def test_maps_by_kind_predict_with_their_blocks_alone(profiles):
-    """K-from-K/V-from-V maps are found as such and predicted with their two diagonal
-    blocks (half the work): the same numbers as the dense product, and a round trip that
-    holds the plain level's error; a dense map is not mistaken for one."""
+    """K-from-K/V-from-V maps are found as such and their layers' products take their own
+    kind's state alone (half the work): the same numbers as the product over both kinds,
+    whose other rows are zero, and a round trip that holds the plain level's error; a
+    dense map is not mistaken for one."""
     plain, dense = profiles
     by_kind = codec.calibrate([chained(seed) for seed in range(3)], predict=3, predict_groups="kind")
     assert by_kind.predictor_by_kind.all()
     assert list(dense.predictor_by_kind) == [prediction.is_intra(layer, 3) for layer in range(6)]
-    previous = torch.randn(2, 50, 32, generator=torch.Generator().manual_seed(3))
+    assert list(by_kind.chain_reach) == [0, 32, 32, 0, 32, 32] and list(dense.chain_reach) == [0, 64, 64, 0, 64, 64]
+    generator = torch.Generator().manual_seed(3)
+    previous = torch.randn(2, 50, 32, generator=generator).bfloat16()
+    coef_t = torch.randn(50, 20, generator=generator)
     for layer in (1, 2, 4, 5):
-        maps = by_kind.predictor32[layer]
-        torch.testing.assert_close(prediction.predict(previous, maps, kind_blocks=True),
-                                   prediction.predict(previous, maps), rtol=1e-5, atol=1e-5)
+        for kind in range(2):
+            whole = prediction.chain_matrix(by_kind.predictor, by_kind.basis, layer, kind, 64)
+            assert_one_unit(prediction.coded_state(coef_t, by_kind.chain_matrices[layer][kind], 32, previous, kind),
+                            prediction.coded_state(coef_t, whole, 64, previous, kind))
     kv = chained(21)
     blob = codec.encode(kv, 2, by_kind)
     layered = torch.stack([torch.stack([k, v]) for _, k, v in codec.decode_layers(blob, by_kind)])
     assert torch.equal(layered, codec.decode(blob, by_kind))
     assert relative_error(layered, kv) == pytest.approx(
         relative_error(codec.decode(codec.encode(kv, 2, plain), plain), kv), rel=0.15)
+
+
+def assert_one_unit(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16 tensors equal but where float32 sums in another order round to the next value."""
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert float((got != want).float().mean()) < 0.01
+
+
+def test_a_state_is_one_bfloat16_product_of_the_previous_state_and_the_coefficients(profiles):
+    """FORMAT.md: S_l = bf16([S_{l-1} | bf16(Y^T)] @ bf16([A ; B])), float32 sums of exact
+    products: against a float64 sum of the same rounded operands."""
+    _, predicted = profiles
+    generator = torch.Generator().manual_seed(5)
+    previous = (torch.randn(2, 70, 32, generator=generator) * 3).bfloat16()
+    coef_t = torch.randn(70, 12, generator=generator) * 5
+    for kind in range(2):
+        matrix = predicted.chain_matrices[1][kind]
+        operand = torch.cat([previous[0], previous[1], coef_t.bfloat16()], dim=1).double()
+        want = (operand @ matrix[:64 + 12].double()).to(torch.bfloat16)
+        assert_one_unit(prediction.coded_state(coef_t, matrix, 64, previous, kind), want)
+
+
+def test_the_carried_state_is_centered_so_large_means_cost_nothing(profiles):
+    """Keys 300 away from zero (real models have channels like that): the state carried
+    to the next layer is the values less offsets that follow the means through the maps,
+    so its bfloat16 rounding stays on the centered part. Carrying the values themselves
+    would round each at 2^-8 of 300, far past level 0's error."""
+    samples = [chained(seed) for seed in range(3)]
+    for sample in samples:
+        sample[:, 0] += 300
+    plain, predicted = codec.calibrate(samples), codec.calibrate(samples, predict=3)
+    kv = chained(31)
+    kv[:, 0] += 300
+    plain_error = relative_error(codec.decode(codec.encode(kv, 0, plain), plain), kv)
+    predicted_error = relative_error(codec.decode(codec.encode(kv, 0, predicted), predicted), kv)
+    assert predicted_error == pytest.approx(plain_error, rel=0.15)
+
+
+def test_a_version_6_blob_is_refused_with_its_reason(profiles):
+    _, predicted = profiles
+    blob = bytearray(codec.encode(chained(4), 1, predicted))
+    blob[4] = 6
+    with pytest.raises(CorruptBitstream, match="version 6 is no longer read.*encode it again"):
+        codec.decode(bytes(blob), predicted)
 
 
 def test_profile_version_4_round_trips_and_is_checked(profiles):

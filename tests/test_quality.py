@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import codec
+from codec import container
 from streamer.tools import bench_quality
 from streamer.tools import calibrate as calibrate_cli
 from streamer.model import ablation, hf, quality
@@ -68,7 +69,7 @@ def test_calibrate_cli_writes_loadable_profile(llama_dir, tmp_path, capsys):
     assert doc["levels"][0]["estimated_bits"] > doc["levels"][1]["estimated_bits"]
     assert doc["predict"] == 0
 
-    # --predict: a version 4 profile whose blobs (format 6) predict layer 1 from layer 0
+    # --predict: a version 4 profile whose blobs (format 7) predict layer 1 from layer 0
     out3 = tmp_path / "predicted.kvprofile"
     assert _main(["calibrate", "--model", llama_dir, "-o", str(out3), "--tokens", "1500", "--window", "500",
                   "--predict", "2", "--json"]) == 0
@@ -76,7 +77,7 @@ def test_calibrate_cli_writes_loadable_profile(llama_dir, tmp_path, capsys):
     predicted = codec.Profile.load(out3)
     assert predicted.predicts and predicted.restart == 2
     blob = codec.encode(kv, 1, predicted)
-    assert codec.inspect(blob)["format_version"] == 6
+    assert codec.inspect(blob)["format_version"] == container.PREDICTED_VERSION
     assert codec.decode(blob, predicted).shape == kv.shape
 
 

@@ -16,7 +16,7 @@ import torch
 
 import codec
 from codec.synthetic import chained_kv
-from codec import layer_codec
+from codec import container, layer_codec
 from kvwire_kernels import reconstruct
 
 from agreement import assert_decoders_agree
@@ -112,7 +112,7 @@ def test_predicted_blobs_match_the_cpu_decoder_at_the_last_layer(group_layers: i
         with warnings.catch_warnings():
             warnings.simplefilter("error", codec.ProfileMismatchWarning)   # every layer coded: none raw
             blob = codec.encode(kv.half(), level, profile, start=100)
-        assert codec.inspect(blob)["format_version"] == 6
+        assert codec.inspect(blob)["format_version"] == container.PREDICTED_VERSION
         got, want = _decode(blob, profile, group_layers), codec.decode(blob, profile)
         assert_decoders_agree(got, want, profile)
         blob = codec.encode(kv, level, profile, start=100)

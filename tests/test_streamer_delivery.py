@@ -371,7 +371,7 @@ async def test_a_section_reports_its_own_decode_time_not_its_wait_behind_the_oth
 
 
 class _PredictedHeader(_Header):
-    """A predicted blob's header (format 6): its sections decode in order, with a chain."""
+    """A predicted blob's header (format 7): its sections decode in order, with a chain."""
     predicted = True
 
 

@@ -67,7 +67,7 @@ def prepare(shape: tuple[int, int, int], tokens: int, chunks: int, levels: list[
             predict: int = 0, predict_maps: str = "all") -> tuple[codec.Profile, list[Prepared]]:
     """A profile calibrated on one synthetic draw, and per level ``chunks`` other draws
     encoded (no sink tokens: a context's later chunks have none). ``predict`` > 0: the
-    profile predicts each layer from the one before (blob format 6, layers 0, predict, ..
+    profile predicts each layer from the one before (blob format 7, layers 0, predict, ..
     coded alone), so the decode adds each layer's prediction in turn; ``predict_maps`` its
     ``predict_groups`` (``kind``: the decode multiplies by the map's two diagonal blocks)."""
     profile = codec.calibrate([synthetic_kv(*shape, tokens, seed=1)], predict=predict, predict_groups=predict_maps)
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", type=int, nargs=3, default=list(LLAMA), metavar=("LAYERS", "HEADS", "HEAD_DIM"),
                         help="KV shape of the chunks (default Llama-3-8B's 32 8 128)")
     parser.add_argument("--predict", type=int, default=0, metavar="N",
-                        help="blobs of a profile that predicts each layer from the one before (format 6; "
+                        help="blobs of a profile that predicts each layer from the one before (format 7; "
                              "layers 0, N, 2N, .. coded alone): what the prediction adds to a decode")
     parser.add_argument("--predict-maps", choices=PREDICT_GROUPS, default="all",
                         help="with --predict: the maps (kvwire calibrate --predict-maps; default all)")

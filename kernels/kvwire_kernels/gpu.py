@@ -269,7 +269,7 @@ class ChunkRun:
         self.packed: packing.GroupLayout | None = None   # the group just uploaded, for its launch
         self.deliveries: deque[tuple[object, int, list[int]]] = deque()   # (event, group, layers)
         self.inflight: dict[int, _Inflight] = {}   # group -> what its decode reads and writes
-        #: a predicted blob's (format 6) last reconstructed layer, which the next is predicted from
+        #: a predicted blob's (format 7) last reconstructed layer, which the next is predicted from
         self.chain = codec.LayerChain() if header.predicted else None
 
     def arrive(self, layer: int, section: bytes | memoryview) -> int:

@@ -72,12 +72,14 @@ def cpu_coefficients(profile: Profile, parsed: ParsedSection, coded_tokens: int)
 
 @dataclass(frozen=True)
 class DeviceTables:
-    """A profile's means and inter-layer maps (float32) and basis (bfloat16, what the
-    inverse transform multiplies by) on one device."""
+    """A profile's means (float32) and basis (bfloat16, what the inverse transform
+    multiplies by) on one device, and a predicting profile's chain: each layer's offset
+    and K's and V's matrices (``codec.prediction``)."""
 
     mean: torch.Tensor                # [layers, 2, C]
     basis: torch.Tensor | None        # [layers, 2, stored rows, C]; None: identity transform
-    predictor: torch.Tensor | None = None   # [layers, 2C + 1, 2C]; None: no prediction
+    offsets: torch.Tensor | None = None                               # [layers, 2, C]; None: no prediction
+    matrices: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 _tables: "weakref.WeakKeyDictionary[Profile, dict[torch.device, DeviceTables]]" = weakref.WeakKeyDictionary()
@@ -89,8 +91,11 @@ def device_tables(profile: Profile, device: torch.device) -> DeviceTables:
     tables = per_device.get(device)
     if tables is None:
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
+        predicts = profile.predictor is not None
         tables = DeviceTables(to(profile.mean), None if profile.basis16 is None else profile.basis16.to(device),
-                              None if profile.predictor32 is None else profile.predictor32.to(device))
+                              profile.chain_offsets.to(device) if predicts else None,
+                              [tuple(m.to(device) for m in pair) for pair in profile.chain_matrices]
+                              if predicts else None)
         per_device[device] = tables
     return tables
 
@@ -130,10 +135,10 @@ def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSect
     the device the coefficients are on: a coded layer from its stage 1 coefficients (None
     for a raw section), a raw one verbatim, sink tokens verbatim.
 
-    A predicted blob (format 6) needs ``chain`` (``codec.LayerChain``) and ``group`` in
-    layer order, continuing the layers the chain holds: after the group's one batched
-    GEMM, each layer's prediction from the one before is added in turn, the only
-    sequential step (FORMAT.md, "Inter-layer prediction")."""
+    A predicted blob (format 7) needs ``chain`` (``codec.LayerChain``) and ``group`` in
+    layer order, continuing the layers the chain holds: each layer's product takes the
+    state of the one before, so its layers are one GEMM each, in turn, not one batched
+    GEMM (FORMAT.md, "Inter-layer prediction")."""
     shape = (2, header.tokens, header.heads, header.head_dim)
     for out in outs:
         if out.shape != shape or out.dtype != header.dtype or not out.is_contiguous():
@@ -150,11 +155,12 @@ def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSect
     coded_layers = [i for i, p in enumerate(group) if p.lanes is not None]
     device = flats[0].device
     tables = device_tables(profile, device)
-    values = None if not coded_layers else inverse_group(
-        tables, [group[i].layer for i in coded_layers], [group[i].lanes.plan.kept for i in coded_layers],
-        [coefficients[i] for i in coded_layers])
     if header.predicted:
-        _add_predictions(header, profile, group, values, flats, tables.predictor, chain)
+        values = _chained(header, profile, group, coefficients, flats, tables, chain)
+    else:
+        values = None if not coded_layers else inverse_group(
+            tables, [group[i].layer for i in coded_layers], [group[i].lanes.plan.kept for i in coded_layers],
+            [coefficients[i] for i in coded_layers])
     if values is not None:
         rope, n = profile.rotary, len(coded_layers)
         if rope is not None:
@@ -166,25 +172,29 @@ def reconstruct(header: BlobHeader, profile: Profile, group: Sequence[ParsedSect
             flats[i][:, sinks:] = value
 
 
-def _add_predictions(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection],
-                     values: torch.Tensor | None, flats: Sequence[torch.Tensor], maps: torch.Tensor,
-                     chain: api.LayerChain) -> None:
-    """Each layer of ``group`` in order: a coded one's prediction (by ``maps``, the
-    profile's on this device) added to its reconstruction (its row of ``values``,
-    position-free), and what the next is predicted from left in ``chain`` (a raw
-    section's own tokens, already in ``flats``, with RoPE removed)."""
-    sinks = header.sink_tokens
-    reconstructed = iter(() if values is None else values)
-    for parsed, flat in zip(group, flats):
+def _chained(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection],
+             coefficients: Sequence[torch.Tensor | None], flats: Sequence[torch.Tensor], tables: DeviceTables,
+             chain: api.LayerChain) -> torch.Tensor | None:
+    """float32 [coded layers, 2, tokens, C]: the position-free values of ``group``'s coded
+    layers of a predicted blob, each layer in turn from the state of the one before
+    (``codec.prediction.coded_state``, the CPU decoder's product), the last state left
+    in ``chain`` (a raw section's from its own tokens, already in ``flats``)."""
+    sinks, values = header.sink_tokens, []
+    for parsed, flat, coef in zip(group, flats, coefficients):
+        previous = chain.previous(header, profile, parsed.layer)
+        offset = tables.offsets[parsed.layer]
         if parsed.lanes is None:
-            layer_values = prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks)
+            state = prediction.values_state(
+                prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks), offset)
         else:
-            layer_values = next(reconstructed)
-            guess = chain.prediction(header, profile, parsed.layer, maps)
-            if guess is not None:
-                layer_values += guess
-            layer_values = layer_values.clone()   # RoPE is applied to ``values`` in place next
-        chain.layer, chain.values = parsed.layer, layer_values
+            kept_k, kept_v = parsed.lanes.plan.kept
+            rows = int(profile.chain_reach[parsed.layer])
+            state = tuple(prediction.coded_state(part, matrix, rows, previous, kind) for kind, (part, matrix)
+                          in enumerate(zip((coef[:, :kept_k], coef[:, kept_k:kept_k + kept_v]),
+                                           tables.matrices[parsed.layer])))
+            values.append(torch.stack(state).float().add_(offset[:, None, :]))
+        chain.hold(parsed.layer, state)
+    return torch.stack(values) if values else None
 
 
 def decode_into(blob: bytes | memoryview, profile: Profile | None, out: torch.Tensor, group_layers: int = 4,

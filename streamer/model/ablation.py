@@ -5,7 +5,7 @@ Each ablation turns one window's KV, coded at one level, into another decoded KV
 size. Two kinds:
 
 * **codec**: the real encoder, run differently. ``layer-predicted`` calibrates the
-  profile again with inter-layer prediction (``codec.prediction``, blob format 6: each
+  profile again with inter-layer prediction (``codec.prediction``, blob format 7: each
   layer's residual from a prediction out of the previous decoded layer), with its maps in
   blocks (``-kind``, ``-head``) or restarting every few layers.
   ``sinks-0`` / ``sinks-16`` code the context with 0 or 16 leading tokens kept verbatim (``codec.encode``'s ``sink_tokens``;
@@ -187,7 +187,7 @@ def _recent_finer(w: Window, profile: codec.Profile, level: int) -> tuple[torch.
 
 def _layer_predicted(grouping: str = "all", restart: int = 0
                      ) -> Callable[[Sequence[torch.Tensor], codec.Profile], Fitted]:
-    """The format's inter-layer prediction (blob format 6): ``profile`` calibrated again on
+    """The format's inter-layer prediction (blob format 7): ``profile`` calibrated again on
     ``samples`` with the same targets, weights and RoPE, and ``predict`` (every
     ``restart``-th layer coded alone; 0: only the first)."""
     def prepare(samples: Sequence[torch.Tensor], profile: codec.Profile) -> Fitted:
@@ -221,7 +221,7 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation("recent-finer", "codec", f"the last {RECENT_GROUP} tokens (at most a quarter) coded as a second blob "
              f"{FINER_LEVELS} levels finer", _recent_finer),
     Ablation("layer-predicted", "codec", "each layer's K and V predicted from the previous layer's decoded K and V "
-             "(linear maps fitted at calibration), only the residual coded (codec.prediction, format 6)",
+             "(linear maps fitted at calibration), only the residual coded (codec.prediction, format 7)",
              None, _layer_predicted()),
     Ablation("layer-predicted-kind", "codec", "as layer-predicted, K from the previous layer's K and V from its V "
              "(two blocks: half the map)", None, _layer_predicted("kind")),

@@ -19,7 +19,7 @@ A layer counts as delivered from the moment its ``on_layer`` is called: an async
 some of whose layers went out may continue at another level from the layers delivered
 (``resolve(chunk, level, first_layer)``: what was decoded of the old level past them is
 dropped, each layer still goes out once), so one chunk's layers may come at two or more
-levels (``ChunkReport.layer_levels``). A predicted blob's sections (format 6) decode in
+levels (``ChunkReport.layer_levels``). A predicted blob's sections (format 7) decode in
 order, each answer with its own ``codec.LayerChain``: a continuation of one starts at a
 layer coded alone at or before the first not delivered, and the layers before that
 one are decoded into the chain and not delivered again. It may also switch to text (its
@@ -92,7 +92,7 @@ class _ChunkSlots:
     layers: dict[int, asyncio.Future] = field(default_factory=dict)
     header: codec.BlobHeader | None = None   # of the sections last handed to the decoder
     submitted: int = 0            # layers of ``header`` handed to the decoder
-    #: a predicted answer's chain (format 6), and its last decode started: the next waits for it
+    #: a predicted answer's chain (format 7), and its last decode started: the next waits for it
     chain: codec.LayerChain | None = None
     chain_tail: asyncio.Future | None = None
     failure: BaseException | None = None     # what fail_chunk made the consumer raise
@@ -238,7 +238,7 @@ class OrderedDelivery:
     def add_section(self, chunk: int, layer: int, header: codec.BlobHeader, profile: codec.Profile,
                     section: bytes | memoryview) -> None:
         """Start decoding one layer section now; the consumer picks the result up in order.
-        A predicted blob's sections (format 6) decode in order, each from the one before
+        A predicted blob's sections (format 7) decode in order, each from the one before
         it in the same answer (``_add_chained``)."""
         if header.predicted:
             self._add_chained(chunk, layer, header, profile, section)

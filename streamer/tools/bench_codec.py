@@ -292,7 +292,7 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
 
 def _predicted_rows(workload: Workload, profile: Profile, restart: int, maps: str, chunks,
                     repeat: int) -> list[Row]:
-    """Every level again with inter-layer prediction (blob format 6): ``profile``'s targets,
+    """Every level again with inter-layer prediction (blob format 7): ``profile``'s targets,
     weights and RoPE, calibrated again with ``predict=restart`` (and ``maps``, its
     ``predict_groups``) on the calibration KV, so its rows sit beside the plain ones at the
     same targets, with the decode and encode speed the prediction costs on this CPU."""

@@ -78,7 +78,7 @@ def _calibrate(args: argparse.Namespace) -> int:
           + (f"; section targets weighted {float(profile.weights.min()):.2g}..{float(profile.weights.max()):.2g}x "
              "by measured sensitivity" if profile.weights is not None else "")
           + (f"; each layer predicted from the one before ({_MAPS_READ[kwargs['predict_groups']]}; layers 0, "
-             f"{profile.restart}, .. coded alone; blob format 6)" if profile.predicts else ""))
+             f"{profile.restart}, .. coded alone; blob format 7)" if profile.predicts else ""))
     print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
     for lv in levels:
         default = "  (default)" if lv["level"] == codec.DEFAULT_LEVEL else ""
@@ -149,7 +149,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         "on SmolLM2, fewer bits at a higher cosine on MiniLM), 'on', 'off'")
     p.add_argument("--predict", type=int, default=0, metavar="N",
                    help="predict each layer from the one before it, coding only what the prediction misses "
-                        "(blob format 6; layers 0, N, 2N, .. coded alone, where a continued chunk restarts; "
+                        "(blob format 7; layers 0, N, 2N, .. coded alone, where a continued chunk restarts; "
                         "0, the default: off). Fewer bits at the same error, for a CPU decode about twice as "
                         "slow; kvwire put and the streamer carry such contexts")
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="only the CPU decode at the default level, stage by stage (entropy decode, inverse "
                         "transform, RoPE, conversion, CRC, the rest), each against its bound on this CPU")
     p.add_argument("--predict", type=int, default=0, metavar="N",
-                   help="also measure every level with inter-layer prediction (blob format 6; the profile "
+                   help="also measure every level with inter-layer prediction (blob format 7; the profile "
                         "calibrated again with --predict N: layers 0, N, 2N, .. coded alone), rows "
                         "kvwire-predicted/N: bits, distortion, encode and decode speed beside the plain rows")
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default="all",

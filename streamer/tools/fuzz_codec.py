@@ -39,7 +39,7 @@ _ENTRY = ENTRY.size
 @functools.lru_cache(maxsize=1)
 def _seed_blobs():
     """(blob, profile) pairs: a profiled delta-coded blob, an fp16 embedded one, a profiled
-    level 0 one, an exact-level one (every section raw), and a predicted one (format 6)."""
+    level 0 one, an exact-level one (every section raw), and a predicted one (format 7)."""
     import torch
 
     import codec

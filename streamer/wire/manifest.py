@@ -21,7 +21,7 @@ levels ``0..`` (:meth:`Manifest.codec_level`). A version 2 reader refuses such a
 by its version instead of misreading level numbers.
 
 Version 4 adds ``"restart"``: the context was coded with a predicting profile (blob
-format 6, ``codec.prediction``), whose layers 0, restart, 2*restart, .. are coded alone
+format 7, ``codec.prediction``), whose layers 0, restart, 2*restart, .. are coded alone
 and every other layer from the one before it. A continuation must then start at such a
 layer (:meth:`Manifest.resume_layer`). A manifest without prediction (restart 1) is
 still written as version 3, so receivers that predate prediction keep reading it; one
@@ -261,7 +261,7 @@ class Manifest:
             raise ValueError(f"first layer {first_layer} out of range: context has {self.layers} layers")
 
     def predicted(self, level: int) -> bool:
-        """Whether ``level``'s blobs predict each layer from the one before (format 6): a
+        """Whether ``level``'s blobs predict each layer from the one before (format 7): a
         profile level of a context with a restart period; never the exact level, whose
         sections are raw."""
         return self.restart > 1 and not self.is_exact(level)
