@@ -13,8 +13,11 @@ Stage 2 is here, written once for every device: the inverse transform of a group
 layers as one batched GEMM (``codec.transform.centered_inverse`` over K and V of every
 layer in the group, coefficients zero-padded to the group's widest kept count), the means, RoPE
 back onto the keys of a rotary profile, the clamp to the output dtype, and the write
-straight into a caller-provided KV tensor. It runs on CPU tensors too, which is how
-it is tested on machines without a GPU (tests/test_reconstruct.py).
+straight into a caller-provided KV tensor. A predicted blob's layers each take the state
+of the one before into their product (``codec.prediction.coded_state``, the CPU
+decoder's own function), so they are one product per layer and K/V, in layer order.
+It runs on CPU tensors too, which is how it is tested on machines without a GPU
+(tests/test_reconstruct.py).
 
 Against the CPU decoder (one product per layer and K/V): the coefficients, means,
 RoPE and clamp are the same float32 operations and the products take the same
