@@ -36,6 +36,14 @@ def test_predict_maps_without_predict_is_refused(command: list[str], tmp_path: P
     assert not (tmp_path / "unused.kvp").exists()
 
 
+def test_bench_codec_level_without_stages_is_refused(capsys) -> None:
+    """--level chooses the level --stages measures: alone it would be silently ignored."""
+    assert main(["bench", "codec", "--workload", "small", "--level", "3"]) == 2
+    assert "--level chooses the level --stages measures; give both" in capsys.readouterr().err
+    assert main(["bench", "codec", "--workload", "small", "--stages", "--level", "9"]) == 2
+    assert "kvwire bench codec: level 9 is not in the profile (levels 0-4)" in capsys.readouterr().err
+
+
 def test_the_commands_offer_the_codecs_map_groups() -> None:
     """The CLI spells the choices out (registering imports no torch); they must stay the codec's."""
     from codec.profile import PREDICT_GROUPS

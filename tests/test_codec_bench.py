@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from codec import api, calibrate, layer_codec
+from codec import api, calibrate, container, layer_codec
 from streamer.tools import bench_codec
 
 
@@ -62,14 +63,28 @@ def test_coder_cost_without_coded_sections_is_zero(small) -> None:
     assert (cost.lanes, cost.sections, cost.overhead, cost.lane_cost_bits) == (0, 0, 0.0, 0.0)
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rotary"])
-def test_stage_table_adds_up_to_the_recorded_decode(small, small_rotary, rope) -> None:
+@pytest.mark.parametrize("rope,predict", [(False, 0), (True, 0), (True, 2)], ids=["plain", "rotary", "predicted"])
+def test_stage_table_adds_up_to_the_recorded_decode(small, small_rotary, rope, predict) -> None:
     """``kvwire bench codec --stages``: every stage the decoder marks gets a row, the rows
     (the remainder included) add up to the recorded decode, and the work-bound stages
-    carry a bound; RoPE only with a rotary profile."""
+    carry a bound; RoPE only with a rotary profile. A predicting profile's transform
+    FLOPs count its prediction rows."""
     from codec import stages
+    from codec.calibration import calibrate_like
 
     profile, chunks = small_rotary if rope else small
+    if predict:
+        profile = calibrate_like(profile, [torch.cat(chunks, dim=2)], predict=predict)
+        blobs = [api.encode(c.half(), 2, profile) for c in chunks]
+        want = 0.0
+        for blob in blobs:
+            h = api.parse_header(blob)
+            for layer in range(h.layers):
+                if not h.is_raw(layer):
+                    lanes = container.split_section(container.section(blob, h, layer), h, layer)[1]
+                    kept = layer_codec.parse_lanes(profile, 2, layer, h.coded_tokens, lanes, h.version).plan.kept
+                    want += 2.0 * h.coded_tokens * h.channels * (sum(kept) + 2 * int(profile.chain_reach[layer]))
+        assert profile.chain_reach.any() and bench_codec._work(profile, 2, blobs).flops == pytest.approx(want)
     report = bench_codec.measure_stages(profile, 2, chunks, repeat=1)
     names = [row.stage for row in report.rows]
     assert names[:-1] == list(stages.STAGES)

@@ -381,8 +381,8 @@ class StageReport:
 class _Work:
     """What the coded sections of the blobs ask of each stage."""
 
-    flops: float = 0.0         # inverse transform: 2 * N * kept * C per K/V
-    shape: tuple[int, int, int] = (1, 1, 1)  # (N, kept, C) of the largest product
+    flops: float = 0.0         # inverse transform: 2 * N * (predicted rows + kept) * C per K/V
+    shape: tuple[int, int, int] = (1, 1, 1)  # (N, rows, C) of the largest product
     steps: float = 0.0         # coder steps: a symbol per value, one more per value with low bits
     crc_bytes: float = 0.0
     rope_bytes: float = 0.0    # float32 keys read and written
@@ -402,8 +402,11 @@ def _work(profile: Profile, level: int, blobs: Sequence[bytes]) -> _Work:
             payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
             plan = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version).plan
             n, c = header.coded_tokens, header.channels
-            flops += 2.0 * n * sum(plan.kept) * c if profile.basis is not None else 0.0
-            shape = max(shape, (n, max(plan.kept), c), key=lambda s: s[0] * s[1] * s[2])
+            # a predicting profile's layers are all products (codec.prediction.coded_state)
+            reach = 0 if profile.predictor is None else int(profile.chain_reach[layer])
+            if profile.basis is not None or profile.predictor is not None:
+                flops += 2.0 * n * (sum(plan.kept) + 2 * reach) * c
+            shape = max(shape, (n, max(plan.kept) + reach, c), key=lambda s: s[0] * s[1] * s[2])
             steps += n * float((1 + (plan.shift[:, 0] > 0)).sum())
             rope += 8.0 * n * c if profile.rotary is not None else 0.0
     return _Work(flops, shape, steps, crc, rope, convert)
@@ -492,8 +495,8 @@ def _quiet(measure: Callable[[], float]) -> float:
 
 def measure_stages(profile: Profile, level: int, chunks: Sequence[torch.Tensor], repeat: int) -> StageReport:
     """The CPU decode of ``chunks`` at ``level``, stage by stage (``codec.stages``), each
-    against its bound on this CPU: the inverse transform's FLOPs at its product's rate
-    of the same shape, the coder's steps at ``_tight_rans``'s rate, CRC bytes at zlib's
+    against its bound on this CPU: the inverse transform's FLOPs (a predicting profile's
+    prediction rows included) at its product's rate of the same shape, the coder's steps at ``_tight_rans``'s rate, CRC bytes at zlib's
     rate on a hot buffer, RoPE and the conversion's bytes at a float32 copy's rate."""
     half = [c.to(torch.float16) for c in chunks]
     t_enc, blobs = _best_time(lambda: [api.encode(c, level, profile, **args)
@@ -621,19 +624,28 @@ def plot(report: Report, path: Path) -> None:
     plt.close(fig)
 
 
+class LevelNotInProfile(ValueError):
+    """--stages --level names a level the measured profile does not have."""
+
+
 def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int = 8192,
          chunk_tokens: int = 1536, repeat: int = 3, as_json: bool = False,
          plot_path: str | None = "codec_rd.png", variants: bool = True, stages_only: bool = False,
-         predict: int = 0, predict_maps: str = "all") -> Report | StageReport:
+         predict: int = 0, predict_maps: str = "all", level: int | None = None) -> Report | StageReport:
     if workload == "minilm":
         wl = minilm_workload(tokens, calibration_tokens)
     elif workload == "smollm2":
         wl = smollm2_workload(tokens, calibration_tokens)
     else:
         wl = synthetic_workload(workload, tokens)
-    if stages_only:
-        staged = measure_stages(wl.profile or calibrate([wl.calibration]), DEFAULT_LEVEL,
-                                chunks_of(wl.measured, chunk_tokens), repeat)
+    if stages_only:   # the predicting twin of the profile with predict (as _predicted_rows)
+        profile = wl.profile or calibrate([wl.calibration])
+        if predict:
+            profile = calibrate_like(profile, [wl.calibration], predict=predict, predict_groups=predict_maps)
+        level = DEFAULT_LEVEL if level is None else level
+        if not 0 <= level < len(profile.levels):
+            raise LevelNotInProfile(f"level {level} is not in the profile (levels 0-{len(profile.levels) - 1})")
+        staged = measure_stages(profile, level, chunks_of(wl.measured, chunk_tokens), repeat)
         print(staged.to_json() if as_json else render_stages(staged))
         return staged
     report = run(wl, chunk_tokens, repeat, compare_variants=variants, predict=predict, predict_maps=predict_maps)

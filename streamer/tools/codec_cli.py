@@ -13,11 +13,18 @@ def _bench(args: argparse.Namespace) -> int:
     if args.predict_maps != "all" and not args.predict:
         print("kvwire bench codec: --predict-maps chooses the maps of --predict N; give both", file=sys.stderr)
         return 2
+    if args.level is not None and not args.stages:
+        print("kvwire bench codec: --level chooses the level --stages measures; give both", file=sys.stderr)
+        return 2
 
-    bench.main(workload=args.workload, tokens=args.tokens, calibration_tokens=args.calibration_tokens,
-               chunk_tokens=args.chunk_tokens, repeat=args.repeat, as_json=args.json,
-               plot_path=None if args.no_plot else args.plot, variants=not args.quick, stages_only=args.stages,
-               predict=args.predict, predict_maps=args.predict_maps)
+    try:
+        bench.main(workload=args.workload, tokens=args.tokens, calibration_tokens=args.calibration_tokens,
+                   chunk_tokens=args.chunk_tokens, repeat=args.repeat, as_json=args.json,
+                   plot_path=None if args.no_plot else args.plot, variants=not args.quick, stages_only=args.stages,
+                   predict=args.predict, predict_maps=args.predict_maps, level=args.level)
+    except bench.LevelNotInProfile as exc:
+        print(f"kvwire bench codec: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -38,7 +45,10 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     p.add_argument("--quick", action="store_true", help="skip the transform and delta comparisons")
     p.add_argument("--stages", action="store_true",
                    help="only the CPU decode at the default level, stage by stage (entropy decode, inverse "
-                        "transform, RoPE, conversion, CRC, the rest), each against its bound on this CPU")
+                        "transform, RoPE, conversion, CRC, the rest), each against its bound on this CPU; "
+                        "with --predict N, of the profile calibrated again with prediction")
+    p.add_argument("--level", type=int, default=None,
+                   help="with --stages: the level measured (default: the default level)")
     p.add_argument("--predict", type=int, default=0, metavar="N",
                    help="also measure every level with inter-layer prediction (blob format 7; the profile "
                         "calibrated again with --predict N: layers 0, N, 2N, .. coded alone), rows "
