@@ -170,8 +170,9 @@ def guess(previous: State, matrices: Sequence[torch.Tensor], rows: int, shift: t
     """float32 [2, N, C]: what the encoder takes from a predicted layer's values before
     its transform: the previous layer's state by the map's rows of
     ``matrices`` (the layer's K and V :func:`chain_matrix`), plus ``shift`` ([2, C]: the
-    layer's offset less its mean). A float32 product: the decoder's bfloat16 one differs
-    from it by rounding that its product's sum then rounds again."""
+    layer's offset less its mean). In float32: the decoder sums the same rounded
+    operands inside its one bfloat16 product, so the two differ by that product's
+    rounding alone."""
     tokens, channels = previous[0].shape
     out = torch.empty(2, tokens, channels)
     reached = torch.empty(tokens, rows)
