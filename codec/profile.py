@@ -148,6 +148,15 @@ class Profile:
         (``codec.transform.product``), converted once."""
         return None if self.basis is None else torch.from_numpy(self.basis).to(torch.bfloat16)
 
+    def prepare_decoding(self) -> None:
+        """Build what every decode multiplies by (``basis16``; a predicting profile's
+        ``chain_*`` tables), else made at its first decode: tens of milliseconds that a
+        receiver pays when it opens the profile rather than inside a fetch's clock."""
+        if self.predictor is None:
+            _ = self.basis16
+        else:
+            _ = self.chain_offsets, self.chain_reach, self.chain_matrices
+
     @cached_property
     def predictor32(self) -> torch.Tensor | None:
         """``predictor`` in float32, what calibration measures the maps with, converted once."""

@@ -184,6 +184,16 @@ def test_the_carried_state_is_centered_so_large_means_cost_nothing(profiles):
     assert predicted_error == pytest.approx(plain_error, rel=0.15)
 
 
+def test_a_receiver_builds_the_chain_tables_before_its_first_decode(profiles):
+    """``prepare_decoding`` (what a session runs when it opens a profile) builds what the
+    first decode would otherwise build inside a fetch's clock."""
+    _, predicted = profiles
+    fresh = Profile.from_bytes(predicted.to_bytes())
+    assert not {"chain_offsets", "chain_reach", "chain_matrices"} & vars(fresh).keys()
+    fresh.prepare_decoding()
+    assert {"chain_offsets", "chain_reach", "chain_matrices"} <= vars(fresh).keys()
+
+
 def test_a_version_6_blob_is_refused_with_its_reason(profiles):
     _, predicted = profiles
     blob = bytearray(codec.encode(chained(4), 1, predicted))

@@ -325,6 +325,7 @@ class StreamSession:
             profile = codec.Profile.from_bytes(data)
             if profile.id != manifest.profile_id:
                 raise ConnectionLost(f"sender returned profile {profile.id}, wanted {manifest.profile_id}")
+            await asyncio.to_thread(profile.prepare_decoding)   # not at the first decode, on fetch()'s clock
         if manifest.restart != profile.intra_period:
             # a continuation asks from the manifest's restart layer; the decoder chains by the profile's
             raise ManifestError(f"context {self.context_id!r}'s manifest says its layers restart prediction "
