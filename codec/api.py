@@ -508,9 +508,8 @@ def _decode_checked(header: BlobHeader, profile: Profile, layer: int, checked: _
         if not isinstance(rest, layer_codec.LanePayload):
             flat[:, sinks:] = _tokens_from_bytes(rest, header.dtype, header.channels)
             if chain is not None:   # a raw section holds the layer itself: predict from it exactly
-                state = prediction.values_state(
-                    prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks),
-                    profile.chain_offsets[layer])
+                state = prediction.raw_state(flat[:, sinks:], profile.rotary, header.start + sinks,
+                                             profile.chain_offsets[layer])
         if sinks:
             flat[:, :sinks] = _tokens_from_bytes(sink_bytes, header.dtype, header.channels)
     if chain is not None:

@@ -437,20 +437,22 @@ def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Te
     plan = lanes.plan
     coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, plan.tokens))
     rows = (coef_t[: plan.kept[0]], coef_t[plan.kept[0]:])
-    states = []
+    state = None
+    if profile.predictor is not None:
+        with stage(TRANSFORM):
+            state = prediction.layer_state((rows[0].T, rows[1].T), profile.chain_matrices[layer],
+                                           int(profile.chain_reach[layer]), previous)
+        if out is None:
+            return state
     for kv in range(2):
         rope = None
         if kv == 0 and profile.rotary is not None and out is not None:
             rope = (profile.rotary, profile.rotary.angles(position, plan.tokens))
-        if profile.predictor is None:
+        if state is None:
             values = transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
                                        None if profile.basis16 is None else profile.basis16[layer, kv])
         else:
             with stage(TRANSFORM):
-                states.append(prediction.coded_state(rows[kv].T, profile.chain_matrices[layer][kv],
-                                                     int(profile.chain_reach[layer]), previous, kv))
-                if out is None:
-                    continue
-                values = states[kv].float().add_(profile.chain_offsets[layer, kv])
+                values = state[kv].float().add_(profile.chain_offsets[layer, kv])
         transform.finish(values, out[kv], rope)
-    return tuple(states) if states else None
+    return state

@@ -166,6 +166,14 @@ def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, previous:
     return transform.product(operand, matrix[:rows + kept])
 
 
+def layer_state(parts: Sequence[torch.Tensor], matrices: Sequence[torch.Tensor], rows: int,
+                previous: State | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A coded layer's state, K's and V's :func:`coded_state` from their coefficients
+    ``parts`` (float32 [N, kept] each) and the layer's ``matrices``."""
+    return tuple(coded_state(part, matrix, rows, previous, kind)   # type: ignore[return-value]
+                 for kind, (part, matrix) in enumerate(zip(parts, matrices)))
+
+
 def guess(previous: State, matrices: Sequence[torch.Tensor], rows: int, shift: torch.Tensor) -> torch.Tensor:
     """float32 [2, N, C]: what the encoder takes from a predicted layer's values before
     its transform: the previous layer's state by the map's rows of
@@ -197,6 +205,12 @@ def values_state(values: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """bfloat16 [2, N, C]: the state of a layer held as values (float32 [2, N, C], a raw
     section's tokens with RoPE removed), its ``offset`` ([2, C]) taken first."""
     return (values - offset[:, None, :]).to(torch.bfloat16)
+
+
+def raw_state(tokens: torch.Tensor, rotary: Rotary | None, position: int, offset: torch.Tensor) -> torch.Tensor:
+    """The state of a raw section's layer from its tokens ([2, N, C] at positions
+    ``position ..``): :func:`values_state` of :func:`position_free`."""
+    return values_state(position_free(tokens, rotary, position), offset)
 
 
 def position_free(tokens: torch.Tensor, rotary: Rotary | None, position: int) -> torch.Tensor:

@@ -80,7 +80,9 @@ class DeviceTables:
     and K's and V's matrices (``codec.prediction``)."""
 
     mean: torch.Tensor                # [layers, 2, C]
-    basis: torch.Tensor | None        # [layers, 2, stored rows, C]; None: identity transform
+    #: [layers, 2, stored rows, C]; None: identity transform, or a predicting profile
+    #: (its chain matrices hold the basis)
+    basis: torch.Tensor | None
     offsets: torch.Tensor | None = None                               # [layers, 2, C]; None: no prediction
     matrices: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -95,7 +97,8 @@ def device_tables(profile: Profile, device: torch.device) -> DeviceTables:
     if tables is None:
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)  # noqa: E731
         predicts = profile.predictor is not None
-        tables = DeviceTables(to(profile.mean), None if profile.basis16 is None else profile.basis16.to(device),
+        tables = DeviceTables(to(profile.mean),
+                              None if profile.basis16 is None or predicts else profile.basis16.to(device),
                               profile.chain_offsets.to(device) if predicts else None,
                               [tuple(m.to(device) for m in pair) for pair in profile.chain_matrices]
                               if predicts else None)
@@ -107,6 +110,7 @@ def inverse_group(tables: DeviceTables, layers: Sequence[int], kept: Sequence[tu
                   coefficients: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32 [n, 2, tokens, C]: K and V of ``n`` layers from their token-major
     coefficients, the whole group's inverse transform as one batched GEMM."""
+    assert tables.offsets is None, "a predicted blob's layers decode one after another (_chained)"
     n, tokens = len(layers), coefficients[0].shape[0]
     index = torch.tensor(list(layers), dtype=torch.long, device=tables.mean.device)
     mean = tables.mean.index_select(0, index)                            # [n, 2, C]
@@ -187,14 +191,12 @@ def _chained(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection
         previous = chain.previous(header, profile, parsed.layer)
         offset = tables.offsets[parsed.layer]
         if parsed.lanes is None:
-            state = prediction.values_state(
-                prediction.position_free(flat[:, sinks:], profile.rotary, header.start + sinks), offset)
+            state = prediction.raw_state(flat[:, sinks:], profile.rotary, header.start + sinks, offset)
         else:
             kept_k, kept_v = parsed.lanes.plan.kept
-            rows = int(profile.chain_reach[parsed.layer])
-            state = tuple(prediction.coded_state(part, matrix, rows, previous, kind) for kind, (part, matrix)
-                          in enumerate(zip((coef[:, :kept_k], coef[:, kept_k:kept_k + kept_v]),
-                                           tables.matrices[parsed.layer])))
+            state = prediction.layer_state((coef[:, :kept_k], coef[:, kept_k:kept_k + kept_v]),
+                                           tables.matrices[parsed.layer], int(profile.chain_reach[parsed.layer]),
+                                           previous)
             values.append(torch.stack(state).float().add_(offset[:, None, :]))
         chain.hold(parsed.layer, state)
     return torch.stack(values) if values else None
