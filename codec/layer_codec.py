@@ -407,9 +407,11 @@ def parse_lanes(profile: Profile, slot: int, layer: int, coded_tokens: int, payl
 
 
 def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_tokens: int) -> np.ndarray:
-    """Entropy-decode and dequantize parsed lanes to coefficients [rows, coded_tokens]."""
+    """Entropy-decode and dequantize parsed lanes to coefficients [coded_tokens, rows],
+    token-major: the inverse transform's product reads them so without a transposing
+    copy (which costs ten times a plain conversion), as the CUDA kernel writes them."""
     plan = lanes.plan
-    coef = np.empty((plan.rows, coded_tokens), dtype=np.float32)
+    coef = np.empty((coded_tokens, plan.rows), dtype=np.float32)
     tables = coder_tables(profile)
     with stage(ENTROPY):
         tasks = np.empty((plan.lanes, 2), dtype=np.int64)
@@ -436,12 +438,12 @@ def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Te
     """
     plan = lanes.plan
     coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, plan.tokens))
-    rows = (coef_t[: plan.kept[0]], coef_t[plan.kept[0]:])
+    parts = (coef_t[:, :plan.kept[0]], coef_t[:, plan.kept[0]:])
     state = None
     if profile.predictor is not None:
         with stage(TRANSFORM):
-            state = prediction.layer_state((rows[0].T, rows[1].T), profile.chain_matrices[layer],
-                                           int(profile.chain_reach[layer]), previous)
+            state = prediction.layer_state(parts, profile.chain_matrices[layer], int(profile.chain_reach[layer]),
+                                           previous)
         if out is None:
             return state
     for kv in range(2):
@@ -449,7 +451,7 @@ def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Te
         if kv == 0 and profile.rotary is not None and out is not None:
             rope = (profile.rotary, profile.rotary.angles(position, plan.tokens))
         if state is None:
-            values = transform.inverse(rows[kv], torch.from_numpy(profile.mean[layer, kv]),
+            values = transform.inverse(parts[kv], torch.from_numpy(profile.mean[layer, kv]),
                                        None if profile.basis16 is None else profile.basis16[layer, kv])
         else:
             with stage(TRANSFORM):

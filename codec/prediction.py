@@ -156,12 +156,13 @@ def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, previous:
     reached channels | coef_t]`` by ``matrix`` (:func:`chain_matrix`; ``rows`` of it are
     the map's, 0 at an intra layer, whose ``previous`` is None)."""
     tokens, kept = coef_t.shape
-    if rows == 0:
-        if kept == 0:
-            return torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
-        return transform.product(coef_t, matrix[:kept])
+    if rows == 0 and kept == 0:
+        return torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
+    # the product's operand is always token-major, whatever ``coef_t``'s strides: its
+    # layout picks the GEMM's kernel, and so how its float32 sums round
     operand = torch.empty(tokens, rows + kept, dtype=torch.bfloat16, device=coef_t.device)
-    _reached(previous, kind, rows, operand[:, :rows])
+    if rows:
+        _reached(previous, kind, rows, operand[:, :rows])
     operand[:, rows:] = coef_t
     return transform.product(operand, matrix[:rows + kept])
 

@@ -375,7 +375,8 @@ def lane_tasks(kept_k, rows, rows_per_lane, piece, tokens, group, tasks):
 def _decode_lane(lane, words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, group, table,
                  shift, lut, coder, out):
     """Decode one lane (any rows, delta rows included) into ``out``; its status."""
-    rows, tokens = out.shape
+    tokens, rows = out.shape
+    flat = out.reshape(-1)
     r0, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
     x = np.int64(final_state[lane])
     pos = lane_word_start[lane]
@@ -389,9 +390,7 @@ def _decode_lane(lane, words, lane_word_start, final_state, kept_k, rows_per_lan
         s = step[r]
         g = group[r]
         anchor = np.float32(0.0)
-        # a view indexed from 0: LLVM then proves the index non-negative and drops
-        # numba's wraparound check from the per-value store
-        dst = out[r, t0:t1]
+        at = _at(r, t0, rows)
         for i in range(t1 - t0):
             kind = _symbol_kind(t0 + i, g)
             v, x, pos, e = _get_value(x, pos, end, table[r, kind], np.int64(shift[r, kind]), words, lut, coder)
@@ -401,7 +400,8 @@ def _decode_lane(lane, words, lane_word_start, final_state, kept_k, rows_per_lan
                 value = anchor + value
             elif g > 0:
                 anchor = value
-            dst[i] = value
+            flat[at] = value
+            at += np.uint64(rows)
     return _lane_end(x, pos, end, err)
 
 
@@ -409,7 +409,8 @@ def _decode_lane(lane, words, lane_word_start, final_state, kept_k, rows_per_lan
 def _decode_ways(lane, words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, table,
                  shift, lut, coder, out, status):
     """Decode WAYS (4) lanes of equal shape without delta rows in lockstep (lane_tasks)."""
-    rows, tokens = out.shape
+    tokens, rows = out.shape
+    flat = out.reshape(-1)
     ra, r1, t0, t1 = lane_span(lane, kept_k, rows, rows_per_lane, piece, tokens)
     rb = lane_span(lane + 1, kept_k, rows, rows_per_lane, piece, tokens)[0]
     rc = lane_span(lane + 2, kept_k, rows, rows_per_lane, piece, tokens)[0]
@@ -425,27 +426,39 @@ def _decode_ways(lane, words, lane_word_start, final_state, kept_k, rows_per_lan
         ba, bb = np.int64(shift[a, 0]), np.int64(shift[b, 0])
         bc, bd = np.int64(shift[c, 0]), np.int64(shift[d, 0])
         sa, sb, sc, sd = step[a], step[b], step[c], step[d]
-        da, db, dc, dd = out[a, t0:t1], out[b, t0:t1], out[c, t0:t1], out[d, t0:t1]
+        da, db, dc, dd = _at(a, t0, rows), _at(b, t0, rows), _at(c, t0, rows), _at(d, t0, rows)
         for i in range(t1 - t0):
             va, xa, pa, e1 = _get_value(xa, pa, ea, ta, ba, words, lut, coder)
             vb, xb, pb, e2 = _get_value(xb, pb, eb, tb, bb, words, lut, coder)
             vc, xc, pc, e3 = _get_value(xc, pc, ec, tc, bc, words, lut, coder)
             vd, xd, pd, e4 = _get_value(xd, pd, ed, td, bd, words, lut, coder)
             errs |= e1 | e2 | e3 | e4
-            da[i] = np.float32(va) * sa
-            db[i] = np.float32(vb) * sb
-            dc[i] = np.float32(vc) * sc
-            dd[i] = np.float32(vd) * sd
+            flat[da] = np.float32(va) * sa
+            flat[db] = np.float32(vb) * sb
+            flat[dc] = np.float32(vc) * sc
+            flat[dd] = np.float32(vd) * sd
+            da += np.uint64(rows)
+            db += np.uint64(rows)
+            dc += np.uint64(rows)
+            dd += np.uint64(rows)
     for j, (x, pos, end) in enumerate(((xa, pa, ea), (xb, pb, eb), (xc, pc, ec), (xd, pd, ed))):
         start_bad = BAD_FINAL if final_state[lane + j] < STATE_LOW else OK
         status[lane + j] = _lane_end(x, pos, end, errs | start_bad)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _at(row, token, rows):
+    """Where coefficient (``row``, ``token``) lies in a token-major output of ``rows``
+    rows, flattened. Unsigned: numba then drops its wraparound check from the store."""
+    return np.uint64(token) * np.uint64(rows) + np.uint64(row)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def decode_lanes(words, lane_word_start, final_state, kept_k, rows_per_lane, piece, step, group, table,
                  shift, lut, coder, tasks, n_tasks, out):
-    """Decode every lane into dequantized float32 coefficients ``out`` [R, T], task by
-    task (``lane_tasks``: ``tasks[:n_tasks]``).
+    """Decode every lane into dequantized float32 coefficients ``out`` [T, R] (C-ordered,
+    token-major: what the inverse transform's product reads), task by task
+    (``lane_tasks``: ``tasks[:n_tasks]``).
 
     Never reads outside the section's words (a lane past its own reads zeros), never
     writes outside ``out``; returns OK or the first error code seen (the caller turns

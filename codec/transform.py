@@ -154,7 +154,9 @@ def product(coef_t: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     the finest default level's 2.5e-4 and the default's 4e-3. A CPU without them sums
     the rounded operands' products with a float32 GEMM (each exact in float32), so
     every device agrees up to the sum's order, which moves a result by one bfloat16
-    unit where its float32 sums lie on either side of a rounding boundary."""
+    unit where its float32 sums lie on either side of a rounding boundary, or, where the
+    terms cancel, by the float32 sums' own error (``kept`` units of 2^-24 of the terms'
+    summed magnitudes at most)."""
     rounded = coef_t.to(torch.bfloat16)
     if native_bfloat16(coef_t.device):
         return torch.matmul(rounded, basis)
@@ -169,8 +171,8 @@ def centered_inverse(coef_t: torch.Tensor, basis: torch.Tensor, mean: torch.Tens
     return product(coef_t, basis).float().add_(mean)
 
 
-def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
-    """float32 tokens [N, C] reconstructed from coefficients [kept, N], a fresh tensor.
+def inverse(coef_t: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """float32 tokens [N, C] reconstructed from coefficients [N, kept], a fresh tensor.
 
     With a basis (bfloat16 [>= kept, C], :func:`product`), components past ``kept``
     were dropped (they reconstruct as the mean); the identity transform always keeps
@@ -178,13 +180,13 @@ def inverse(coef: torch.Tensor, mean: torch.Tensor, basis: torch.Tensor | None) 
     of a larger output lets the BLAS pick another kernel and round differently, and
     every decode path must agree.
     """
-    kept, tokens = coef.shape
+    tokens, kept = coef_t.shape
     with stage(TRANSFORM):
         if basis is None:
-            return coef.T + mean
+            return coef_t + mean
         if kept == 0:
             return mean.expand(tokens, mean.shape[0]).clone()
-        return centered_inverse(coef.T, basis[:kept], mean)
+        return centered_inverse(coef_t, basis[:kept], mean)
 
 
 def finish(values: torch.Tensor, out: torch.Tensor,

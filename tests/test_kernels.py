@@ -93,7 +93,7 @@ def _assert_kernel_matches(fn, profile, level, blob) -> list[int]:
     shapes = []
     for (_, layer, lanes), (coef, status) in zip(coded, got):
         assert (status == rans.OK).all()
-        np.testing.assert_array_equal(coef.T, layer_codec.decode_coefficients(profile, layer, lanes, tokens))
+        np.testing.assert_array_equal(coef, layer_codec.decode_coefficients(profile, layer, lanes, tokens))
         shapes.append((lanes.plan.rows_per_lane, lanes.plan.pieces))
     return shapes
 
@@ -294,14 +294,14 @@ def test_one_launch_decodes_a_group_and_flags_only_the_corrupt_sections_lanes(ho
     got = _host_launch(host_kernel, profile, header.coded_tokens, group)
     for (layer, lanes), (coef, status) in zip(group, got):
         assert (status == rans.OK).all()
-        np.testing.assert_array_equal(coef.T, layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens))
+        np.testing.assert_array_equal(coef, layer_codec.decode_coefficients(profile, layer, lanes, header.coded_tokens))
     damaged = bytearray(payloads[1])
     damaged[-7] ^= 0x5A   # inside layer 1's last lane's words
     group[1] = (1, layer_codec.parse_lanes(profile, 1, 1, header.coded_tokens, memoryview(bytes(damaged)),
                                           header.version))
     (coef0, status0), (_, status1) = _host_launch(host_kernel, profile, header.coded_tokens, group)
     assert (status0 == rans.OK).all() and (status1 != rans.OK).any()
-    np.testing.assert_array_equal(coef0.T, layer_codec.decode_coefficients(profile, 0, group[0][1], header.coded_tokens))
+    np.testing.assert_array_equal(coef0, layer_codec.decode_coefficients(profile, 0, group[0][1], header.coded_tokens))
 
 
 def test_a_group_past_the_kernels_32_bit_offsets_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

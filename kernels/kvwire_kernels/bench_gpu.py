@@ -189,7 +189,7 @@ def measure_level(decoder, profile: codec.Profile, prepared: Prepared, repeat: i
     for device, packed, group, coded, coef, status in launches:   # every layer of every chunk
         mismatched += int(status.max().item() != 0) if packed.lanes else 0
         for layout, (layer, lanes) in zip(packed.layers, group):
-            got = layout.coefficients(coef).cpu().T
+            got = layout.coefficients(coef).cpu()
             cpu = layer_codec.decode_coefficients(profile, layer, lanes, coded)
             mismatched += int(not torch.equal(got, torch.from_numpy(cpu)))
             checked += 1

@@ -68,9 +68,9 @@ Coefficients = Callable[[Profile, ParsedSection, int], torch.Tensor]
 
 
 def cpu_coefficients(profile: Profile, parsed: ParsedSection, coded_tokens: int) -> torch.Tensor:
-    """Stage 1 on the CPU: the numba decoder's coefficients, viewed token-major."""
+    """Stage 1 on the CPU: the numba decoder's coefficients (token-major, as the CUDA kernel's)."""
     assert parsed.lanes is not None
-    return torch.from_numpy(layer_codec.decode_coefficients(profile, parsed.layer, parsed.lanes, coded_tokens)).T
+    return torch.from_numpy(layer_codec.decode_coefficients(profile, parsed.layer, parsed.lanes, coded_tokens))
 
 
 @dataclass(frozen=True)
