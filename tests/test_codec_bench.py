@@ -126,3 +126,26 @@ def test_predicted_rows_name_the_maps_they_were_calibrated_with() -> None:
     report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=2, predict_maps="kind")
     assert report.config["predict_maps"] == "kind"
     assert len([r for r in report.rows if r.method == "kvwire-predicted/2/kind"]) == 5
+
+
+def test_cases_are_timed_in_rounds_that_visit_every_case(small, monkeypatch) -> None:
+    """Speeds compared across rows come from interleaved rounds (the machine's speed
+    drifts between minutes), each case's best kept; bits and error from its blobs."""
+    profile, chunks = small
+    decoded_levels = []
+    decode = api.decode
+
+    def recording(blob, p):
+        decoded_levels.append(api.parse_header(blob).level)
+        return decode(blob, p)
+
+    monkeypatch.setattr(api, "decode", recording)
+    cases = [bench_codec.Case("a", profile, 0), bench_codec.Case("b", profile, 3)]
+    measured = bench_codec.measure_cases(cases, chunks, repeat=2)
+    n = len(chunks)
+    assert decoded_levels == [0] * n + [3] * n + [0] * n + [3] * n
+    for case, (row, blobs) in zip(cases, measured):
+        alone, _ = bench_codec.measure_kvwire(profile, case.level, chunks, repeat=1, name=case.name)
+        assert (row.method, row.level) == (case.name, case.level) and row.decode_mb_s > 0 < row.encode_mb_s
+        assert row.bits_per_element == alone.bits_per_element == 8 * sum(map(len, blobs)) / sum(c.numel() for c in chunks)
+        assert row.distortion == alone.distortion

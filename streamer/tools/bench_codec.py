@@ -198,21 +198,47 @@ def coder_cost(profile: Profile, level: int, chunks: Sequence[torch.Tensor],
     return CoderCost(ideal, real, lanes, sections)
 
 
+@dataclass(frozen=True)
+class Case:
+    """One way of coding the chunks that the benchmark measures: a row of its table."""
+
+    name: str
+    profile: Profile
+    level: int
+
+
+def measure_cases(cases: Sequence[Case], chunks: Sequence[torch.Tensor], repeat: int
+                  ) -> list[tuple[Row, list[bytes]]]:
+    """Each case's bits, error and encode and decode speed, with its blobs. Timed in
+    ``repeat`` rounds, each timing every case once, best per case: this machine's speed
+    drifts by tens of percent from one minute to the next, and cases timed back to back
+    would carry a slow minute into their comparison."""
+    half = [c.to(torch.float16) for c in chunks]
+    args = encode_args(half)
+    x = torch.cat(half, dim=2)
+    encode_s, decode_s = [math.inf] * len(cases), [math.inf] * len(cases)
+    blobs: list[list[bytes]] = [[] for _ in cases]
+    errors: list[tuple[float, float] | None] = [None] * len(cases)
+    for _ in range(repeat):
+        for i, case in enumerate(cases):
+            start = time.perf_counter()
+            blobs[i] = [api.encode(c, case.level, case.profile, **a) for c, a in zip(half, args)]
+            encode_s[i] = min(encode_s[i], time.perf_counter() - start)
+            start = time.perf_counter()
+            decoded = [api.decode(b, case.profile) for b in blobs[i]]
+            decode_s[i] = min(decode_s[i], time.perf_counter() - start)
+            if errors[i] is None:
+                errors[i] = distortion(x, torch.cat(decoded, dim=2))
+    fp16_mb = x.numel() * 2 / 1e6
+    return [(Row(case.name, case.level, 8 * sum(map(len, coded)) / x.numel(), *error,
+                 encode_mb_s=fp16_mb / enc, decode_mb_s=fp16_mb / dec), coded)
+            for case, coded, error, enc, dec in zip(cases, blobs, errors, encode_s, decode_s)]
+
+
 def measure_kvwire(profile: Profile, level: int, chunks: Sequence[torch.Tensor], repeat: int,
                    name: str = "kvwire") -> tuple[Row, list[bytes]]:
-    half = [c.to(torch.float16) for c in chunks]
-
-    def encode_all() -> list[bytes]:
-        return [api.encode(c, level, profile, **args) for c, args in zip(half, encode_args(half))]
-
-    t_enc, blobs = _best_time(encode_all, repeat)
-    t_dec, decoded = _best_time(lambda: [api.decode(b, profile) for b in blobs], repeat)
-    x = torch.cat(half, dim=2)
-    mse, max_err = distortion(x, torch.cat(decoded, dim=2))
-    fp16_mb = x.numel() * 2 / 1e6
-    row = Row(name, level, 8 * sum(map(len, blobs)) / x.numel(), mse, max_err,
-              encode_mb_s=fp16_mb / t_enc, decode_mb_s=fp16_mb / t_dec)
-    return row, blobs
+    """One case of :func:`measure_cases`."""
+    return measure_cases([Case(name, profile, level)], chunks, repeat)[0]
 
 
 def measure_all_levels(profile: Profile, chunks: Sequence[torch.Tensor], repeat: int) -> float:
@@ -264,17 +290,19 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
     zstd = measure_baseline(baselines.zstd_fp16, chunks)
     cachegen = [measure_baseline(lambda c, q=q: baselines.cachegen(c, q), chunks) for q in CACHEGEN_QUALITIES]
     rows: list[Row] = [fp16, int8, zstd, *cachegen]
-    for level in range(len(profile.levels)):
-        row, blobs = measure_kvwire(profile, level, chunks, repeat)
-        cost = coder_cost(profile, level, chunks, blobs)
-        row.coder_overhead, row.lanes, row.lane_cost_bits = cost.overhead, cost.lanes, cost.lane_cost_bits
-        row.ideal_bits_per_lane = cost.ideal_bits / cost.lanes if cost.lanes else None
-        if workload.cosine is not None:
-            row.cosine = workload.cosine(lambda kv, level=level: api.decode(api.encode(kv, level, profile), profile))
-        rows.append(row)
+    cases = [Case("kvwire", profile, level) for level in range(len(profile.levels))]
     if predict:
-        rows += _predicted_rows(workload, profile, predict, predict_maps, chunks, repeat)
+        cases += _predicted_cases(workload, profile, predict, predict_maps)
         report.config["predict"], report.config["predict_maps"] = predict, predict_maps
+    for case, (row, blobs) in zip(cases, measure_cases(cases, chunks, repeat)):
+        if case.name == "kvwire":
+            level = case.level
+            cost = coder_cost(profile, level, chunks, blobs)
+            row.coder_overhead, row.lanes, row.lane_cost_bits = cost.overhead, cost.lanes, cost.lane_cost_bits
+            row.ideal_bits_per_lane = cost.ideal_bits / cost.lanes if cost.lanes else None
+            if workload.cosine is not None:
+                row.cosine = workload.cosine(lambda kv, level=level: api.decode(api.encode(kv, level, profile), profile))
+        rows.append(row)
     for row in rows:
         row.ratio_fp16 = fp16.bits_per_element / row.bits_per_element
         row.ratio_int8 = int8.bits_per_element / row.bits_per_element
@@ -290,16 +318,14 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
     return report
 
 
-def _predicted_rows(workload: Workload, profile: Profile, restart: int, maps: str, chunks,
-                    repeat: int) -> list[Row]:
+def _predicted_cases(workload: Workload, profile: Profile, restart: int, maps: str) -> list[Case]:
     """Every level again with inter-layer prediction (blob format 7): ``profile``'s targets,
     weights and RoPE, calibrated again with ``predict=restart`` (and ``maps``, its
     ``predict_groups``) on the calibration KV, so its rows sit beside the plain ones at the
     same targets, with the decode and encode speed the prediction costs on this CPU."""
     predicted = calibrate_like(profile, [workload.calibration], predict=restart, predict_groups=maps)
     name = f"kvwire-predicted/{restart}" + ("" if maps == "all" else f"/{maps}")
-    return [measure_kvwire(predicted, level, chunks, repeat, name=name)[0]
-            for level in range(len(predicted.levels))]
+    return [Case(name, predicted, level) for level in range(len(predicted.levels))]
 
 
 def _compare_transforms(workload: Workload, chunks, profile: Profile) -> list[dict]:
@@ -638,7 +664,7 @@ def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int =
         wl = smollm2_workload(tokens, calibration_tokens)
     else:
         wl = synthetic_workload(workload, tokens)
-    if stages_only:   # the predicting twin of the profile with predict (as _predicted_rows)
+    if stages_only:   # the predicting twin of the profile with predict (as _predicted_cases)
         profile = wl.profile or calibrate([wl.calibration])
         if predict:
             profile = calibrate_like(profile, [wl.calibration], predict=predict, predict_groups=predict_maps)
