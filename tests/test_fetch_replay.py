@@ -91,3 +91,39 @@ async def test_a_recorded_fetch_replays_to_the_same_actions(context, trace: Trac
     if trace.rates[-1] < 10:
         assert report.cancels >= 1 and TEXT in replayed.choices
         assert any(isinstance(a, (ev.SendCancel, ev.Reconnect)) for a in replayed.actions)
+
+
+async def test_the_validation_replays_a_fetch_it_also_simulated_on_its_trace(context) -> None:
+    """``kvwire bench policies --validate`` runs a recorded fetch's decoder seconds through
+    a simulation on its trace, then replays the fetch. A Recording hands each section's
+    seconds out once, so the two runs need one each: sharing one left the replay the
+    first run's leftovers (every decode instant), and a fetch whose decodes mattered
+    (a busy machine) replayed to other actions."""
+    from streamer.tools import bench_policies
+
+    trace, slo = Trace([0.0, 0.3, 0.6], [40.0, 1.0, 40.0]), 1.5
+    report, log, beliefs = await _recorded_fetch(context["root"], trace, slo)
+    recorded = recording(log)
+    assert sum(len(times) for times in recorded.decodes.values()) > 0
+    sim = Simulator(context["manifest"], rtt=recorded.rtt, reconnect_seconds=recorded.connect_seconds,
+                    recompute_seconds_per_token=RECOMPUTE)
+    seen = []
+    run = Simulator.run
+
+    def watching(self, policy, trace, **kwargs):
+        decode_time = kwargs.get("decode_time")
+        if decode_time is not None:
+            kwargs["decode_time"] = lambda chunk, layer, nbytes: seen.append(
+                (id(self), chunk, layer, decode_time(chunk, layer, nbytes))) or seen[-1][-1]
+        return run(self, policy, trace, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Simulator, "run", watching)
+        row = bench_policies._compare(sim, report, log, beliefs, trace, "mpc", slo)
+    assert row["replay_same"]
+    replay = [(chunk, layer, seconds) for who, chunk, layer, seconds in seen if who != id(sim)]
+    first = {}
+    for chunk, layer, seconds in replay:   # each section's first decode in the replay: its recorded seconds
+        first.setdefault((chunk, layer), seconds)
+    again = recording(log)
+    assert first and all(seconds == again.decodes[key][0] for key, seconds in first.items())

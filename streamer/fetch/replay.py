@@ -24,7 +24,9 @@ from streamer.fetch.links import (BEGIN, END, PARTIAL, POINT, SECTION, TEXT_END,
 
 @dataclass
 class Recording:
-    """The world of one recorded fetch, on its own clock (0 at ``fetch()``)."""
+    """The world of one recorded fetch, on its own clock (0 at ``fetch()``). Consumed by
+    the run it drives (each section's recorded seconds are handed out once, in order):
+    a second run needs its own ``recording(log)``."""
 
     answers: list[RecordedAnswer]
     #: (chunk, layer) -> the decoder's seconds for each time that section was decoded, and

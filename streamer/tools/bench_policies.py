@@ -848,15 +848,17 @@ def _compare(sim: Simulator, report, log, beliefs, trace: Trace, policy: str, sl
 
     real, real_levels = report.total_seconds, [c.level for c in report.chunks]
     predicted = sim.run(policy, trace, slo=slo, beliefs=beliefs)
+    # a Recording hands out each section's recorded seconds once: each run gets its own
+    on_trace = sim.run(policy, trace, slo=slo, beliefs=beliefs, decode_time=recording(log).decode_time)
     world = recording(log)
-    on_trace = sim.run(policy, trace, slo=slo, beliefs=beliefs, decode_time=world.decode_time)
     replay_sim = Simulator(sim.manifest, rtt=world.rtt, reconnect_seconds=world.connect_seconds,
                            recompute_seconds_per_token=sim.recompute)
     try:
         replayed = replay_sim.run(policy, None, slo=slo, link=world.link(), beliefs=beliefs,
                                   decode_time=world.decode_time, decode_done=world.decode_done,
-                                  recompute_time=world.recompute_time,
-                                  wakes=world.wakes, connects=world.connects, continuations=world.continuations)
+                                  recompute_time=world.recompute_time, wakes=world.wakes,
+                                  connects=world.connects, pauses=world.pauses,
+                                  continuations=world.continuations)
         replay_same = replayed.actions == world.actions
     except Diverged:   # the replay asked for an answer the fetch never got
         replay_same = False
