@@ -295,7 +295,7 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
         cases += _predicted_cases(workload, profile, predict, predict_maps)
         report.config["predict"], report.config["predict_maps"] = predict, predict_maps
     for case, (row, blobs) in zip(cases, measure_cases(cases, chunks, repeat)):
-        if case.name == "kvwire":
+        if case.profile is profile:   # the plain rows: their coder cost and the workload's cosine
             level = case.level
             cost = coder_cost(profile, level, chunks, blobs)
             row.coder_overhead, row.lanes, row.lane_cost_bits = cost.overhead, cost.lanes, cost.lane_cost_bits
@@ -318,12 +318,17 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
     return report
 
 
+def _predicting_twin(workload: Workload, profile: Profile, restart: int, maps: str) -> Profile:
+    """``profile``'s targets, weights and RoPE calibrated again with inter-layer prediction
+    (blob format 7: ``predict=restart``, ``maps`` its ``predict_groups``) on the
+    calibration KV, so what it measures sits beside the plain profile's at the same targets."""
+    return calibrate_like(profile, [workload.calibration], predict=restart, predict_groups=maps)
+
+
 def _predicted_cases(workload: Workload, profile: Profile, restart: int, maps: str) -> list[Case]:
-    """Every level again with inter-layer prediction (blob format 7): ``profile``'s targets,
-    weights and RoPE, calibrated again with ``predict=restart`` (and ``maps``, its
-    ``predict_groups``) on the calibration KV, so its rows sit beside the plain ones at the
-    same targets, with the decode and encode speed the prediction costs on this CPU."""
-    predicted = calibrate_like(profile, [workload.calibration], predict=restart, predict_groups=maps)
+    """Every level again from :func:`_predicting_twin`, with the decode and encode speed
+    the prediction costs on this CPU."""
+    predicted = _predicting_twin(workload, profile, restart, maps)
     name = f"kvwire-predicted/{restart}" + ("" if maps == "all" else f"/{maps}")
     return [Case(name, predicted, level) for level in range(len(predicted.levels))]
 
@@ -664,10 +669,10 @@ def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int =
         wl = smollm2_workload(tokens, calibration_tokens)
     else:
         wl = synthetic_workload(workload, tokens)
-    if stages_only:   # the predicting twin of the profile with predict (as _predicted_cases)
+    if stages_only:
         profile = wl.profile or calibrate([wl.calibration])
         if predict:
-            profile = calibrate_like(profile, [wl.calibration], predict=predict, predict_groups=predict_maps)
+            profile = _predicting_twin(wl, profile, predict, predict_maps)
         level = DEFAULT_LEVEL if level is None else level
         if not 0 <= level < len(profile.levels):
             raise LevelNotInProfile(f"level {level} is not in the profile (levels 0-{len(profile.levels) - 1})")
