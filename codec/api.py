@@ -162,9 +162,10 @@ def _misfit_message(profile: Profile, level: int, misfits: dict[tuple[int, int],
             f"raw (exact, not compressed).")
 
 
-def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None = None, *,
+def encode(kv: torch.Tensor, level: int | None = None, profile: Profile | None = None, *,
            sink_tokens: int | None = None, start: int = 0) -> bytes:
-    """Encode kv [layers, 2, tokens, heads, head_dim] (fp16/bf16/fp32) at ``level``.
+    """Encode kv [layers, 2, tokens, heads, head_dim] (fp16/bf16/fp32) at ``level``
+    (None: the profile's ``default_level``, without a profile ``DEFAULT_LEVEL``).
 
     Without a profile the blob carries its own (identity transform, fitted on
     ``kv``): self-contained but larger. A layer whose coded section would not be
@@ -190,6 +191,8 @@ def encode(kv: torch.Tensor, level: int = DEFAULT_LEVEL, profile: Profile | None
     ``ProfileMismatchWarning`` names them and the measured error.
     :func:`encode_levels` encodes one chunk at several levels for less work.
     """
+    if level is None:
+        level = DEFAULT_LEVEL if profile is None else profile.default_level
     return _encode_levels(kv, (level,), profile, sink_tokens, start)[0]
 
 

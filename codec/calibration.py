@@ -6,6 +6,7 @@ before (``predict``) is fitted in closed loop, by running the encoder on the sam
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Callable, Iterable, Sequence
@@ -18,14 +19,15 @@ from .container import MAX_U16
 from .errors import ProfileMismatchWarning
 from .levels import DEFAULT_TARGETS
 from .profile import (DEFAULT_SINK_TOKENS, PREDICT_GROUPS, CodedBody, Profile, fit_profile, split_tokens,
-                      validate_kv)
+                      validate_kv, validate_level)
 from .rotary import Rotary
 
 
 def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEFAULT_TARGETS,
               sink_tokens: int = DEFAULT_SINK_TOKENS, transform: str = "layer",
               delta: str = "auto", design_tokens: int = 4096, rotary: Rotary | None = None,
-              weights: np.ndarray | None = None, predict: int = 0, predict_groups: str = "all") -> Profile:
+              weights: np.ndarray | None = None, predict: int = 0, predict_groups: str = "all",
+              default_level: int | None = None) -> Profile:
     """Fit a profile on sample KV caches [layers, 2, tokens, heads, head_dim].
 
     Each sample's first ``sink_tokens`` are left out (they are sent verbatim).
@@ -44,6 +46,8 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
     layers 0, predict, 2 predict, .. coded alone; ``predict_groups`` one of PREDICT_GROUPS
     (which channels each map reads). The maps are fitted on the samples' coded tokens, and
     the transform, steps and tables on what the maps leave (from exact previous layers).
+    ``default_level``: the level ``codec.encode`` uses when its caller names none (None:
+    the codec's, ``DEFAULT_LEVEL``, or the coarsest of fewer ``targets``).
     """
     if not isinstance(predict, int) or isinstance(predict, bool) or not 0 <= predict <= MAX_U16:
         raise ValueError(f"predict must be an int in [0, {MAX_U16}] (0: no prediction), got {predict!r}")
@@ -51,6 +55,8 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
         raise ValueError(f"predict_groups must be one of {PREDICT_GROUPS}, got {predict_groups!r}")
     if rotary is not None and not isinstance(rotary, Rotary):
         raise ValueError(f"rotary must be a codec.Rotary or None, got {type(rotary).__name__}")
+    if default_level is not None:
+        validate_level(default_level, len(targets))
     bodies: list[list[list[torch.Tensor]]] = []
     kept_samples: list[torch.Tensor] = []
     shape = None
@@ -75,18 +81,23 @@ def calibrate(samples: Iterable[torch.Tensor], *, targets: Sequence[float] = DEF
                             transform_kind=transform, delta=delta, design_tokens=design_tokens, rotary=rotary,
                             weights=weights)
     if not predict:
-        return fit(tokens)
-    return _fit_predicted(fit, tokens, kept_samples, [b[0][0].shape[0] for b in bodies], H, len(targets),
-                          predict, predict_groups)
+        profile = fit(tokens)
+    else:
+        profile = _fit_predicted(fit, tokens, kept_samples, [b[0][0].shape[0] for b in bodies], H, len(targets),
+                                 predict, predict_groups)
+    if default_level is not None:
+        profile = dataclasses.replace(profile, default_level=int(default_level))
+    return profile
 
 
 def calibrate_like(profile: Profile, samples: Iterable[torch.Tensor], *, predict: int,
                    predict_groups: str = "all") -> Profile:
     """``profile`` calibrated again on ``samples`` with its targets, sink tokens, transform,
-    RoPE and weights, and ``predict`` (as in :func:`calibrate`): the predicting twin of a
-    plain profile, for measuring one beside the other."""
+    RoPE, weights and default level, and ``predict`` (as in :func:`calibrate`): a profile's
+    twin with (or without) prediction, for measuring one beside the other."""
     return calibrate(samples, targets=profile.targets, sink_tokens=profile.sink_tokens, transform=profile.transform,
-                     rotary=profile.rotary, weights=profile.weights, predict=predict, predict_groups=predict_groups)
+                     rotary=profile.rotary, weights=profile.weights, predict=predict, predict_groups=predict_groups,
+                     default_level=profile.default_level)
 
 
 def _sections_variance(values: torch.Tensor) -> np.ndarray:

@@ -16,11 +16,11 @@ import numpy as np
 #: sits 10-25% under a round figure (1.2e-3, 5e-3, 1.5e-2, ...) because text unseen at
 #: calibration lands a little above the calibrated distortion.
 DEFAULT_TARGETS = (2.5e-4, 1e-3, 4e-3, 1.2e-2, 3.2e-2)
-#: Index of the level used when the caller does not choose: the coarsest level that costs
-#: no measurable quality on a causal LM (continuation perplexity on held-out text), where
-#: the next finer level costs about a bit per element more; an encoder's embedding keeps
-#: a cosine near 1 there too (``kvwire bench quality`` and ``kvwire bench codec`` report
-#: both).
+#: Index of the level ``codec.encode`` uses when neither the caller nor the profile names
+#: one (``Profile.default_level``): the coarsest level of this ladder at which an encoder's
+#: embedding keeps a cosine of 0.999 (MiniLM; ``kvwire bench codec``). A causal LM loses no
+#: measurable quality one level coarser, so the profiles ``kvwire calibrate`` fits for one
+#: name level 3 (``streamer.model.quality.model_default_level``).
 DEFAULT_LEVEL = 2
 
 _BISECTION_STEPS = 40

@@ -40,6 +40,10 @@ PROFILE_VERSION_WEIGHTS = 3
 #: "Inter-layer prediction"), with or without ``rotary`` and ``weights``; a profile
 #: without prediction is written as version 1, 2 or 3 as before.
 PROFILE_VERSION_PREDICTED = 4
+#: Version 5 adds ``default_level`` (the level ``codec.encode`` uses when the caller names
+#: none), with or without ``rotary``, ``weights`` and a predictor; a profile whose default
+#: is the codec's (``implicit_default_level``) is written as version 1 to 4 as before.
+PROFILE_VERSION_DEFAULT_LEVEL = 5
 #: how a predicting calibration may group the channels each map reads
 #: (``codec.prediction``): every channel from every channel, K from K and V from V,
 #: each KV head from itself
@@ -110,9 +114,15 @@ class Profile:
     predictor: np.ndarray | None = None
     #: with a predictor: layers 0, restart, 2 restart, .. are coded alone
     restart: int = 0
+    #: the level ``codec.encode`` uses when the caller names none (None: the codec's,
+    #: ``implicit_default_level``); the coarsest level the model's measured quality bars
+    #: allow, which depends on the model (``streamer.model.quality.model_default_level``)
+    default_level: int | None = None
     _id: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.default_level is None:
+            self.default_level = implicit_default_level(len(self.targets))
         self.validate()
 
     # ----------------------------------------------------------------- identity
@@ -222,6 +232,8 @@ class Profile:
             meta.update(version=PROFILE_VERSION_WEIGHTS)
         if self.predictor is not None:
             meta.update(version=PROFILE_VERSION_PREDICTED, restart=self.restart)
+        if self.default_level != implicit_default_level(len(self.targets)):
+            meta.update(version=PROFILE_VERSION_DEFAULT_LEVEL, default_level=self.default_level)
         return json.dumps(meta, sort_keys=True)
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -259,19 +271,9 @@ class Profile:
             raise CorruptBitstream("not a kvwire profile (format tag missing)")
         version = meta.get("version")
         if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY, PROFILE_VERSION_WEIGHTS,
-                           PROFILE_VERSION_PREDICTED) or isinstance(version, bool):
+                           PROFILE_VERSION_PREDICTED, PROFILE_VERSION_DEFAULT_LEVEL) or isinstance(version, bool):
             raise CorruptBitstream(f"unsupported profile version {version!r}")
-        if version < PROFILE_VERSION_WEIGHTS and ("rotary" in meta) != (version == PROFILE_VERSION_ROTARY):
-            raise CorruptBitstream(f"a version {version} profile must {'not ' * (version == 1)}carry rotary")
-        if version < PROFILE_VERSION_PREDICTED and ("weights" in arrays) != (version == PROFILE_VERSION_WEIGHTS):
-            raise CorruptBitstream(f"a version {version} profile must "
-                                   f"{'not ' * (version != PROFILE_VERSION_WEIGHTS)}carry weights")
-        predicted = version == PROFILE_VERSION_PREDICTED
-        if ("predictor" in arrays) != predicted or ("restart" in meta) != predicted:
-            raise CorruptBitstream(f"a version {version} profile must {'not ' * (not predicted)}carry "
-                                   f"a predictor and its restart period")
-        if predicted and (not isinstance(meta["restart"], int) or isinstance(meta["restart"], bool)):
-            raise CorruptBitstream(f"profile restart must be an integer, got {meta['restart']!r}")
+        _check_version_fields(version, meta, arrays)
         try:
             rotary = Rotary.from_json(meta["rotary"]) if "rotary" in meta else None
             return cls(
@@ -283,7 +285,7 @@ class Profile:
                 kept=arrays["kept"], delta_group=arrays["delta_group"], shift=arrays["shift"],
                 table=arrays["table"], tables=arrays["tables"], rotary=rotary,
                 weights=arrays.get("weights"), predictor=arrays.get("predictor"),
-                restart=int(meta.get("restart", 0)),
+                restart=int(meta.get("restart", 0)), default_level=meta.get("default_level"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptBitstream(f"malformed kvwire profile: {exc}") from exc
@@ -337,6 +339,9 @@ class Profile:
             raise ValueError(f"profile.rotary must be a Rotary of head_dim {self.head_dim}, got {self.rotary!r}")
         if self.weights is not None:
             validate_weights(self.weights, L)
+        if not isinstance(self.default_level, int) or isinstance(self.default_level, bool) \
+                or not 0 <= self.default_level < V:
+            raise ValueError(f"profile.default_level must be an int in [0, {V}), got {self.default_level!r}")
         self._validate_predictor()
         if np.any(self.delta_group < 0) or np.any(self.delta_group > MAX_TOKENS):
             raise ValueError(f"profile.delta_group must be in [0, {MAX_TOKENS}]")
@@ -392,6 +397,40 @@ class Profile:
 
     def check_level(self, level: int) -> None:
         validate_level(level, len(self.targets))
+
+
+def implicit_default_level(levels: int) -> int:
+    """The default level of a profile of ``levels`` levels that names none: the codec's
+    (``DEFAULT_LEVEL``), or its coarsest level when it has fewer."""
+    return min(DEFAULT_LEVEL, levels - 1)
+
+
+def _check_version_fields(version: int, meta: dict, arrays: dict) -> None:
+    """Raise CorruptBitstream unless the optional fields ``meta`` and ``arrays`` carry are
+    those of their ``version``: each version adds one (FORMAT.md, "Profile file"), a later
+    one may carry an earlier one's, and a profile is written as the lowest version that
+    holds what it carries (so one profile has one file and one id)."""
+    def must(carries: bool, required: bool, what: str) -> None:
+        if carries != required:
+            raise CorruptBitstream(f"a version {version} profile must {'not ' * (not required)}carry {what}")
+
+    if version < PROFILE_VERSION_WEIGHTS:
+        must("rotary" in meta, version == PROFILE_VERSION_ROTARY, "rotary")
+    if version < PROFILE_VERSION_PREDICTED:
+        must("weights" in arrays, version == PROFILE_VERSION_WEIGHTS, "weights")
+    predicted = "predictor" in arrays
+    if predicted != ("restart" in meta):
+        raise CorruptBitstream("a profile carries a predictor and its restart period, or neither")
+    if version < PROFILE_VERSION_DEFAULT_LEVEL:
+        must(predicted, version == PROFILE_VERSION_PREDICTED, "a predictor and its restart period")
+    must("default_level" in meta, version == PROFILE_VERSION_DEFAULT_LEVEL, "default_level")
+    for key in ("restart", "default_level"):
+        if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool)):
+            raise CorruptBitstream(f"profile {key} must be an integer, got {meta[key]!r}")
+    if version == PROFILE_VERSION_DEFAULT_LEVEL and isinstance(meta.get("targets"), list) \
+            and meta["default_level"] == implicit_default_level(len(meta["targets"])):
+        raise CorruptBitstream(f"a version {version} profile's default_level differs from the codec's "
+                               f"({meta['default_level']}); a profile at the codec's is written as version 1 to 4")
 
 
 def weighted_target(target: float, weight: float | None) -> float:

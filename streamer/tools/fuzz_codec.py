@@ -225,7 +225,7 @@ def check_header(data: bytes) -> None:
 #: profile arrays a ``profile`` input may edit, and the metadata fields it may replace
 _ARRAYS = ("mean", "basis", "steps", "kept", "delta_group", "shift", "table", "tables", "weights", "predictor")
 _META = ("layers", "heads", "head_dim", "sink_tokens", "targets", "estimated_bits", "transform", "rotary",
-         "restart")
+         "restart", "default_level")
 
 
 def profile_bytes(data: bytes) -> bytes:
@@ -278,10 +278,11 @@ def _identity_profile():
 
     import codec
 
-    # with RoPE removal, so the rotary metadata (profile version 2) is fuzzed too
+    # with RoPE removal and its own default level, so the rotary metadata (profile version
+    # 2) and the default level (version 5) are fuzzed too
     return codec.calibrate([torch.randn(1, 2, 30, 2, 2, generator=torch.Generator().manual_seed(2))],
                            transform="identity", targets=(1e-3, 1e-2),
-                           rotary=codec.Rotary(head_dim=2, dim=2, theta=10000.0))
+                           rotary=codec.Rotary(head_dim=2, dim=2, theta=10000.0), default_level=0)
 
 
 def check_profile(data: bytes) -> None:
