@@ -27,13 +27,21 @@ def test_receive_refuses_a_model_path_that_is_not_a_model(tmp_path: Path, capsys
     assert f"cannot load model {not_a_model}" in err and "not a GGUF file" in err
 
 
-@pytest.mark.parametrize("command", [["calibrate", "--model", "smollm2", "-o", "unused.kvp"],
-                                     ["bench", "codec", "--workload", "small"]])
-def test_predict_maps_without_predict_is_refused(command: list[str], tmp_path: Path, capsys) -> None:
-    """--predict-maps only chooses --predict's maps: alone it would be silently ignored."""
-    assert main([*command, "--predict-maps", "kind"]) == 2
-    assert "--predict-maps chooses the maps of --predict N; give both" in capsys.readouterr().err
-    assert not (tmp_path / "unused.kvp").exists()
+@pytest.mark.parametrize("command, says", [
+    (["calibrate", "--model", "smollm2", "--predict", "0"], "--predict-maps chooses the maps of a prediction"),
+    (["calibrate", "--model", "minilm"], "an encoder's profile predicts only when --predict N asks"),
+    (["bench", "codec", "--workload", "small"], "--predict-maps chooses the maps of --predict N (N > 0)"),
+    (["bench", "codec", "--workload", "small", "--predict", "0"], "--predict-maps chooses the maps of --predict N"),
+])
+def test_predict_maps_without_a_prediction_is_refused(command: list[str], says: str, tmp_path: Path,
+                                                      capsys) -> None:
+    """--predict-maps only chooses a prediction's maps: where none is made it would be
+    silently ignored."""
+    output = tmp_path / "unused.kvp"
+    extra = ["-o", str(output)] if command[0] == "calibrate" else []
+    assert main([*command, *extra, "--predict-maps", "kind"]) == 2
+    assert says in capsys.readouterr().err
+    assert not output.exists()
 
 
 def test_bench_codec_level_without_stages_is_refused(capsys) -> None:

@@ -1,9 +1,12 @@
 """``kvwire bench codec``'s coder cost: what the lane payloads spend against the ideal bits."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+import codec
 from codec import api, calibrate, container, layer_codec
 from streamer.tools import bench_codec
 
@@ -114,7 +117,7 @@ def test_predicted_rows_sit_beside_the_plain_ones_at_the_same_error() -> None:
     workload = bench_codec.synthetic_workload("small", 1024)
     report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=2)
     plain = [r for r in report.rows if r.method == "kvwire"]
-    predicted = [r for r in report.rows if r.method == "kvwire-predicted/2"]
+    predicted = [r for r in report.rows if r.method == "kvwire-predicted/2/kind"]   # kvwire calibrate's maps
     assert report.config["predict"] == 2 and len(predicted) == len(plain) == 5
     for p, q in zip(plain, predicted):
         assert q.level == p.level and q.distortion == pytest.approx(p.distortion, rel=0.15)
@@ -123,9 +126,25 @@ def test_predicted_rows_sit_beside_the_plain_ones_at_the_same_error() -> None:
 
 def test_predicted_rows_name_the_maps_they_were_calibrated_with() -> None:
     workload = bench_codec.synthetic_workload("small", 512)
-    report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=2, predict_maps="kind")
-    assert report.config["predict_maps"] == "kind"
-    assert len([r for r in report.rows if r.method == "kvwire-predicted/2/kind"]) == 5
+    report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=2, predict_maps="all")
+    assert report.config["predict_maps"] == "all"
+    assert len([r for r in report.rows if r.method == "kvwire-predicted/2/all"]) == 5
+
+
+def test_a_predicting_profiles_plain_twin_and_its_default_level() -> None:
+    """``--predict 0`` beside a predicting profile (SmolLM2's): every level of its twin
+    without prediction, rows kvwire-plain; the targets are read at the profile's default level."""
+    small = bench_codec.synthetic_workload("small", 1024)
+    profile = codec.calibrate([small.calibration], predict=2, predict_groups="kind", default_level=3)
+    workload = dataclasses.replace(small, profile=profile)
+    report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=0)
+    assert (report.config["predict"], report.config["predict_maps"]) == (0, None)
+    assert (report.config["default_level"], report.config["predicts"]) == (3, True)
+    own = [r for r in report.rows if r.method == "kvwire"]
+    plain = [r for r in report.rows if r.method == "kvwire-plain"]
+    assert len(own) == len(plain) == 5
+    encode_target = next(t for t in report.targets if t["target"].startswith("CPU encode"))
+    assert "at the default level" in encode_target["target"] and encode_target["measured"] == own[3].encode_mb_s
 
 
 def test_cases_are_timed_in_rounds_that_visit_every_case(small, monkeypatch) -> None:

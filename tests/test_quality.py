@@ -56,6 +56,10 @@ def test_calibrate_cli_writes_loadable_profile(llama_dir, tmp_path, capsys):
     assert (profile.layers, profile.heads, profile.head_dim) == (2, 2, 16)
     assert profile.id in text and "est. bits/el" in text
     assert len(profile.targets) == len(codec.DEFAULT_TARGETS)
+    # a causal LM's default: every layer but the first predicted (K from K, V from V), level 3
+    assert profile.predicts and profile.restart == 2 and profile.default_level == quality.DECODER_DEFAULT_LEVEL == 3
+    assert "K from K, V from V" in text
+    assert [line for line in text.splitlines() if line.endswith("(default)")][0].split()[0] == "3"
     # the profile codes this model's KV
     model, tokenizer = hf.load_model(llama_dir)
     kv = hf.capture_kv(model, tokenizer, "The quick brown fox jumps over the lazy dog. " * 4)
@@ -63,17 +67,19 @@ def test_calibrate_cli_writes_loadable_profile(llama_dir, tmp_path, capsys):
 
     out2 = tmp_path / "custom.kvprofile"
     assert _main(["calibrate", "--model", llama_dir, "--text", str(hf.MEASURE_TEXT), "-o", str(out2),
-                  "--tokens", "800", "--targets", "1e-3", "1e-2", "--json"]) == 0
+                  "--tokens", "800", "--targets", "1e-3", "1e-2", "--predict", "0", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["profile_id"] == codec.Profile.load(out2).id and len(doc["levels"]) == 2
     assert doc["levels"][0]["estimated_bits"] > doc["levels"][1]["estimated_bits"]
-    assert doc["predict"] == 0
+    # no prediction; another ladder than the codec's: its coarsest level, as the codec's default would be
+    assert (doc["predict"], doc["predict_maps"], doc["default_level"]) == (0, None, 1)
 
     # --predict: a version 4 profile whose blobs (format 7) predict layer 1 from layer 0
     out3 = tmp_path / "predicted.kvprofile"
     assert _main(["calibrate", "--model", llama_dir, "-o", str(out3), "--tokens", "1500", "--window", "500",
-                  "--predict", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["predict"] == 2
+                  "--predict", "2", "--predict-maps", "all", "--default-level", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["predict"], doc["predict_maps"], doc["default_level"]) == (2, "all", 1)
     predicted = codec.Profile.load(out3)
     assert predicted.predicts and predicted.restart == 2
     blob = codec.encode(kv, 1, predicted)
@@ -84,6 +90,9 @@ def test_calibrate_cli_writes_loadable_profile(llama_dir, tmp_path, capsys):
 def test_calibrate_cli_errors(tmp_path, capsys):
     assert _main(["calibrate", "--model", str(tmp_path / "missing"), "-o", str(tmp_path / "p")]) == 2
     assert "no such local directory" in capsys.readouterr().err
+    for extra in (["--default-level", "5"], ["--targets", "1e-3", "1e-2", "--default-level", "2"]):
+        assert _main(["calibrate", "--model", str(tmp_path / "missing"), "-o", str(tmp_path / "p"), *extra]) == 2
+        assert "--default-level must name one of the profile's levels" in capsys.readouterr().err
 
 
 def test_bench_quality_json_decoder(llama_dir, tmp_path, capsys):
@@ -243,6 +252,26 @@ def test_bench_quality_allocation_both(llama_dir, capsys):
     assert len(doc["config"]["weights"][1]) == 2
 
 
+def test_bench_quality_predict_both(llama_dir, capsys):
+    """--predict both: the profile without and with prediction side by side, each at the
+    causal LM's default level (marked), at the same target."""
+    assert _main(["bench", "quality", "--model", llama_dir, "--calibration-tokens", "1024",
+                  "--windows", "1", "--window-tokens", "96", "--context-tokens", "64", "--levels", "3",
+                  "--allocation", "off", "--predict", "both", "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1] for line in text.splitlines() if line.startswith("kvwire+")}
+    assert rows == {"kvwire+rope": "3*", "kvwire+rope+pred": "3*"}
+    assert "lvl*: the profile's default level" in text
+    assert _main(["bench", "quality", "--model", llama_dir, "--json", "--calibration-tokens", "1024",
+                  "--windows", "1", "--window-tokens", "96", "--context-tokens", "64", "--levels", "2",
+                  "--allocation", "off", "--predict", "both", "--no-plot"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    kvwire = [r for r in doc["rows"] if r["method"] == "kvwire"]
+    assert [(r["predicted"], r["default"]) for r in kvwire] == [(False, False), (True, False)]
+    assert doc["config"]["predict"] == "both" and doc["config"]["default_levels"] == [3, 3]
+    assert kvwire[0]["target_distortion"] == kvwire[1]["target_distortion"]
+
+
 def test_bench_quality_ablation_rows(llama_dir, capsys):
     assert _main(["bench", "quality", "--model", llama_dir, "--json", "--calibration-tokens", "1024",
                   "--windows", "1", "--window-tokens", "96", "--context-tokens", "64", "--levels", "3",
@@ -291,12 +320,12 @@ def test_bench_quality_ablation_table_and_errors(llama_dir, tmp_path, capsys, mo
                   "--window-tokens", "96", "--context-tokens", "64", "--levels", "2", "--allocation", "off",
                   "--texts", "GPL-3", "--ablation", "exact-V", "sinks-0", "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    assert "kvwire+rope[exact-V]" in text and "kvwire+rope[sinks-0]" in text and "[exact-K]" not in text
+    assert "kvwire+rope+pred[exact-V]" in text and "kvwire+rope+pred[sinks-0]" in text and "[exact-K]" not in text
     assert "[exact-V] oracle: values exact" in text
     assert "published points on the plot" in text and png.stat().st_size > 0
     # a codec ablation is a rate-quality point of its own; an oracle one is not (it is charged the
     # plain level's bits); the published points are labelled as such
-    assert "kvwire+rope[sinks-0]" in drawn and "kvwire+rope[exact-V]" not in drawn
+    assert "kvwire+rope+pred[sinks-0]" in drawn and "kvwire+rope+pred[exact-V]" not in drawn
     assert sum("published" in label for label in drawn) == len(bench_quality.PUBLISHED)
     assert _main(["bench", "quality", "--model", llama_dir, "--ablation", "exact-nothing", "--no-plot"]) == 2
     assert "unknown ablation" in capsys.readouterr().err

@@ -62,6 +62,8 @@ class QualityRow:
     top1_agreement: float | None = None      # next-token argmax equal to the original KV's
     rotary: bool | None = None       # kvwire: whether the profile removes RoPE from the keys
     allocation: bool | None = None   # kvwire: whether the profile weights its sections' targets
+    predicted: bool | None = None    # kvwire: whether the profile predicts layers from the ones before
+    default: bool | None = None      # kvwire: whether the level is its profile's default level
     target_distortion: float | None = None   # kvwire: the level's MSE/var target
     #: kvwire: the ablation (``streamer.model.ablation``) this row measures, None for the plain level
     ablation: str | None = None
@@ -147,16 +149,60 @@ def model_weights(model, tokenizer, token_ids: Sequence[int], allocation: bool |
     return allocation_.allocate(np.maximum(measured, floor))
 
 
+#: Whether a causal LM's profile predicts each layer from the one before by default
+#: (``codec.prediction``, blob format 7) with PREDICT_MAPS_DEFAULT maps, only layer 0 coded
+#: alone (a continued chunk restarts at its first layer whatever the period). On: on
+#: SmolLM2 at the same MSE/var it takes a sixth of the bits out of levels 2-4, and with
+#: K-from-K and V-from-V maps the CPU decodes it at the plain levels' rate (``kvwire bench
+#: quality --model smollm2 --predict both``, ``kvwire bench codec --workload smollm2
+#: --predict 0``). Encoders: off (not measured on one).
+PREDICT_DEFAULT = True
+#: ``codec.PREDICT_GROUPS``: the maps a predicting calibration fits unless told: K from K
+#: and V from V, half a full map's work for most of its gain (README, "Inter-layer prediction")
+PREDICT_MAPS_DEFAULT = "kind"
+#: ``predict`` choices of ``bench quality``, as ROTARY_MODES.
+PREDICT_MODES = ("auto", "on", "off", "both")
+#: The default level (``Profile.default_level``) of a causal LM's profile on the codec's
+#: ladder: the coarsest level within 0.5% perplexity and 0.98 top-1 agreement of the exact
+#: KV on held-out text of every kind measured (SmolLM2, ``kvwire bench quality --model
+#: smollm2``), one level coarser than the codec's ``DEFAULT_LEVEL``, which an encoder's
+#: embedding needs.
+DECODER_DEFAULT_LEVEL = 3
+
+
+def model_prediction(model, predict: int | None = 0, maps: str | None = None) -> dict:
+    """``codec.calibrate``'s prediction arguments for a profile of ``model``: ``predict``
+    layers per restart (0: no prediction; None: PREDICT_DEFAULT's choice, for a causal
+    LM every layer predicted but the first) with ``maps`` (None: PREDICT_MAPS_DEFAULT)."""
+    if predict is None:
+        predict = hf.kv_shape(model)[0] if PREDICT_DEFAULT and hf.is_decoder(model) else 0
+    if not predict:
+        return {}
+    return {"predict": predict, "predict_groups": maps or PREDICT_MAPS_DEFAULT}
+
+
+def model_default_level(model, targets: Sequence[float] = codec.DEFAULT_TARGETS) -> int | None:
+    """The default level of a profile of ``model`` with ``targets``: DECODER_DEFAULT_LEVEL
+    for a causal LM on the codec's ladder (where it was measured), else None (the codec's)."""
+    return DECODER_DEFAULT_LEVEL if hf.is_decoder(model) and tuple(targets) == codec.DEFAULT_TARGETS else None
+
+
 def calibrate_profile(model, tokenizer, token_ids: Sequence[int], *, window: int | None = None,
                       rotary: bool | None = None, allocation: bool | None = False,
+                      predict: int | None = 0, predict_maps: str | None = None,
                       **calibrate_kwargs) -> codec.Profile:
-    """A profile fitted on the model's KV of ``token_ids``; ``rotary`` as in model_rotary,
-    ``allocation`` as in model_weights, but off unless asked for (None: the default
-    choice, as ``kvwire calibrate`` asks): measuring sensitivities costs model passes a
-    caller on a time budget (the demo) may not have."""
+    """A profile fitted on the model's KV of ``token_ids``, with ``model_default_level``
+    unless ``calibrate_kwargs`` names one; ``rotary`` as in model_rotary, ``predict`` and
+    ``predict_maps`` as in model_prediction, ``allocation`` as in model_weights, but
+    prediction and allocation off unless asked for (None: the default choice, as ``kvwire
+    calibrate`` asks): they cost model passes or encoder runs a caller on a time budget
+    (the demo) may not have."""
+    targets = calibrate_kwargs.get("targets", codec.DEFAULT_TARGETS)
+    calibrate_kwargs.setdefault("default_level", model_default_level(model, targets))
     return codec.calibrate(calibration_samples(model, tokenizer, token_ids, window=window),
                            rotary=model_rotary(model, rotary),
-                           weights=model_weights(model, tokenizer, token_ids, allocation), **calibrate_kwargs)
+                           weights=model_weights(model, tokenizer, token_ids, allocation),
+                           **model_prediction(model, predict, predict_maps), **calibrate_kwargs)
 
 
 def profile_levels(profile: codec.Profile) -> list[dict]:
@@ -340,11 +386,14 @@ _BASELINES = {"fp16": baselines.raw_fp16, "int8": baselines.int8, "cachegen": ba
 
 def _described(row: QualityRow, profile: codec.Profile | None, level: int | None,
                ablation: str | None = None) -> QualityRow:
-    """``row`` with what its profile does (RoPE removal, weights), its level's target and its ablation."""
+    """``row`` with what its profile does (RoPE removal, weights, prediction), its level's
+    target, whether that level is the profile's default, and its ablation."""
     row.rotary = None if profile is None else profile.rotary is not None
     row.allocation = None if profile is None else profile.weights is not None
+    row.predicted = None if profile is None else profile.predicts
     if profile is not None and level is not None:
         row.target_distortion = profile.targets[level]
+        row.default = level == profile.default_level
     row.ablation = ablation
     return row
 
@@ -354,7 +403,8 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         levels: Sequence[int] | None = None, baselines_too: bool = True,
         calibration_text: Sequence[Path] = hf.CALIBRATION_TEXTS,
         texts: Sequence[str] | None = None, model_name: str = "",
-        rotary: str = "auto", allocation: str = "auto", ablations: Sequence[str] = ()) -> QualityReport:
+        rotary: str = "auto", allocation: str = "auto", predict: str = "auto",
+        ablations: Sequence[str] = ()) -> QualityReport:
     """Measure every level of ``profile`` (calibrated here when None) on ``windows`` windows
     of each of ``texts`` (``MEASURE_SOURCES`` names or text files; default DEFAULT_TEXTS).
 
@@ -362,7 +412,10 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
     (default 1024) plus a 2048-token scored continuation. ``rotary`` (when calibrating):
     "auto" follows ROTARY_DEFAULT, "on"/"off" force RoPE removal from the keys, "both"
     measures a profile of each kind side by side. ``allocation`` likewise for per-section
-    target weights (ALLOCATION_DEFAULT; with "both", each rotary choice with and without).
+    target weights (ALLOCATION_DEFAULT; with "both", each rotary choice with and without),
+    and ``predict`` for inter-layer prediction (``model_prediction``: "auto" its default
+    choice, "on" every layer but the first predicted; with "both", each of the others
+    without and with). A calibrated profile's default level is ``model_default_level``.
     ``ablations`` (``streamer.model.ablation.ABLATIONS`` names) adds after each kvwire row
     one row per ablation of that level; their default texts are ABLATION_TEXTS.
     """
@@ -370,6 +423,8 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
         raise ValueError(f"rotary must be one of {ROTARY_MODES}, got {rotary!r}")
     if allocation not in ALLOCATION_MODES:
         raise ValueError(f"allocation must be one of {ALLOCATION_MODES}, got {allocation!r}")
+    if predict not in PREDICT_MODES:
+        raise ValueError(f"predict must be one of {PREDICT_MODES}, got {predict!r}")
     decoder = hf.is_decoder(model)
     started = time.perf_counter()
     calibration_seconds = 0.0
@@ -381,8 +436,12 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
     if profile is None:
         choices = {"auto": (None,), "on": (True,), "off": (False,), "both": (False, True)}
         weights = [model_weights(model, tokenizer, cal_ids, on) for on in choices[allocation]]
-        profiles = [codec.calibrate(samples, rotary=model_rotary(model, on), weights=w)
-                    for on in choices[rotary] for w in weights]
+        every_layer = hf.kv_shape(model)[0]
+        predicting = [model_prediction(model, {None: None, True: every_layer, False: 0}[on])
+                      for on in choices[predict]]
+        profiles = [codec.calibrate(samples, rotary=model_rotary(model, on), weights=w, **p,
+                                    default_level=model_default_level(model))
+                    for on in choices[rotary] for w in weights for p in predicting]
         calibration_seconds = time.perf_counter() - started
     else:
         profiles = [profile]
@@ -414,6 +473,7 @@ def run(model, tokenizer, *, profile: codec.Profile | None = None, calibration_t
                 "window_tokens": window_tokens,
                 "context_tokens": len(prepared[0].ids) if decoder else None,
                 "profile_ids": [p.id for p in profiles], "rotary": rotary, "allocation": allocation,
+                "predict": predict, "default_levels": [p.default_level for p in profiles],
                 "weights": [None if p.weights is None else p.weights.tolist() for p in profiles],
                 "calibration_text": [str(p) for p in calibration_text],
                 "texts": [{"name": name, "kind": kind, "windows": sum(w.source == name for w in prepared)}

@@ -24,7 +24,6 @@ import torch
 from numba import njit, prange
 
 from codec import api, baselines, container, entropy, layer_codec, stages, transform
-from codec.levels import DEFAULT_LEVEL
 from codec.calibration import calibrate, calibrate_like
 from codec.profile import CodedBody, Profile
 from codec.synthetic import synthetic_kv
@@ -104,15 +103,17 @@ def minilm_workload(measure_tokens: int, calibration_tokens: int) -> Workload:
 
 def smollm2_workload(measure_tokens: int, calibration_tokens: int) -> Workload:
     """Real KV of the causal LM SmolLM2-135M (RoPE keys), measured on the GPL-3 text with
-    the profile its demo fits (``quality.calibrate_profile`` on other texts: rotary on,
-    distortion not allocated); quality in the model's own terms is ``bench quality``'s job."""
+    the profile ``kvwire calibrate`` fits by default on other texts (RoPE removed, each
+    layer predicted from the one before, default level 3), except that its distortion is
+    not allocated (which changes the bits a little and costs model passes); quality in the
+    model's own terms is ``bench quality``'s job."""
     from streamer.model import hf, quality
 
     model, tokenizer = hf.load_model("smollm2")
     cal_ids = hf.tokenize(tokenizer, hf.read_text(hf.CALIBRATION_TEXTS))[:calibration_tokens]
     ids = hf.tokenize(tokenizer, hf.read_text([hf.MEASURE_TEXT]))[:measure_tokens]
     start = time.perf_counter()
-    profile = quality.calibrate_profile(model, tokenizer, cal_ids)
+    profile = quality.calibrate_profile(model, tokenizer, cal_ids, predict=None)
     return Workload("smollm2", hf.capture_kv(model, tokenizer, cal_ids), hf.capture_kv(model, tokenizer, ids),
                     profile=profile, calibration_seconds=time.perf_counter() - start)
 
@@ -272,7 +273,7 @@ def interpolate_bits(curve: Sequence[Row], target: float) -> float | None:
 
 # ------------------------------------------------------------------------------ run
 def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bool = True,
-        predict: int = 0, predict_maps: str = "all") -> Report:
+        predict: int | None = None, predict_maps: str | None = None) -> Report:
     torch.manual_seed(0)
     start = time.perf_counter()
     profile = workload.profile or calibrate([workload.calibration])
@@ -283,6 +284,7 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
                             "chunks": len(chunks), "calibration_tokens": workload.calibration.shape[2],
                             "calibration_seconds": round(calibration_s, 2), "profile_id": profile.id,
                             "delta_layers": int((profile.delta_group > 0).sum()),
+                            "default_level": profile.default_level, "predicts": profile.predicts,
                             "threads": torch.get_num_threads()},
                     profile_bytes=len(profile.to_bytes()))
     fp16 = measure_baseline(baselines.raw_fp16, chunks)
@@ -291,11 +293,11 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
     cachegen = [measure_baseline(lambda c, q=q: baselines.cachegen(c, q), chunks) for q in CACHEGEN_QUALITIES]
     rows: list[Row] = [fp16, int8, zstd, *cachegen]
     cases = [Case("kvwire", profile, level) for level in range(len(profile.levels))]
-    if predict:
-        cases += _predicted_cases(workload, profile, predict, predict_maps)
-        report.config["predict"], report.config["predict_maps"] = predict, predict_maps
+    if predict is not None:
+        cases += _twin_cases(workload, profile, predict, predict_maps)
+        report.config["predict"], report.config["predict_maps"] = predict, _maps(predict, predict_maps)
     for case, (row, blobs) in zip(cases, measure_cases(cases, chunks, repeat)):
-        if case.profile is profile:   # the plain rows: their coder cost and the workload's cosine
+        if case.profile is profile:   # the profile's own rows: their coder cost and the workload's cosine
             level = case.level
             cost = coder_cost(profile, level, chunks, blobs)
             row.coder_overhead, row.lanes, row.lane_cost_bits = cost.overhead, cost.lanes, cost.lane_cost_bits
@@ -311,26 +313,38 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
             row.ratio_cachegen = None if cg is None else cg / row.bits_per_element
     report.rows = rows
     report.all_levels_encode_mb_s = measure_all_levels(profile, chunks, repeat)
-    if compare_variants:
-        report.transforms = _compare_transforms(workload, chunks, profile)
-        report.delta = _compare_delta(workload, chunks, profile)
+    if compare_variants:   # of plain profiles: a predicting one's twin without prediction
+        plain = _twin(workload, profile, 0, None) if profile.predicts else profile
+        report.transforms = _compare_transforms(workload, chunks, plain)
+        report.delta = _compare_delta(workload, chunks, plain)
     report.targets = _targets(report, workload.cosine is not None)
     return report
 
 
-def _predicting_twin(workload: Workload, profile: Profile, restart: int, maps: str) -> Profile:
-    """``profile``'s targets, weights and RoPE calibrated again with inter-layer prediction
-    (blob format 7: ``predict=restart``, ``maps`` its ``predict_groups``) on the
-    calibration KV, so what it measures sits beside the plain profile's at the same targets."""
-    return calibrate_like(profile, [workload.calibration], predict=restart, predict_groups=maps)
+def _maps(restart: int, maps: str | None) -> str | None:
+    """The maps a twin predicting every ``restart`` layers fits (None: it does not predict):
+    ``maps``, else the calibration default (``kvwire calibrate``'s)."""
+    from streamer.model.quality import PREDICT_MAPS_DEFAULT
+
+    return (maps or PREDICT_MAPS_DEFAULT) if restart else None
 
 
-def _predicted_cases(workload: Workload, profile: Profile, restart: int, maps: str) -> list[Case]:
-    """Every level again from :func:`_predicting_twin`, with the decode and encode speed
-    the prediction costs on this CPU."""
-    predicted = _predicting_twin(workload, profile, restart, maps)
-    name = f"kvwire-predicted/{restart}" + ("" if maps == "all" else f"/{maps}")
-    return [Case(name, predicted, level) for level in range(len(predicted.levels))]
+def _twin(workload: Workload, profile: Profile, restart: int, maps: str | None) -> Profile:
+    """``profile``'s targets, weights, RoPE and default level calibrated again on the
+    calibration KV with inter-layer prediction every ``restart`` layers (blob format 7,
+    ``maps`` its ``predict_groups``), or without (``restart`` 0), so what it measures sits
+    beside the profile's own rows at the same targets."""
+    return calibrate_like(profile, [workload.calibration], predict=restart, predict_groups=_maps(restart, maps) or "all")
+
+
+def _twin_cases(workload: Workload, profile: Profile, restart: int, maps: str | None) -> list[Case]:
+    """Every level again from :func:`_twin`, with the decode and encode speed the
+    prediction costs (or saves) on this CPU: rows ``kvwire-predicted/N/MAPS`` or
+    ``kvwire-plain``."""
+    twin = _twin(workload, profile, restart, maps)
+    chosen = _maps(restart, maps)
+    name = f"kvwire-predicted/{restart}/{chosen}" if restart else "kvwire-plain"
+    return [Case(name, twin, level) for level in range(len(twin.levels))]
 
 
 def _compare_transforms(workload: Workload, chunks, profile: Profile) -> list[dict]:
@@ -352,8 +366,8 @@ def _compare_delta(workload: Workload, chunks, profile: Profile) -> list[dict]:
     forced = calibrate([workload.calibration], delta="always", rotary=profile.rotary)
     out = []
     for name, p in (("auto", profile), ("delta-always", forced)):
-        row, _ = measure_kvwire(p, DEFAULT_LEVEL, chunks, 1)
-        out.append({"delta": name, "level": DEFAULT_LEVEL, "bits_per_element": row.bits_per_element,
+        row, _ = measure_kvwire(p, profile.default_level, chunks, 1)
+        out.append({"delta": name, "level": profile.default_level, "bits_per_element": row.bits_per_element,
                     "distortion": row.distortion,
                     "delta_layers": int((p.delta_group > 0).sum())})
     return out
@@ -372,13 +386,15 @@ def _targets(report: Report, real: bool) -> list[dict]:
     worst = min((r for r in ratios if r is not None), default=None)
     targets.append({"target": ">= 1.6x fewer bits than CacheGen-style at equal distortion (every level)",
                     "measured": worst, "met": worst is not None and None not in ratios and worst >= 1.6})
-    default = kv[DEFAULT_LEVEL]
+    level = report.config["default_level"]
+    default = kv[level]
     if real:
-        targets.append({"target": f"embedding cosine >= 0.999 at DEFAULT_LEVEL={DEFAULT_LEVEL}",
+        targets.append({"target": f"embedding cosine >= 0.999 at the default level ({level})",
                         "measured": default.cosine, "met": default.cosine >= 0.999})
-    targets.append({"target": f"CPU decode >= 300 MB/s fp16-equivalent at DEFAULT_LEVEL ({report.config['threads']} threads)",
+    targets.append({"target": f"CPU decode >= 300 MB/s fp16-equivalent at the default level "
+                              f"({report.config['threads']} threads)",
                     "measured": default.decode_mb_s, "met": default.decode_mb_s >= 300})
-    targets.append({"target": "CPU encode >= 100 MB/s fp16-equivalent at DEFAULT_LEVEL",
+    targets.append({"target": "CPU encode >= 100 MB/s fp16-equivalent at the default level",
                     "measured": default.encode_mb_s, "met": default.encode_mb_s >= 100})
     return targets
 
@@ -479,7 +495,7 @@ def _tight_rans(words, lut, coder, groups, steps):
 def _coder_steps_per_s(profile: Profile, repeat: int) -> float:
     """Decode steps per second of ``_tight_rans`` on random words with the profile's
     busiest table (the class most rows of its default level use), on numba's threads."""
-    classes = np.bincount(profile.table[DEFAULT_LEVEL].ravel(), minlength=len(profile.tables))
+    classes = np.bincount(profile.table[profile.default_level].ravel(), minlength=len(profile.tables))
     table = profile.tables[int(classes.argmax())][None]
     lut, coder = entropy.slot_lookup(table)[0], entropy.packed_coder(table)[0]
     groups, steps = 16 * numba.get_num_threads(), 100_000
@@ -662,7 +678,8 @@ class LevelNotInProfile(ValueError):
 def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int = 8192,
          chunk_tokens: int = 1536, repeat: int = 3, as_json: bool = False,
          plot_path: str | None = "codec_rd.png", variants: bool = True, stages_only: bool = False,
-         predict: int = 0, predict_maps: str = "all", level: int | None = None) -> Report | StageReport:
+         predict: int | None = None, predict_maps: str | None = None, level: int | None = None
+         ) -> Report | StageReport:
     if workload == "minilm":
         wl = minilm_workload(tokens, calibration_tokens)
     elif workload == "smollm2":
@@ -671,9 +688,9 @@ def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int =
         wl = synthetic_workload(workload, tokens)
     if stages_only:
         profile = wl.profile or calibrate([wl.calibration])
-        if predict:
-            profile = _predicting_twin(wl, profile, predict, predict_maps)
-        level = DEFAULT_LEVEL if level is None else level
+        if predict is not None:
+            profile = _twin(wl, profile, predict, predict_maps)
+        level = profile.default_level if level is None else level
         if not 0 <= level < len(profile.levels):
             raise LevelNotInProfile(f"level {level} is not in the profile (levels 0-{len(profile.levels) - 1})")
         staged = measure_stages(profile, level, chunks_of(wl.measured, chunk_tokens), repeat)

@@ -16,10 +16,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def _label(row) -> str:
     """The method, marked ``+rope`` for a profile that removes RoPE from the keys,
-    ``+alloc`` for one that weights its sections' targets (codec.allocation), and
+    ``+alloc`` for one that weights its sections' targets (codec.allocation), ``+pred``
+    for one that predicts each layer from the one before (codec.prediction), and
     ``[name]`` for an ablation's row (``streamer.model.ablation``)."""
     return (row.method + ("+rope" if row.rotary else "") + ("+alloc" if row.allocation else "")
-            + (f"[{row.ablation}]" if row.ablation else ""))
+            + ("+pred" if row.predicted else "") + (f"[{row.ablation}]" if row.ablation else ""))
 
 
 def _spread(row, key: str) -> tuple[float, float] | None:
@@ -97,12 +98,15 @@ def render(report: QualityReport) -> str:
                     + f"{_fmt(r.top1_agreement, '.4f'):>8}{_fmt(low and low[0], '.3f'):>7}")
         else:
             tail = f"{_fmt(r.cosine, '.6f'):>10}{_fmt(r.cosine_min, '.6f'):>10}"
-        lines.append(f"{_label(r):<{width}}{_fmt(r.level, 'd'):>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
+        level = _fmt(r.level, "d") + ("*" if r.default else "")
+        lines.append(f"{_label(r):<{width}}{level:>4}{r.bits_per_element:>9.3f}{r.distortion:>10.2e}"
                      f"{_fmt(r.target_distortion, '.1e'):>9}{r.attention_error_mean:>10.2e}   {layers}{tail}")
     if decoder and report.reference.get("perplexity"):
         lines.append(f"original KV: continuation perplexity {report.reference['perplexity']:.3f} over "
                      f"{report.reference['scored_tokens']} tokens; ppl chg pooled over all windows, "
                      "min..max across windows (%); top-1 pooled, min across windows")
+    if any(r.default for r in report.rows):
+        lines.append("lvl*: the profile's default level (the level kvwire encodes at when none is named)")
     lines += _target_lines(report)
     ablations = c.get("ablations") or {}
     if ablations:
@@ -142,7 +146,7 @@ PUBLISHED = (
 
 
 def plot(report: QualityReport, path: Path) -> list[str]:
-    """Rate against quality: each method's and codec ablation's levels, and for a decoder
+    """Rate against quality: each method's (each kind of profile's) and codec ablation's levels, and for a decoder
     the published points; returns the labels of the series the quality panel draws."""
     import matplotlib
 
@@ -158,7 +162,8 @@ def plot(report: QualityReport, path: Path) -> list[str]:
               "cachegen": dict(marker="v", linestyle="none")}
     ablations = report.config.get("ablations") or {}
     measured = list(dict.fromkeys(_label(r) for r in report.rows
-                                  if r.ablation and ablations[r.ablation]["kind"] == "codec"))
+                                  if (r.ablation and ablations[r.ablation]["kind"] == "codec")
+                                  or (r.method == "kvwire" and not r.ablation and _label(r) not in styles)))
     extra = ["d", "*", "h", "p", "<", ">", "1", "2"]
     styles |= {label: dict(marker=extra[i % len(extra)], linestyle="--") for i, label in enumerate(measured)}
     for method, style in styles.items():

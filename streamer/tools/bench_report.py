@@ -118,8 +118,8 @@ def render_codec(data: Mapping[str, Any]) -> list[str]:
         if r["method"].startswith("cachegen"):
             continue
         level = r["level"]
-        name = r["method"] if level is None else f"{r['method']} L{level}" + (
-            " (default)" if level == DEFAULT_LEVEL else "")
+        default = r["method"] == "kvwire" and level == c.get("default_level", DEFAULT_LEVEL)
+        name = r["method"] if level is None else f"{r['method']} L{level}" + (" (default)" if default else "")
         overhead = None if r.get("coder_overhead") is None else 100 * r["coder_overhead"]
         body.append([name, fmt(r["bits_per_element"], ".3f"), fmt(r["ratio_fp16"], ".2f"),
                      fmt(r.get("ratio_cachegen"), ".2f"), fmt(r["distortion"], ".2e"),

@@ -28,8 +28,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from streamer.model import hf, quality
 
-    if args.predict_maps is not None and not args.predict:
-        print("kvwire calibrate: --predict-maps chooses the maps of --predict N; give both", file=sys.stderr)
+    levels = len(args.targets) if args.targets else len(codec.DEFAULT_TARGETS)
+    if args.default_level is not None and not 0 <= args.default_level < levels:
+        print(f"kvwire calibrate: --default-level must name one of the profile's levels, 0 to {levels - 1}",
+              file=sys.stderr)
+        return 2
+    if args.predict_maps is not None and args.predict == 0:
+        print("kvwire calibrate: --predict-maps chooses the maps of a prediction --predict 0 turns off",
+              file=sys.stderr)
         return 2
     started = time.perf_counter()
     try:
@@ -39,20 +45,25 @@ def _calibrate(args: argparse.Namespace) -> int:
     except (FileNotFoundError, RuntimeError, hf.ModelLoadError) as exc:
         print(f"kvwire calibrate: {exc}", file=sys.stderr)
         return 2
+    if args.predict_maps is not None and args.predict is None and not hf.is_decoder(model):
+        print("kvwire calibrate: an encoder's profile predicts only when --predict N asks; --predict-maps "
+              "alone changes nothing", file=sys.stderr)
+        return 2
     ids = hf.tokenize(tokenizer, text)[:args.tokens]
     if len(ids) < 64:
         print(f"kvwire calibrate: the text has only {len(ids)} tokens; calibration needs more", file=sys.stderr)
         return 2
     kwargs = {"targets": tuple(args.targets)} if args.targets else {}
-    if args.predict:
-        kwargs["predict"], kwargs["predict_groups"] = args.predict, args.predict_maps or "all"
+    if args.default_level is not None:
+        kwargs["default_level"] = args.default_level
     try:
         profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window,
-                                            rotary=_ROTARY[args.rotary],
-                                            allocation=_ROTARY[args.allocation], **kwargs)
+                                            rotary=_ROTARY[args.rotary], allocation=_ROTARY[args.allocation],
+                                            predict=args.predict, predict_maps=args.predict_maps, **kwargs)
     except ValueError as exc:
         print(f"kvwire calibrate: {exc}", file=sys.stderr)
         return 2
+    maps = (args.predict_maps or quality.PREDICT_MAPS_DEFAULT) if profile.predicts else None
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     profile.save(output)
@@ -67,7 +78,8 @@ def _calibrate(args: argparse.Namespace) -> int:
                           "rotary": None if profile.rotary is None else profile.rotary.to_json(),
                           "weights": None if profile.weights is None else profile.weights.tolist(),
                           "predict": profile.restart,
-                          "predict_maps": kwargs.get("predict_groups"),
+                          "predict_maps": maps,
+                          "default_level": profile.default_level,
                           "seconds": round(seconds, 2), "levels": levels},
                          indent=2))
         return 0
@@ -77,11 +89,11 @@ def _calibrate(args: argparse.Namespace) -> int:
           + ("; keys coded without RoPE" if profile.rotary is not None else "")
           + (f"; section targets weighted {float(profile.weights.min()):.2g}..{float(profile.weights.max()):.2g}x "
              "by measured sensitivity" if profile.weights is not None else "")
-          + (f"; each layer predicted from the one before ({_MAPS_READ[kwargs['predict_groups']]}; layers 0, "
+          + (f"; each layer predicted from the one before ({_MAPS_READ[maps]}; layers 0, "
              f"{profile.restart}, .. coded alone; blob format 7)" if profile.predicts else ""))
     print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
     for lv in levels:
-        default = "  (default)" if lv["level"] == codec.DEFAULT_LEVEL else ""
+        default = "  (default)" if lv["level"] == profile.default_level else ""
         print(f"{lv['level']:>5}{lv['target_distortion']:>16.2e}{lv['estimated_bits']:>14.3f}"
               f"{16 / lv['estimated_bits']:>8.1f}{default}")
     print("estimated bits are measured on the calibration KV (side info excluded"
@@ -98,7 +110,8 @@ def _bench_quality(args: argparse.Namespace) -> int:
                            profile_path=args.profile, calibration_tokens=args.calibration_tokens,
                            windows=args.windows, window_tokens=args.window_tokens,
                            context_tokens=args.context_tokens, levels=args.levels, rotary=args.rotary,
-                           allocation=args.allocation, texts=args.texts, ablations=_ablations(args.ablation))
+                           allocation=args.allocation, predict=args.predict, texts=args.texts,
+                           ablations=_ablations(args.ablation))
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"kvwire bench quality: {exc}", file=sys.stderr)
         return 2
@@ -118,6 +131,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -147,17 +167,23 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         "(a causal LM's continuation, an encoder's embedding; codec.allocation): 'auto' (the "
                         "default choice, measured by bench quality: on; higher top-1 agreement at equal bits "
                         "on SmolLM2, fewer bits at a higher cosine on MiniLM), 'on', 'off'")
-    p.add_argument("--predict", type=int, default=0, metavar="N",
+    p.add_argument("--predict", type=_non_negative, default=None, metavar="N",
                    help="predict each layer from the one before it, coding only what the prediction misses "
-                        "(blob format 7; layers 0, N, 2N, .. coded alone, where a continued chunk restarts; "
-                        "0, the default: off). Fewer bits at the same error, for a CPU decode about twice as "
-                        "slow; kvwire put and the streamer carry such contexts")
+                        "(blob format 7; layers 0, N, 2N, .. coded alone, where a continued chunk restarts "
+                        "anyway; 0: off). Default: on for a causal LM, every layer but the first predicted "
+                        "(on SmolLM2 a sixth fewer bits at the same error, decoded at the plain levels' "
+                        "rate with --predict-maps kind); off for an encoder. kvwire put and the streamer "
+                        "carry such contexts")
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,
-                   help="with --predict: which values each layer's map reads. 'all' (the default): every K "
-                        "and V channel of the layer before; 'kind': K from K and V from V, half the map and "
-                        "half its decode work, for 10-14%% more bits than 'all' on SmolLM2; 'head': each KV "
-                        "head from its own "
+                   help="which values each layer's map reads. 'kind' (the default): K from K and V from V, "
+                        "half a full map and its decode work, for 10-14%% more bits than 'all' on SmolLM2's "
+                        "levels 2-3; 'all': every K and V channel of the layer before; 'head': each KV head "
+                        "from its own "
                         "(kvwire bench quality --ablation layer-predicted layer-predicted-kind measures them)")
+    p.add_argument("--default-level", type=int, default=None, metavar="LEVEL",
+                   help="the level kvwire encodes at when none is named (codec.encode; the profile records "
+                        "it). Default: 3 for a causal LM on the codec's ladder (within 0.5%% perplexity and "
+                        "0.98 top-1 agreement on SmolLM2: kvwire bench quality), else the codec's (2)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_calibrate)
 
@@ -193,6 +219,10 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     q.add_argument("--allocation", choices=("auto", "on", "off", "both"), default="auto",
                    help="profiles whose (layer, K/V) targets are weighted by measured sensitivity: 'auto' "
                         "(the calibrate default), 'on', 'off', or 'both' side by side (ignored with --profile)")
+    q.add_argument("--predict", choices=("auto", "on", "off", "both"), default="auto",
+                   help="profiles that predict each layer from the one before (every layer but the first): "
+                        "'auto' (the calibrate default: on for a causal LM), 'on', 'off', or 'both' side by "
+                        "side (ignored with --profile)")
     q.add_argument("--ablation", nargs="*", default=None, metavar="NAME",
                    help="after each level's row, one row per ablation of it (streamer.model.ablation: "
                         "layer-predicted and its -kind, -head and -restart5 variants, sinks-0, sinks-16, recent-finer on the real "

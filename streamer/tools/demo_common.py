@@ -407,7 +407,7 @@ def warm_start(say: Console, ahead: KernelsAhead | None = None) -> WarmStart:
 
 def measure_decode(args: argparse.Namespace, ids: list[int], kv, profile, say: Console) -> bytes:
     """Set ``args.decode_prior`` to the codec's decode of the first chunk of ``kv`` (at the
-    default level), timed alone: the session plans its first chunks' decode at it, until
+    profile's default level), timed alone: the session plans its first chunks' decode at it, until
     it has timed a section of its own. Returns that chunk's blob.
 
     One untimed decode first, then the median of three: a process's first decode pays for
@@ -420,7 +420,7 @@ def measure_decode(args: argparse.Namespace, ids: list[int], kv, profile, say: C
 
     from streamer.adapt import decoding
 
-    blob = codec.encode(kv[:, :, :len(ids)], level=codec.DEFAULT_LEVEL, profile=profile)
+    blob = codec.encode(kv[:, :, :len(ids)], profile=profile)   # at the profile's default level
     codec.decode(blob, profile)   # not timed: the first call's costs are no decoder's rate
     decodes: list[float] = []
     for _ in range(3):
@@ -431,7 +431,7 @@ def measure_decode(args: argparse.Namespace, ids: list[int], kv, profile, say: C
     median = statistics.median(decodes)
     args.decode_prior = decoding.measure_whole(len(ids), header.layers,
                                                sum(length for length, _ in header.sections), [median])
-    say(f"   the codec decodes that chunk (level {codec.DEFAULT_LEVEL}) in {1e3 * median:.0f} ms "
+    say(f"   the codec decodes that chunk (level {profile.default_level}) in {1e3 * median:.0f} ms "
         "alone: the fetch plans its first chunks' decode at that until it has decoded a section")
     return blob
 
