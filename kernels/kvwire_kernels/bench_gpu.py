@@ -312,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--predict", type=int, default=0, metavar="N",
                         help="blobs of a profile that predicts each layer from the one before (format 7; "
                              "layers 0, N, 2N, .. coded alone): what the prediction adds to a decode")
-    parser.add_argument("--predict-maps", choices=PREDICT_GROUPS, default="all",
-                        help="with --predict: the maps (kvwire calibrate --predict-maps; default all)")
+    parser.add_argument("--predict-maps", choices=PREDICT_GROUPS, default=None,
+                        help="with --predict: the maps (kvwire calibrate --predict-maps; default kind, "
+                             "as kvwire calibrate fits for a causal LM)")
     parser.add_argument("--kit", default=None, help="a copy of ../shared/device-kit: builds pycuda if missing")
     parser.add_argument("--site", default=os.environ.get("SITE", "/tmp/site"), help="where the kit installs pycuda")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder the JSON report is rewritten in")
@@ -324,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.predict_maps != "all" and not args.predict:
+    if args.predict_maps is not None and not args.predict:
         parser.error("--predict-maps chooses the maps of --predict N; give both")
+    args.predict_maps = args.predict_maps or "kind"
     if args.dry_run:
         report = dry_run(args.tokens or [512, 1024, 1536], args.calibration_tokens, tuple(args.shape))
         write_report(report, args.out)
