@@ -89,8 +89,9 @@ def _calibrate(args: argparse.Namespace) -> int:
           + ("; keys coded without RoPE" if profile.rotary is not None else "")
           + (f"; section targets weighted {float(profile.weights.min()):.2g}..{float(profile.weights.max()):.2g}x "
              "by measured sensitivity" if profile.weights is not None else "")
-          + (f"; each layer predicted from the one before ({_MAPS_READ[maps]}; layers 0, "
-             f"{profile.restart}, .. coded alone; blob format 7)" if profile.predicts else ""))
+          + (f"; each layer predicted from the one before ({_MAPS_READ[maps]}; "
+             + ("only layer 0" if profile.restart >= profile.layers else f"layers 0, {profile.restart}, ..")
+             + " coded alone; blob format 7)" if profile.predicts else ""))
     print(f"{'level':>5}{'target MSE/var':>16}{'est. bits/el':>14}{'x fp16':>8}")
     for lv in levels:
         default = "  (default)" if lv["level"] == profile.default_level else ""
