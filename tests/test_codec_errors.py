@@ -95,7 +95,7 @@ def test_non_tensor_is_value_error(codec_profile, obj):
         codec.calibrate([obj])
 
 
-@pytest.mark.parametrize("level", [-1, 5, 6, 255, 256, 1.0, "1", None, 1.5])
+@pytest.mark.parametrize("level", [-1, 5, 6, 255, 256, 1.0, "1", 1.5])
 @pytest.mark.parametrize("with_profile", [False, True])
 def test_level_out_of_range(codec_profile, small_kv, level, with_profile):
     profile = codec_profile if with_profile else None

@@ -241,6 +241,21 @@ def test_calibrate_cli_allocation(llama_dir, tmp_path, capsys):
     assert quality.calibrate_profile(model, tokenizer, list(range(40, 240)) * 3).weights is None
 
 
+def test_what_a_models_profile_predicts_and_defaults_to(llama_dir) -> None:
+    """A causal LM: every layer but the first predicted by kind when the default is asked
+    for, level 3 on the codec's ladder (where it was measured), the codec's on another; an
+    encoder (a BERT-style ``encoder.layer``): no prediction unless told, the codec's level."""
+    from types import SimpleNamespace
+
+    model, _ = hf.load_model(llama_dir)
+    assert quality.model_prediction(model, None) == {"predict": 2, "predict_groups": "kind"}
+    assert quality.model_prediction(model) == {} and quality.model_prediction(model, 0, "all") == {}
+    assert quality.model_prediction(model, 1, "all") == {"predict": 1, "predict_groups": "all"}
+    assert quality.model_default_level(model) == 3 and quality.model_default_level(model, (1e-3, 1e-2)) is None
+    encoder = SimpleNamespace(encoder=SimpleNamespace(layer=[None] * 6))
+    assert quality.model_prediction(encoder, None) == {} and quality.model_default_level(encoder) is None
+
+
 def test_bench_quality_allocation_both(llama_dir, capsys):
     assert _main(["bench", "quality", "--model", llama_dir, "--json", "--calibration-tokens", "1024",
                   "--windows", "1", "--window-tokens", "96", "--context-tokens", "64", "--levels", "1",
