@@ -151,14 +151,15 @@ def model_weights(model, tokenizer, token_ids: Sequence[int], allocation: bool |
 
 #: Whether a causal LM's profile predicts each layer from the one before by default
 #: (``codec.prediction``, blob format 7) with PREDICT_MAPS_DEFAULT maps, only layer 0 coded
-#: alone (a continued chunk restarts at its first layer whatever the period). On: on
+#: alone (so a chunk the fetch continues at another level travels again from layer 0,
+#: ``Manifest.resume_layer``, a cost the fetch's plan prices). On: on
 #: SmolLM2 at the same MSE/var it takes 14% of the bits out of level 3 (2.69 to 2.30
 #: bits/el: ``kvwire bench quality --model smollm2 --levels 3 --predict both``), for a CPU
-#: decode 0.7-0.95x the plain level's rate (``kvwire bench codec --workload smollm2
+#: decode 0.7-0.97x the plain level's rate (``kvwire bench codec --workload smollm2
 #: --predict 0``). Encoders: off (not measured on one).
 PREDICT_DEFAULT = True
 #: ``codec.PREDICT_GROUPS``: the maps a predicting calibration fits unless told: K from K
-#: and V from V, half a full map's work for most of its gain (README, "Inter-layer prediction")
+#: and V from V, half a full map's work for most of its gain (README, "Concepts")
 PREDICT_MAPS_DEFAULT = "kind"
 #: ``predict`` choices of ``bench quality``, as ROTARY_MODES.
 PREDICT_MODES = ("auto", "on", "off", "both")

@@ -170,10 +170,10 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         "on SmolLM2, fewer bits at a higher cosine on MiniLM), 'on', 'off'")
     p.add_argument("--predict", type=_non_negative, default=None, metavar="N",
                    help="predict each layer from the one before it, coding only what the prediction misses "
-                        "(blob format 7; layers 0, N, 2N, .. coded alone, where a continued chunk restarts "
-                        "anyway; 0: off). Default: on for a causal LM, every layer but the first predicted "
-                        "(on SmolLM2 a sixth fewer bits at the same error, decoded at the plain levels' "
-                        "rate with --predict-maps kind); off for an encoder. kvwire put and the streamer "
+                        "(blob format 7; layers 0, N, 2N, .. coded alone, where a chunk continued at another "
+                        "level restarts; 0: off). Default: on for a causal LM, every layer but the first predicted "
+                        "(on SmolLM2 14%% fewer bits at level 3 at the same error, for a CPU decode 0.7-0.97x "
+                        "the plain level's rate); off for an encoder. kvwire put and the streamer "
                         "carry such contexts")
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,
                    help="which values each layer's map reads. 'kind' (the default): K from K and V from V, "
