@@ -294,8 +294,9 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
     rows: list[Row] = [fp16, int8, zstd, *cachegen]
     cases = [Case("kvwire", profile, level) for level in range(len(profile.levels))]
     if predict is not None:
-        cases += _twin_cases(workload, profile, predict, predict_maps)
-        report.config["predict"], report.config["predict_maps"] = predict, _maps(predict, predict_maps)
+        maps = _maps(predict, predict_maps)
+        cases += _twin_cases(workload, profile, predict, maps)
+        report.config["predict"], report.config["predict_maps"] = predict, maps
     for case, (row, blobs) in zip(cases, measure_cases(cases, chunks, repeat)):
         if case.profile is profile:   # the profile's own rows: their coder cost and the workload's cosine
             level = case.level
@@ -323,18 +324,20 @@ def run(workload: Workload, chunk_tokens: int, repeat: int, compare_variants: bo
 
 def _maps(restart: int, maps: str | None) -> str | None:
     """The maps a twin predicting every ``restart`` layers fits (None: it does not predict):
-    ``maps``, else the calibration default (``kvwire calibrate``'s)."""
-    from streamer.model.quality import PREDICT_MAPS_DEFAULT
+    ``maps``, else the calibration default, as ``kvwire calibrate`` resolves them (a given
+    period needs no model)."""
+    from streamer.model.quality import model_prediction
 
-    return (maps or PREDICT_MAPS_DEFAULT) if restart else None
+    return model_prediction(None, restart, maps).get("predict_groups")
 
 
 def _twin(workload: Workload, profile: Profile, restart: int, maps: str | None) -> Profile:
     """``profile``'s targets, weights, RoPE and default level calibrated again on the
     calibration KV with inter-layer prediction every ``restart`` layers (blob format 7,
-    ``maps`` its ``predict_groups``), or without (``restart`` 0), so what it measures sits
-    beside the profile's own rows at the same targets."""
-    return calibrate_like(profile, [workload.calibration], predict=restart, predict_groups=_maps(restart, maps) or "all")
+    ``maps`` its ``predict_groups``, as :func:`_maps` resolves them), or without
+    (``restart`` 0), so what it measures sits beside the profile's own rows at the same
+    targets."""
+    return calibrate_like(profile, [workload.calibration], predict=restart, predict_groups=maps or "all")
 
 
 def _twin_cases(workload: Workload, profile: Profile, restart: int, maps: str | None) -> list[Case]:
@@ -342,8 +345,7 @@ def _twin_cases(workload: Workload, profile: Profile, restart: int, maps: str | 
     prediction costs (or saves) on this CPU: rows ``kvwire-predicted/N/MAPS`` or
     ``kvwire-plain``."""
     twin = _twin(workload, profile, restart, maps)
-    chosen = _maps(restart, maps)
-    name = f"kvwire-predicted/{restart}/{chosen}" if restart else "kvwire-plain"
+    name = f"kvwire-predicted/{restart}/{maps}" if restart else "kvwire-plain"
     return [Case(name, twin, level) for level in range(len(twin.levels))]
 
 
@@ -689,7 +691,7 @@ def main(workload: str = "minilm", tokens: int = 6144, calibration_tokens: int =
     if stages_only:
         profile = wl.profile or calibrate([wl.calibration])
         if predict is not None:
-            profile = _twin(wl, profile, predict, predict_maps)
+            profile = _twin(wl, profile, predict, _maps(predict, predict_maps))
         level = profile.default_level if level is None else level
         if not 0 <= level < len(profile.levels):
             raise LevelNotInProfile(f"level {level} is not in the profile (levels 0-{len(profile.levels) - 1})")

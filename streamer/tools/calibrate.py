@@ -28,9 +28,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from streamer.model import hf, quality
 
-    levels = len(args.targets) if args.targets else len(codec.DEFAULT_TARGETS)
-    if args.default_level is not None and not 0 <= args.default_level < levels:
-        print(f"kvwire calibrate: --default-level must name one of the profile's levels, 0 to {levels - 1}",
+    level_count = len(args.targets) if args.targets else len(codec.DEFAULT_TARGETS)
+    if args.default_level is not None and not 0 <= args.default_level < level_count:
+        print(f"kvwire calibrate: --default-level must name one of the profile's levels, 0 to {level_count - 1}",
               file=sys.stderr)
         return 2
     if args.predict_maps is not None and args.predict == 0:
@@ -45,7 +45,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     except (FileNotFoundError, RuntimeError, hf.ModelLoadError) as exc:
         print(f"kvwire calibrate: {exc}", file=sys.stderr)
         return 2
-    if args.predict_maps is not None and args.predict is None and not hf.is_decoder(model):
+    prediction = quality.model_prediction(model, args.predict, args.predict_maps)
+    if args.predict_maps is not None and not prediction:
         print("kvwire calibrate: an encoder's profile predicts only when --predict N asks; --predict-maps "
               "alone changes nothing", file=sys.stderr)
         return 2
@@ -59,11 +60,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     try:
         profile = quality.calibrate_profile(model, tokenizer, ids, window=args.window,
                                             rotary=_ROTARY[args.rotary], allocation=_ROTARY[args.allocation],
-                                            predict=args.predict, predict_maps=args.predict_maps, **kwargs)
+                                            predict=prediction.get("predict", 0),
+                                            predict_maps=prediction.get("predict_groups"), **kwargs)
     except ValueError as exc:
         print(f"kvwire calibrate: {exc}", file=sys.stderr)
         return 2
-    maps = (args.predict_maps or quality.PREDICT_MAPS_DEFAULT) if profile.predicts else None
+    maps = prediction.get("predict_groups")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     profile.save(output)
