@@ -549,29 +549,53 @@ def decode_layers(blob: bytes | memoryview, profile: Profile | None = None,
 
 
 def decode(blob: bytes | memoryview, profile: Profile | None = None,
-           device: str | torch.device = "cpu") -> torch.Tensor:
+           device: str | torch.device = "cpu", *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a whole blob to [layers, 2, tokens, heads, head_dim] in its original dtype.
 
     Every section is verified (length, checksum, lane table against the token count)
-    before the output is allocated, so a hostile header cannot size it alone.
+    before the output is allocated, so a hostile header cannot size it alone; on the CPU
+    also before ``out`` is written, so a corrupt blob leaves it as it was (a device's
+    decoder verifies each section as it arrives).
+
+    ``out``: a contiguous tensor of the blob's shape and dtype on ``device`` to decode
+    into (returned), such as a slice of the caller's KV cache. Memory the process has
+    not touched yet costs the kernel a page fault per 4 KiB on its first write: for a
+    fresh tensor of a 1536-token SmolLM2 chunk (35 MB), about as much as the decode's
+    own conversion and copies (``kvwire bench codec --stages`` measures both ways),
+    which a reused buffer does not pay.
     """
     decode_one = section_decoder(device)
     header = container.parse_header(blob)
     if len(blob) != header.total_size:
         raise CorruptBitstream(f"blob is {len(blob)} bytes, its header says {header.total_size}")
     resolved, slot = resolve_profile(header, profile)
+    if out is not None:
+        _check_out(out, header, torch.device(device))
     if decode_one is not decode_section:
-        out = torch.empty(header.shape, dtype=header.dtype, device=device)
+        if out is None:
+            out = torch.empty(header.shape, dtype=header.dtype, device=device)
         for layer, k, v in _device_layers(blob, header, resolved, torch.device(device)):
             out[layer, 0], out[layer, 1] = k, v
         return out
     checked = [_check_section(header, resolved, slot, layer, section)   # verifies each section
                for layer, section in _section_slices(blob, header)]
-    out = torch.empty(header.shape, dtype=header.dtype)
+    if out is None:
+        out = torch.empty(header.shape, dtype=header.dtype)
     chain = LayerChain() if header.predicted else None
     for layer, parts in enumerate(checked):
         _decode_checked(header, resolved, layer, parts, out[layer], chain)
     return out
+
+
+def _check_out(out: object, header: BlobHeader, device: torch.device) -> None:
+    """ValueError unless ``out`` can hold the blob's decode as ``decode`` writes it."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    elsewhere = out.device.type != device.type or device.index not in (None, out.device.index)
+    if tuple(out.shape) != header.shape or out.dtype != header.dtype or elsewhere or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {header.dtype} tensor of shape {list(header.shape)} on "
+                         f"{device}, got {out.dtype} {list(out.shape)} on {out.device}"
+                         f"{'' if out.is_contiguous() else ', not contiguous'}")
 
 
 def _section_lanes(blob: bytes | memoryview, header: BlobHeader, layer: int) -> int | None:

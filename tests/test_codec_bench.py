@@ -97,8 +97,9 @@ def test_stage_table_adds_up_to_the_recorded_decode(small, small_rotary, rope, p
     for name in (stages.CRC, stages.ENTROPY, stages.TRANSFORM, stages.CONVERT):
         assert by_name[name].seconds > 0 and by_name[name].bound_seconds > 0, name
     assert (by_name[stages.ROPE].seconds > 0) == rope
-    assert report.decode_mb_s > 0 and report.encode_mb_s > 0
-    assert "inverse transform" in bench_codec.render_stages(report)
+    assert report.decode_mb_s > 0 and report.encode_mb_s > 0 and report.fresh_output_decode_mb_s > 0
+    rendered = bench_codec.render_stages(report)
+    assert "inverse transform" in rendered and "into fresh ones" in rendered
 
 
 def test_stage_marks_cost_nothing_outside_a_recording() -> None:
@@ -151,18 +152,20 @@ def test_cases_are_timed_in_rounds_that_visit_every_case(small, monkeypatch) -> 
     """Speeds compared across rows come from interleaved rounds (the machine's speed
     drifts between minutes), each case's best kept; bits and error from its blobs."""
     profile, chunks = small
-    decoded_levels = []
+    decoded_levels, buffers = [], []
     decode = api.decode
 
-    def recording(blob, p):
+    def recording(blob, p, *, out):
         decoded_levels.append(api.parse_header(blob).level)
-        return decode(blob, p)
+        buffers.append(out.data_ptr())
+        return decode(blob, p, out=out)
 
     monkeypatch.setattr(api, "decode", recording)
     cases = [bench_codec.Case("a", profile, 0), bench_codec.Case("b", profile, 3)]
     measured = bench_codec.measure_cases(cases, chunks, repeat=2)
     n = len(chunks)
     assert decoded_levels == [0] * n + [3] * n + [0] * n + [3] * n
+    assert len(set(buffers)) == n and buffers == buffers[:n] * 4   # a chunk's buffer, reused: the decode timed
     for case, (row, blobs) in zip(cases, measured):
         alone, _ = bench_codec.measure_kvwire(profile, case.level, chunks, repeat=1, name=case.name)
         assert (row.method, row.level) == (case.name, case.level) and row.decode_mb_s > 0 < row.encode_mb_s

@@ -217,6 +217,28 @@ def test_meta_device_is_value_error(blob, codec_profile):
         codec.decode(blob, codec_profile, device="meta")
 
 
+def test_decode_into_a_wrong_buffer_is_refused(blob, codec_profile, small_kv):
+    header = codec.parse_header(blob)
+    for out in (torch.empty(header.shape, dtype=torch.float32 if header.dtype != torch.float32 else torch.float16),
+                torch.empty((header.shape[0] + 1, *header.shape[1:]), dtype=header.dtype),
+                torch.empty((*header.shape[:-1], 2 * header.shape[-1]), dtype=header.dtype)[..., ::2],
+                torch.empty(header.shape, dtype=header.dtype, device="meta"),
+                header.shape):
+        with pytest.raises(ValueError, match="out must be"):
+            codec.decode(blob, codec_profile, out=out)
+
+
+def test_a_corrupt_blob_leaves_the_callers_buffer_as_it_was(blob, codec_profile):
+    header = codec.parse_header(blob)
+    last = header.section_offset(header.layers - 1)
+    broken = bytearray(blob)
+    broken[last + header.sections[header.layers - 1][0] // 2] ^= 0x40
+    out = torch.full(header.shape, 7.0, dtype=header.dtype)
+    with pytest.raises(codec.CorruptBitstream):
+        codec.decode(bytes(broken), codec_profile, out=out)
+    assert (out == 7.0).all()
+
+
 # ------------------------------------------------------------------ decode_section misuse
 def test_decode_section_bad_arguments(blob, codec_profile, small_kv):
     header = codec.parse_header(blob)

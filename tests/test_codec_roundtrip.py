@@ -369,6 +369,21 @@ def test_decode_layers_matches_decode(codec_profile, codec_test_kv, use_profile,
 
 
 @pytest.mark.parametrize("use_profile", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_into_a_callers_buffer(codec_profile, codec_test_kv, use_profile, dtype):
+    """``out``: the same decode, written into the caller's tensor (a used one: every
+    element is overwritten), sink tokens and raw-free layers alike."""
+    kv = codec_test_kv.to(dtype)
+    profile = codec_profile if use_profile else None
+    blob = codec.encode(kv, 3, profile)
+    whole = codec.decode(blob, profile)
+    cache = torch.full((2, *kv.shape), float("nan"), dtype=dtype)   # two chunks' room
+    into = codec.decode(blob, profile, out=cache[1])
+    assert into.data_ptr() == cache[1].data_ptr()
+    assert torch.equal(cache[1], whole) and cache[0].isnan().all()
+
+
+@pytest.mark.parametrize("use_profile", [True, False])
 def test_decode_section_alone(codec_profile, codec_test_kv, use_profile):
     kv = codec_test_kv.to(torch.float16)
     profile = codec_profile if use_profile else None

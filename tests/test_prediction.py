@@ -56,6 +56,8 @@ def test_every_decode_path_gives_the_same_layers(profiles):
     whole = codec.decode(blob, predicted)
     layered = torch.stack([torch.stack([k, v]) for _, k, v in codec.decode_layers(blob, predicted)])
     assert torch.equal(layered, whole)
+    into = torch.full_like(whole, float("nan"))   # a used buffer: every element is written
+    assert codec.decode(blob, predicted, out=into) is into and torch.equal(into, whole)
     header = codec.parse_header(blob)
     chain = codec.LayerChain()
     for layer in range(header.layers):
