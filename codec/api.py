@@ -559,10 +559,10 @@ def decode(blob: bytes | memoryview, profile: Profile | None = None,
 
     ``out``: a contiguous tensor of the blob's shape and dtype on ``device`` to decode
     into (returned), such as a slice of the caller's KV cache. Memory the process has
-    not touched yet costs the kernel a page fault per 4 KiB on its first write: for a
-    fresh tensor of a 1536-token SmolLM2 chunk (35 MB), about as much as the decode's
-    own conversion and copies (``kvwire bench codec --stages`` measures both ways),
-    which a reused buffer does not pay.
+    not touched yet costs the kernel a page fault per 4 KiB on its first write, and a
+    fresh output as large as a 1536-token SmolLM2 chunk's (35 MB) is new memory each
+    time; a reused buffer does not pay that (``kvwire bench codec --stages`` measures
+    both ways).
     """
     decode_one = section_decoder(device)
     header = container.parse_header(blob)
