@@ -354,7 +354,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("codec", "Codec", ("bench", "codec", "--quick", "--json", "--no-plot"), render_codec,
             "Real all-MiniLM-L6-v2 KV of GPL-3 text, the profile calibrated on other texts. Warm: each "
             "speed is the best of 3 timings, so the first call's numba compile (or cache load) is not in "
-            "it; each chunk decodes into a buffer of its own, as a receiver decodes into its KV cache. Bits/el and distortion do not depend on the machine; MB/s do, and move with its load. "
+            "it; each chunk decodes into a buffer of its own, as a receiver decodes into its KV cache. "
+            "Bits/el and distortion do not depend on the machine; MB/s do, and move with its load. "
             "`--quick` leaves out the transform and anchor/delta comparisons (see the full-scale runs).",
             3600),
     Section("policies", "Adaptation", ("bench", "policies", "--json"), render_policies,
