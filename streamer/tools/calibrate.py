@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 DEFAULT_CALIBRATION_TOKENS = 8192
 #: --rotary and --allocation: the default (streamer.model.quality.ROTARY_DEFAULT,
@@ -130,18 +131,19 @@ def _ablations(names: list[str] | None) -> tuple[str, ...]:
     return tuple(a.name for a in ablation.resolve(names))
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = "int"   # argparse names it in "invalid int value"
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
