@@ -325,7 +325,8 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
         coded = values
         if not prediction.is_intra(layer, profile.restart):
             coded = values - prediction.guess(previous, profile.chain_matrices[layer], int(profile.chain_reach[layer]),
-                                              profile.chain_offsets[layer] - torch.from_numpy(profile.mean[layer]))
+                                              profile.chain_offsets[layer] - torch.from_numpy(profile.mean[layer]),
+                                              profile.chain_entries[layer])
         parts = None
         if controlled:
             parts = tuple(control.control_part(profile, level, layer, kind, control.PartSample(

@@ -118,19 +118,25 @@ def _fit_predicted(fit: Callable[..., Profile], tokens: list[list[torch.Tensor]]
     the chain settles (``_settled_ratios``)."""
     values = torch.stack([torch.cat(pair, dim=1) for pair in tokens])          # [L, N, 2C]
     channels = values.shape[2] // 2
-    grouping = {"all": None, "kind": prediction.kind_groups(channels),
-                "head": prediction.head_groups(heads, channels // heads)}[groups]
-    predictor = prediction.fit(values, restart, grouping)
-    if not np.all(np.isfinite(predictor)):
+    factors: tuple[np.ndarray, np.ndarray] | None = None
+    if groups == "low-rank":
+        predictor, entry, exit_ = prediction.fit_low_rank(values, restart, min(prediction.LOW_RANK, channels))
+        factors = (entry, exit_)
+    else:
+        grouping = {"all": None, "kind": prediction.kind_groups(channels),
+                    "head": prediction.head_groups(heads, channels // heads)}[groups]
+        predictor = prediction.fit(values, restart, grouping)
+    if not all(np.all(np.isfinite(array)) for array in (predictor, *(factors or ()))):
         raise ValueError("inter-layer maps do not fit in float16 (calibration KV too large)")
     left = prediction.residuals(values, predictor, restart)
     variance, open_variance = _sections_variance(values), _sections_variance(left)
     split = [[left[l, :, :channels], left[l, :, channels:]] for l in range(values.shape[0])]
     open_ratio = np.repeat((variance / np.maximum(open_variance, 1e-30))[None], levels, axis=0)
-    first = fit(split, predictor=predictor, restart=restart, design_ratio=open_ratio)
+    fit = functools.partial(fit, predictor=predictor, restart=restart, predictor_factors=factors)
+    first = fit(split, design_ratio=open_ratio)
     exact = list(zip(samples, values.split(sizes, dim=1)))
     settled = np.stack([_settled_ratios(first, level, exact, variance, open_variance) for level in range(levels)])
-    return fit(split, predictor=predictor, restart=restart, design_ratio=settled)
+    return fit(split, design_ratio=settled)
 
 
 def _settled_ratios(profile: Profile, level: int, samples: list[tuple[torch.Tensor, torch.Tensor]],

@@ -443,7 +443,7 @@ def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Te
     if profile.predictor is not None:
         with stage(TRANSFORM):
             state = prediction.layer_state(parts, profile.chain_matrices[layer], int(profile.chain_reach[layer]),
-                                           previous)
+                                           previous, profile.chain_entries[layer])
         if out is None:
             return state
     for kv in range(2):

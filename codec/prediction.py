@@ -16,6 +16,12 @@ predicted layer costs its decoder one wider product, not a second, float32 one; 
 the state is centered (the offsets follow the means through the maps), so its
 bfloat16 rounding is as small as the product's own.
 
+A low-rank profile (``fit_low_rank``) factors each K and V map as ``entry @ exit``
+(``C x r`` by ``r x C``): the product takes ``state_{l-1} @ entry`` (r columns) where a
+full map takes the whole state (C), so a predicted layer costs ``2 r`` multiply-adds per
+token and channel where a full map costs ``C``, for the part of the map's gain its ``r``
+leading directions hold.
+
 Pure functions on tensors; the encoder and the decoders call them layer by layer.
 """
 from __future__ import annotations
@@ -35,6 +41,8 @@ from .rotary import Rotary, rotate
 #: order shrinks them, at the cost of a little prediction at the finest levels, whose
 #: error is smaller (kvwire bench codec --predict N measures each level's bits).
 RIDGE = 1e-2
+#: The rank of each K and V map a "low-rank" calibration fits (``fit_low_rank``).
+LOW_RANK = 48
 
 
 def is_intra(layer: int, restart: int) -> bool:
@@ -83,6 +91,52 @@ def fit(values: torch.Tensor, restart: int, groups: Sequence[torch.Tensor] | Non
     return out
 
 
+def fit_low_rank(values: torch.Tensor, restart: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(maps, entry, exit): K-from-K and V-from-V maps (:func:`fit` with
+    :func:`kind_groups`), each reduced to the ``rank`` directions its predictions of
+    ``values`` vary most along (reduced-rank regression), as float16 factors ``entry``
+    [L, 2, C, rank] and ``exit`` [L, 2, rank, C] (orthonormal rows), and ``maps`` the
+    dense maps they make (:func:`expand`) with each constant refitted to them. Zero at
+    the intra layers."""
+    layers, _, width = values.shape
+    channels = width // 2
+    if not 1 <= rank <= channels:
+        raise ValueError(f"a low-rank map's rank must be in [1, {channels}], got {rank}")
+    full = fit(values, restart, kind_groups(channels))
+    entry = np.zeros((layers, 2, channels, rank), dtype=np.float16)
+    exit_ = np.zeros((layers, 2, rank, channels), dtype=np.float16)
+    constant = np.zeros((layers, width), dtype=np.float16)
+    for layer in range(1, layers):
+        if is_intra(layer, restart):
+            continue
+        for kind in range(2):
+            own = slice(kind * channels, (kind + 1) * channels)
+            x, y = values[layer - 1][:, own].double(), values[layer][:, own].double()
+            matrix = torch.from_numpy(full[layer, own, own].astype(np.float64))
+            predicted = (x - x.mean(0)) @ matrix
+            leading = torch.linalg.eigh(predicted.T @ predicted).eigenvectors[:, -rank:].flip(1)   # [C, rank]
+            entry[layer, kind] = (matrix @ leading).numpy()
+            exit_[layer, kind] = leading.T.numpy()
+            reduced = torch.from_numpy(entry[layer, kind].astype(np.float64) @ exit_[layer, kind].astype(np.float64))
+            constant[layer, own] = (y.mean(0) - x.mean(0) @ reduced).numpy()
+    return expand(constant, entry, exit_), entry, exit_
+
+
+def expand(constant: np.ndarray, entry: np.ndarray, exit_: np.ndarray) -> np.ndarray:
+    """float16 [L, 2C + 1, 2C] (:func:`fit`'s layout): the dense maps of factored ones,
+    each kind's block ``entry @ exit`` summed in float64 and rounded once, zero across
+    K and V, the last row ``constant`` ([L, 2C]). What the offsets and calibration's
+    measurements read; the decoders multiply by the factors."""
+    layers, _, channels, _ = entry.shape
+    out = np.zeros((layers, 2 * channels + 1, 2 * channels), dtype=np.float16)
+    for layer in range(layers):     # a layer at a time: a float64 C x C block each, not L of them
+        for kind in range(2):
+            own = slice(kind * channels, (kind + 1) * channels)
+            out[layer, own, own] = entry[layer, kind].astype(np.float64) @ exit_[layer, kind].astype(np.float64)
+    out[:, -1] = constant
+    return out
+
+
 def _with_constant(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
 
@@ -121,26 +175,28 @@ def offsets(mean: np.ndarray, predictor: np.ndarray, restart: int) -> np.ndarray
     return out.reshape(layers, 2, channels).astype(np.float32)
 
 
-def reach(predictor: np.ndarray, restart: int) -> np.ndarray:
-    """int [L]: how many of the previous layer's state channels each layer's product
-    takes before its coefficients: 0 at an intra layer, C where the map is by kind
+def reach(predictor: np.ndarray, restart: int, rank: int = 0) -> np.ndarray:
+    """int [L]: how many columns each layer's product takes before its coefficients: 0
+    at an intra layer, ``rank`` with factored maps (``rank`` > 0: the state by the
+    map's entry), else the previous layer's state channels, C where the map is by kind
     (:func:`by_kind`: K from K, V from V, half the multiply-adds), else 2C."""
     channels = predictor.shape[2] // 2
-    out = np.where(by_kind(predictor), channels, 2 * channels)
+    out = np.where(by_kind(predictor), channels, 2 * channels) if not rank else np.full(len(predictor), rank)
     out[[is_intra(layer, restart) for layer in range(len(out))]] = 0
     return out
 
 
 def chain_matrix(predictor: np.ndarray, basis: np.ndarray | None, layer: int, kind: int,
-                 rows: int) -> torch.Tensor:
+                 rows: int, exit_: np.ndarray | None = None) -> torch.Tensor:
     """bfloat16 [rows + kept rows, C]: what layer ``layer``'s K (kind 0) or V (1) state is
     a product by: the ``rows`` rows of its map that reach this kind (none at an intra
-    layer; K's then V's channels), then its basis (``basis``'s stored rows; the identity
-    when None)."""
+    layer; K's then V's channels), or of its ``exit_`` factor ([L, 2, rank, C]), then its
+    basis (``basis``'s stored rows; the identity when None)."""
     channels = predictor.shape[2] // 2
     columns = slice(kind * channels, (kind + 1) * channels)
     first = kind * channels if rows == channels else 0
-    mapped = torch.from_numpy(predictor[layer, first:first + rows, columns].astype(np.float32))
+    mapped = torch.from_numpy((predictor[layer, first:first + rows, columns] if exit_ is None
+                               else exit_[layer, kind, :rows]).astype(np.float32))
     own = torch.eye(channels) if basis is None else torch.from_numpy(basis[layer, kind])
     return torch.cat([mapped, own]).to(torch.bfloat16)
 
@@ -149,12 +205,24 @@ def chain_matrix(predictor: np.ndarray, basis: np.ndarray | None, layer: int, ki
 State = Sequence[torch.Tensor]
 
 
+def chain_entry(entry: np.ndarray, layer: int, kind: int) -> torch.Tensor:
+    """bfloat16 [C, rank]: layer ``layer``'s K (kind 0) or V (1) entry factor, what the
+    previous layer's state of that kind is multiplied by first."""
+    return torch.from_numpy(entry[layer, kind].astype(np.float32)).to(torch.bfloat16)
+
+
+#: per kind, a layer's entry factor (:func:`chain_entry`), or None for a dense map
+Entries = Sequence[torch.Tensor | None]
+
+
 def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, previous: State | None,
-                kind: int) -> torch.Tensor:
+                kind: int, entry: torch.Tensor | None = None) -> torch.Tensor:
     """bfloat16 [N, C]: the state of a coded layer's K (kind 0) or V (1) from its
     coefficients ``coef_t`` (float32 [N, kept]): ``transform.product`` of ``[previous's
     reached channels | coef_t]`` by ``matrix`` (:func:`chain_matrix`; ``rows`` of it are
-    the map's, 0 at an intra layer, whose ``previous`` is None)."""
+    the map's, 0 at an intra layer, whose ``previous`` is None); with an ``entry``
+    factor, the reached channels are the previous state by it (bfloat16, ``rows``
+    columns)."""
     tokens, kept = coef_t.shape
     if rows == 0 and kept == 0:
         return torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
@@ -162,40 +230,44 @@ def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, previous:
     # layout picks the GEMM's kernel, and so how its float32 sums round
     operand = torch.empty(tokens, rows + kept, dtype=torch.bfloat16, device=coef_t.device)
     if rows:
-        _reached(previous, kind, rows, operand[:, :rows])
+        _reached(previous, kind, rows, operand[:, :rows], entry)
     operand[:, rows:] = coef_t
     return transform.product(operand, matrix[:rows + kept])
 
 
 def layer_state(parts: Sequence[torch.Tensor], matrices: Sequence[torch.Tensor], rows: int,
-                previous: State | None) -> tuple[torch.Tensor, torch.Tensor]:
+                previous: State | None, entries: Entries = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """A coded layer's state, K's and V's :func:`coded_state` from their coefficients
-    ``parts`` (float32 [N, kept] each) and the layer's ``matrices``."""
-    return tuple(coded_state(part, matrix, rows, previous, kind)   # type: ignore[return-value]
-                 for kind, (part, matrix) in enumerate(zip(parts, matrices)))
+    ``parts`` (float32 [N, kept] each) and the layer's ``matrices`` and ``entries``."""
+    return tuple(coded_state(part, matrix, rows, previous, kind, entry)   # type: ignore[return-value]
+                 for kind, (part, matrix, entry) in enumerate(zip(parts, matrices, entries)))
 
 
-def guess(previous: State, matrices: Sequence[torch.Tensor], rows: int, shift: torch.Tensor) -> torch.Tensor:
+def guess(previous: State, matrices: Sequence[torch.Tensor], rows: int, shift: torch.Tensor,
+          entries: Entries = (None, None)) -> torch.Tensor:
     """float32 [2, N, C]: what the encoder takes from a predicted layer's values before
-    its transform: the previous layer's state by the map's rows of
-    ``matrices`` (the layer's K and V :func:`chain_matrix`), plus ``shift`` ([2, C]: the
-    layer's offset less its mean). In float32: the decoder sums the same rounded
-    operands inside its one bfloat16 product, so the two differ by that product's
-    rounding alone."""
+    its transform: the previous layer's reached state (through ``entries``, as the
+    decoder reaches it) by the map's rows of ``matrices`` (the layer's K and V
+    :func:`chain_matrix`), plus ``shift`` ([2, C]: the layer's offset less its mean). In
+    float32: the decoder sums the same rounded operands inside its one bfloat16 product,
+    so the two differ by that product's rounding alone."""
     tokens, channels = previous[0].shape
     out = torch.empty(2, tokens, channels)
     reached = torch.empty(tokens, rows)
     for kind in range(2):
-        _reached(previous, kind, rows, reached)
+        _reached(previous, kind, rows, reached, entries[kind])
         torch.addmm(shift[kind].expand(tokens, -1), reached, matrices[kind][:rows].float(), out=out[kind])
     return out
 
 
-def _reached(previous: State, kind: int, rows: int, into: torch.Tensor) -> None:
-    """The channels of state ``previous`` that reach ``kind``, into ``into`` [N, rows]: its
-    own kind's (rows C), or K's then V's (rows 2C)."""
+def _reached(previous: State, kind: int, rows: int, into: torch.Tensor, entry: torch.Tensor | None) -> None:
+    """What the map's rows take of state ``previous`` for ``kind``, into ``into`` [N,
+    rows]: its own kind's channels by ``entry`` (bfloat16, ``transform.product``), or its
+    own kind's channels (rows C), or K's then V's (rows 2C)."""
     channels = previous[0].shape[1]
-    if rows == channels:
+    if entry is not None:
+        into.copy_(transform.product(previous[kind], entry))
+    elif rows == channels:
         into.copy_(previous[kind])
     else:
         into[:, :channels] = previous[0]

@@ -44,10 +44,15 @@ PROFILE_VERSION_PREDICTED = 4
 #: none), with or without ``rotary``, ``weights`` and a predictor; a profile whose default
 #: is the codec's (``implicit_default_level``) is written as version 1 to 4 as before.
 PROFILE_VERSION_DEFAULT_LEVEL = 5
+#: Version 6 stores low-rank maps as their factors (``predictor_entry``,
+#: ``predictor_exit``, ``predictor_constant`` for ``predictor``: ``codec.prediction.
+#: fit_low_rank``), with or without ``rotary``, ``weights`` and ``default_level``; a
+#: profile with dense maps is written as version 4 or 5 as before.
+PROFILE_VERSION_FACTORED = 6
 #: how a predicting calibration may group the channels each map reads
 #: (``codec.prediction``): every channel from every channel, K from K and V from V,
-#: each KV head from itself
-PREDICT_GROUPS = ("all", "kind", "head")
+#: each KV head from itself, or K from K and V from V through a rank ``LOW_RANK`` map
+PREDICT_GROUPS = ("all", "kind", "head", "low-rank")
 #: a section's target MSE/var (level target x weight) is capped here: the step design
 #: and the control need a target under 1 (a target of 1 drops the whole signal)
 MAX_SECTION_TARGET = 0.5
@@ -84,7 +89,8 @@ class Profile:
     kept [V,L,2] i32, delta_group [L,2] i32, shift/table [V,L,2,2,C] u8
     (axis 3: 0 = direct/anchor values, 1 = delta values), tables [classes, ALPHABET] u16,
     weights [L,2] f32 or None (uniform), predictor [L,2C+1,2C] f16 or None (no
-    inter-layer prediction). With a predictor, mean, basis, steps and the tables describe
+    inter-layer prediction), predictor_factors (entry [L,2,C,r], exit [L,2,r,C]) f16
+    or None (dense maps). With a predictor, mean, basis, steps and the tables describe
     the residuals the predicted layers code.
     """
 
@@ -114,6 +120,10 @@ class Profile:
     predictor: np.ndarray | None = None
     #: with a predictor: layers 0, restart, 2 restart, .. are coded alone
     restart: int = 0
+    #: low-rank maps (``codec.prediction.fit_low_rank``): each K and V map's factors,
+    #: what the decoders multiply by; ``predictor`` is then their product
+    #: (``codec.prediction.expand``). None: the decoders multiply by ``predictor``
+    predictor_factors: tuple[np.ndarray, np.ndarray] | None = None
     #: the level ``codec.encode`` uses when the caller names none (None: the codec's,
     #: ``implicit_default_level``); the coarsest level the model's measured quality bars
     #: allow, which depends on the model (``streamer.model.quality.model_default_level``)
@@ -165,7 +175,7 @@ class Profile:
         if self.predictor is None:
             _ = self.basis16
         else:
-            _ = self.chain_offsets, self.chain_reach, self.chain_matrices
+            _ = self.chain_offsets, self.chain_reach, self.chain_matrices, self.chain_entries
 
     @cached_property
     def predictor32(self) -> torch.Tensor | None:
@@ -188,7 +198,22 @@ class Profile:
     @cached_property
     def chain_reach(self) -> np.ndarray | None:
         """int [L]: ``codec.prediction.reach``, the state channels each layer's product takes."""
-        return None if self.predictor is None else prediction.reach(self.predictor, self.restart)
+        return None if self.predictor is None else prediction.reach(self.predictor, self.restart, self.map_rank)
+
+    @property
+    def map_rank(self) -> int:
+        """The rank of each low-rank map (0: dense maps)."""
+        return 0 if self.predictor_factors is None else self.predictor_factors[0].shape[3]
+
+    @cached_property
+    def chain_entries(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
+        """Per layer, K's and V's ``codec.prediction.chain_entry`` (bfloat16; None for
+        dense maps and at intra layers), built once."""
+        if self.predictor is None:
+            return None
+        return [tuple(None if self.predictor_factors is None or prediction.is_intra(layer, self.restart)
+                      else prediction.chain_entry(self.predictor_factors[0], layer, kind) for kind in range(2))
+                for layer in range(self.layers)]
 
     @cached_property
     def chain_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -196,8 +221,9 @@ class Profile:
         predicting profile's decoders multiply by, built once."""
         if self.predictor is None:
             return None
-        return [tuple(prediction.chain_matrix(self.predictor, self.basis, layer, kind, int(self.chain_reach[layer]))
-                      for kind in range(2)) for layer in range(self.layers)]
+        exit_ = None if self.predictor_factors is None else self.predictor_factors[1]
+        return [tuple(prediction.chain_matrix(self.predictor, self.basis, layer, kind, int(self.chain_reach[layer]),
+                                              exit_) for kind in range(2)) for layer in range(self.layers)]
 
     def section_target(self, slot: int, layer: int, kind: int) -> float:
         """The MSE/var level ``slot`` holds layer ``layer``'s K (kind 0) or V (kind 1) to:
@@ -234,6 +260,8 @@ class Profile:
             meta.update(version=PROFILE_VERSION_PREDICTED, restart=self.restart)
         if self.default_level != implicit_default_level(len(self.targets)):
             meta.update(version=PROFILE_VERSION_DEFAULT_LEVEL, default_level=self.default_level)
+        if self.predictor_factors is not None:
+            meta.update(version=PROFILE_VERSION_FACTORED)
         return json.dumps(meta, sort_keys=True)
 
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -244,7 +272,10 @@ class Profile:
             arrays["basis"] = self.basis
         if self.weights is not None:
             arrays["weights"] = self.weights
-        if self.predictor is not None:
+        if self.predictor_factors is not None:
+            arrays["predictor_constant"] = self.predictor[:, -1]
+            arrays["predictor_entry"], arrays["predictor_exit"] = self.predictor_factors
+        elif self.predictor is not None:
             arrays["predictor"] = self.predictor
         return arrays
 
@@ -270,12 +301,16 @@ class Profile:
         if meta.get("format") != PROFILE_FORMAT:
             raise CorruptBitstream("not a kvwire profile (format tag missing)")
         version = meta.get("version")
-        if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY, PROFILE_VERSION_WEIGHTS,
-                           PROFILE_VERSION_PREDICTED, PROFILE_VERSION_DEFAULT_LEVEL) or isinstance(version, bool):
+        if version not in (PROFILE_VERSION, PROFILE_VERSION_ROTARY, PROFILE_VERSION_WEIGHTS, PROFILE_VERSION_PREDICTED,
+                           PROFILE_VERSION_DEFAULT_LEVEL, PROFILE_VERSION_FACTORED) or isinstance(version, bool):
             raise CorruptBitstream(f"unsupported profile version {version!r}")
         _check_version_fields(version, meta, arrays)
         try:
             rotary = Rotary.from_json(meta["rotary"]) if "rotary" in meta else None
+            factors, predictor = None, arrays.get("predictor")
+            if "predictor_entry" in arrays:
+                factors = (arrays["predictor_entry"], arrays["predictor_exit"])
+                predictor = _factored_predictor(meta, arrays["predictor_constant"], *factors)
             return cls(
                 layers=int(meta["layers"]), heads=int(meta["heads"]), head_dim=int(meta["head_dim"]),
                 sink_tokens=int(meta["sink_tokens"]), transform=str(meta["transform"]),
@@ -284,7 +319,7 @@ class Profile:
                 mean=arrays["mean"], basis=arrays.get("basis"), steps=arrays["steps"],
                 kept=arrays["kept"], delta_group=arrays["delta_group"], shift=arrays["shift"],
                 table=arrays["table"], tables=arrays["tables"], rotary=rotary,
-                weights=arrays.get("weights"), predictor=arrays.get("predictor"),
+                weights=arrays.get("weights"), predictor=predictor, predictor_factors=factors,
                 restart=int(meta.get("restart", 0)), default_level=meta.get("default_level"),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -377,6 +412,26 @@ class Profile:
             raise ValueError("profile.predictor must be finite")
         if np.any(self.predictor[::self.restart] != 0):
             raise ValueError("profile.predictor must be zero at the intra-coded layers (0, restart, ..)")
+        if self.predictor_factors is not None:
+            self._validate_factors()
+
+    def _validate_factors(self) -> None:
+        L, C = self.layers, self.channels
+        factors = self.predictor_factors
+        if not isinstance(factors, tuple) or len(factors) != 2 \
+                or not all(isinstance(f, np.ndarray) and f.dtype == np.float16 for f in factors):
+            raise ValueError("profile.predictor_factors must be a pair of float16 arrays (entry, exit)")
+        entry, exit_ = factors
+        rank = entry.shape[-1] if entry.ndim == 4 else 0
+        if entry.shape != (L, 2, C, rank) or exit_.shape != (L, 2, rank, C) or not 1 <= rank <= C:
+            raise ValueError(f"profile.predictor_factors must be [{L}, 2, {C}, r] and [{L}, 2, r, {C}] "
+                             f"with 1 <= r <= {C}")
+        if not (np.all(np.isfinite(entry)) and np.all(np.isfinite(exit_))):
+            raise ValueError("profile.predictor_factors must be finite")
+        if np.any(entry[::self.restart] != 0) or np.any(exit_[::self.restart] != 0):
+            raise ValueError("profile.predictor_factors must be zero at the intra-coded layers (0, restart, ..)")
+        if not np.array_equal(self.predictor, prediction.expand(self.predictor[:, -1], entry, exit_)):
+            raise ValueError("profile.predictor must be its factors' product (codec.prediction.expand)")
 
     @property
     def predicts(self) -> bool:
@@ -418,19 +473,42 @@ def _check_version_fields(version: int, meta: dict, arrays: dict) -> None:
         must("rotary" in meta, version == PROFILE_VERSION_ROTARY, "rotary")
     if version < PROFILE_VERSION_PREDICTED:
         must("weights" in arrays, version == PROFILE_VERSION_WEIGHTS, "weights")
-    predicted = "predictor" in arrays
+    factor_names = ("predictor_constant", "predictor_entry", "predictor_exit")
+    factored = [name in arrays for name in factor_names]
+    if any(factored) != all(factored):
+        raise CorruptBitstream(f"a profile carries all of {', '.join(factor_names)} or none")
+    if all(factored) and "predictor" in arrays:
+        raise CorruptBitstream("a profile carries a predictor or its factors, not both")
+    predicted = "predictor" in arrays or all(factored)
     if predicted != ("restart" in meta):
         raise CorruptBitstream("a profile carries a predictor and its restart period, or neither")
     if version < PROFILE_VERSION_DEFAULT_LEVEL:
         must(predicted, version == PROFILE_VERSION_PREDICTED, "a predictor and its restart period")
-    must("default_level" in meta, version == PROFILE_VERSION_DEFAULT_LEVEL, "default_level")
+    must(all(factored), version == PROFILE_VERSION_FACTORED, "a factored predictor")
+    if version < PROFILE_VERSION_FACTORED:
+        must("default_level" in meta, version == PROFILE_VERSION_DEFAULT_LEVEL, "default_level")
     for key in ("restart", "default_level"):
         if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool)):
             raise CorruptBitstream(f"profile {key} must be an integer, got {meta[key]!r}")
-    if version == PROFILE_VERSION_DEFAULT_LEVEL and isinstance(meta.get("targets"), list) \
+    if "default_level" in meta and isinstance(meta.get("targets"), list) \
             and meta["default_level"] == implicit_default_level(len(meta["targets"])):
         raise CorruptBitstream(f"a version {version} profile's default_level differs from the codec's "
-                               f"({meta['default_level']}); a profile at the codec's is written as version 1 to 4")
+                               f"({meta['default_level']}); a profile at the codec's is written as version 1 to 4 (or 6) "
+                               f"without it")
+
+
+def _factored_predictor(meta: dict, constant: np.ndarray, entry: np.ndarray, exit_: np.ndarray) -> np.ndarray:
+    """A version 6 profile's dense maps from its stored factors, whose shapes are checked
+    against the metadata's first: the product's size is the metadata's to bound."""
+    L, C = int(meta["layers"]), int(meta["heads"]) * int(meta["head_dim"])
+    rank = entry.shape[-1] if entry.ndim == 4 else 0
+    if constant.shape != (L, 2 * C) or entry.shape != (L, 2, C, rank) or exit_.shape != (L, 2, rank, C) \
+            or not 1 <= rank <= C:
+        raise ValueError(f"predictor_constant, predictor_entry and predictor_exit must be [{L}, {2 * C}], "
+                         f"[{L}, 2, {C}, r] and [{L}, 2, r, {C}] with 1 <= r <= {C}")
+    if not all(array.dtype == np.float16 for array in (constant, entry, exit_)):
+        raise ValueError("predictor_constant, predictor_entry and predictor_exit must be float16")
+    return prediction.expand(constant, entry, exit_)
 
 
 def weighted_target(target: float, weight: float | None) -> float:
@@ -668,6 +746,7 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
                 transform_kind: str = "layer", delta: str = "auto", design_tokens: int = 4096,
                 rotary: Rotary | None = None, weights: np.ndarray | None = None,
                 predictor: np.ndarray | None = None, restart: int = 0,
+                predictor_factors: tuple[np.ndarray, np.ndarray] | None = None,
                 design_ratio: np.ndarray | None = None) -> Profile:
     """Fit a profile to tokens[layer][kv] = tensor [N, C] (sinks already removed; keys
     already rotated back when ``rotary`` is given, which the profile then records). With
@@ -731,7 +810,7 @@ def fit_profile(tokens: Sequence[Sequence[torch.Tensor]], heads: int, head_dim: 
         kept=kept,
         delta_group=np.array([[fits[l][kv].delta for kv in range(2)] for l in range(L)], dtype=np.int32),
         shift=shift, table=table, tables=tables, rotary=rotary, weights=weights,
-        predictor=predictor, restart=restart,
+        predictor=predictor, restart=restart, predictor_factors=predictor_factors,
     )
 
 
@@ -810,6 +889,7 @@ def max_profile_bytes(layers: int, heads: int, head_dim: int, levels: int) -> in
               + L * 2 * 4 * 2                # delta_group, weights
               + 2 * V * L * 2 * 2 * C        # shift, table
               + MAX_TABLES * 128 * 2         # tables
-              + L * (2 * C + 1) * 2 * C * 2)  # predictor, float16
+              + max(L * (2 * C + 1) * 2 * C * 2,             # predictor, float16
+                    L * 2 * C * 2 + 2 * L * 2 * C * C * 2))  # or its factors, rank <= C
     return arrays + _PROFILE_JSON_BYTES
 

@@ -24,11 +24,11 @@ def test_arguments_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         bench_gpu.main(["--dry-run", "--predict-maps", "kind"])
 
 
-@pytest.mark.parametrize("predict, maps", [(0, "all"), (2, "all"), (2, "kind")])
+@pytest.mark.parametrize("predict, maps", [(0, "all"), (2, "all"), (2, "kind"), (2, "low-rank")])
 def test_prepared_chunks_decode_on_the_cpu(predict: int, maps: str) -> None:
     profile, levels = bench_gpu.prepare((2, 2, 8), tokens=64, chunks=2, levels=[1, 3], predict=predict,
                                         predict_maps=maps)
-    assert profile.predicts == bool(predict) and (not predict or bool(profile.predictor_by_kind.all()) == (maps == "kind"))
+    assert profile.predicts == bool(predict) and (not predict or bool(profile.predictor_by_kind.all()) == (maps != "all"))
     assert [p.level for p in levels] == [1, 3]
     for prepared in levels:
         assert len(prepared.blobs) == 2 and prepared.fp16_bytes == 2 * 2 * 2 * 2 * 64 * 16

@@ -8,6 +8,7 @@ import torch
 
 import codec
 from codec import api, calibrate, container, layer_codec
+from streamer.model import quality
 from streamer.tools import bench_codec
 
 
@@ -118,7 +119,8 @@ def test_predicted_rows_sit_beside_the_plain_ones_at_the_same_error() -> None:
     workload = bench_codec.synthetic_workload("small", 1024)
     report = bench_codec.run(workload, 512, repeat=1, compare_variants=False, predict=2)
     plain = [r for r in report.rows if r.method == "kvwire"]
-    predicted = [r for r in report.rows if r.method == "kvwire-predicted/2/kind"]   # kvwire calibrate's maps
+    predicted = [r for r in report.rows   # kvwire calibrate's maps
+                 if r.method == f"kvwire-predicted/2/{quality.PREDICT_MAPS_DEFAULT}"]
     assert report.config["predict"] == 2 and len(predicted) == len(plain) == 5
     for p, q in zip(plain, predicted):
         assert q.level == p.level and q.distortion == pytest.approx(p.distortion, rel=0.15)

@@ -221,11 +221,12 @@ def test_each_hostile_input_is_a_typed_rejection(name: str) -> None:
 
 
 def test_adversarial_sizes_stay_within_the_bound(capsys) -> None:
-    rows = adversarial.size_rows(layers=1, tokens=40, heads=2, head_dim=4)
-    assert len(rows) == len(adversarial.KINDS) * (2 * 5 + 1)   # each profile's levels, and the exact level
+    rows = adversarial.size_rows(layers=2, tokens=40, heads=2, head_dim=4)
+    assert len(rows) == len(adversarial.KINDS) * (3 * 5 + 2)   # each profile's levels, and the exact level
     assert not any(r["over_bound"] for r in rows)
+    assert {r["profile"] for r in rows} == {"calibrated", "predicted", "embedded"}
     exact = [r for r in rows if r["level"] == "exact"]
-    assert len(exact) == len(adversarial.KINDS)
+    assert len(exact) == 2 * len(adversarial.KINDS)
     assert all(r["blob_bytes"] == r["fp16_bytes"] + r["header_bytes"] for r in exact)   # raw: fp16 + header
     assert any(r["raw_layers"] for r in rows)     # some of the hostile data did go raw
     assert main(["bench", "adversarial", "sizes", "--tokens", "24", "--json"]) == 0

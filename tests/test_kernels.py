@@ -464,11 +464,12 @@ def test_adapter_copies_raw_sections_and_sinks(host_kernel, monkeypatch: pytest.
     assert_decoders_agree(got[1], want, profile)
 
 
-@pytest.mark.parametrize("maps", ["all", "kind"])
+@pytest.mark.parametrize("maps", ["all", "kind", "low-rank"])
 def test_adapter_decodes_predicted_blobs_and_cuts_off_what_a_corrupt_layer_feeds(host_kernel, maps: str) -> None:
     """Format 6 through GpuDecoder's own code: groups of 4 layers, each group's batched
     GEMM then each layer's prediction in turn (the chain crosses groups; K-from-K maps by
-    their blocks), equal to the CPU decoder as FORMAT.md allows. A corrupt section in a stream
+    their blocks, low-rank maps through their factors), equal to the CPU decoder as
+    FORMAT.md allows. A corrupt section in a stream
     decoder's chunk fails its layer and the layers predicted from it up to the next intra
     layer; that one decodes."""
     from kvwire_kernels.stream import StreamDecoder

@@ -242,13 +242,13 @@ def test_calibrate_cli_allocation(llama_dir, tmp_path, capsys):
 
 
 def test_what_a_models_profile_predicts_and_defaults_to(llama_dir) -> None:
-    """A causal LM: every layer but the first predicted by kind when the default is asked
-    for, level 3 on the codec's ladder (where it was measured), the codec's on another; an
+    """A causal LM: every layer but the first predicted by kind through low-rank maps when
+    the default is asked for, level 3 on the codec's ladder (where it was measured), the codec's on another; an
     encoder (a BERT-style ``encoder.layer``): no prediction unless told, the codec's level."""
     from types import SimpleNamespace
 
     model, _ = hf.load_model(llama_dir)
-    assert quality.model_prediction(model, None) == {"predict": 2, "predict_groups": "kind"}
+    assert quality.model_prediction(model, None) == {"predict": 2, "predict_groups": "low-rank"}
     assert quality.model_prediction(model) == {} and quality.model_prediction(model, 0, "all") == {}
     assert quality.model_prediction(model, 1, "all") == {"predict": 1, "predict_groups": "all"}
     assert quality.model_default_level(model) == 3 and quality.model_default_level(model, (1e-3, 1e-2)) is None
@@ -324,6 +324,9 @@ def test_bench_quality_ablation_rows(llama_dir, capsys):
     work = {name: facts["added_multiply_adds_per_value"] for name, facts in fitted.items()}
     assert work["layer-predicted-kind"] == pytest.approx(work["layer-predicted"] / 2, abs=0.1)
     assert work["layer-predicted-head"] == work["layer-predicted"]
+    # a low-rank map's two factors: 2r multiply-adds per value (r = this model's C at most)
+    low_rank = fitted["layer-predicted-low-rank"]
+    assert 0 < low_rank["map_values"] and work["layer-predicted-low-rank"] <= 2 * work["layer-predicted-kind"]
 
 
 def test_bench_quality_ablation_table_and_errors(llama_dir, tmp_path, capsys, monkeypatch):

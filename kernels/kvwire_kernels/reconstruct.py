@@ -77,7 +77,7 @@ def cpu_coefficients(profile: Profile, parsed: ParsedSection, coded_tokens: int)
 class DeviceTables:
     """A profile's means (float32) and basis (bfloat16, what the inverse transform
     multiplies by) on one device, and a predicting profile's chain: each layer's offset
-    and K's and V's matrices (``codec.prediction``)."""
+    and K's and V's matrices and entry factors (``codec.prediction``)."""
 
     mean: torch.Tensor                # [layers, 2, C]
     #: [layers, 2, stored rows, C]; None: identity transform, or a predicting profile
@@ -85,6 +85,7 @@ class DeviceTables:
     basis: torch.Tensor | None
     offsets: torch.Tensor | None = None                               # [layers, 2, C]; None: no prediction
     matrices: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    entries: Sequence[prediction.Entries] | None = None
 
 
 _tables: "weakref.WeakKeyDictionary[Profile, dict[torch.device, DeviceTables]]" = weakref.WeakKeyDictionary()
@@ -101,7 +102,9 @@ def device_tables(profile: Profile, device: torch.device) -> DeviceTables:
                               None if profile.basis16 is None or predicts else profile.basis16.to(device),
                               profile.chain_offsets.to(device) if predicts else None,
                               [tuple(m.to(device) for m in pair) for pair in profile.chain_matrices]
-                              if predicts else None)
+                              if predicts else None,
+                              [tuple(None if e is None else e.to(device) for e in pair)
+                               for pair in profile.chain_entries] if predicts else None)
         per_device[device] = tables
     return tables
 
@@ -196,7 +199,7 @@ def _chained(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection
             kept_k, kept_v = parsed.lanes.plan.kept
             state = prediction.layer_state((coef[:, :kept_k], coef[:, kept_k:kept_k + kept_v]),
                                            tables.matrices[parsed.layer], int(profile.chain_reach[parsed.layer]),
-                                           previous)
+                                           previous, tables.entries[parsed.layer])
             values.append(torch.stack(state).float().add_(offset[:, None, :]))
         chain.hold(parsed.layer, state)
     return torch.stack(values) if values else None

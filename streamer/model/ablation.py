@@ -199,13 +199,14 @@ def _layer_predicted(grouping: str = "all", restart: int = 0
         predicted_layers = [layer for layer in range(predicted.layers)
                             if not prediction.is_intra(layer, predicted.restart)]
         # one multiply-add per map row a decoder reads and decoded value: 2C rows of the
-        # dense map, C of a map by kind (its blocks; a map per head is read dense), on
-        # every predicted layer (modelled, not timed)
-        rows = sum(predicted.channels if predicted.predictor_by_kind[layer] else 2 * predicted.channels
-                   for layer in predicted_layers)
+        # dense map, C of a map by kind (its blocks; a map per head is read dense), 2r of
+        # a low-rank one (its two factors), on every predicted layer (modelled, not timed)
+        rows = sum(2 * predicted.map_rank if predicted.map_rank else predicted.channels
+                   if predicted.predictor_by_kind[layer] else 2 * predicted.channels for layer in predicted_layers)
+        stored = predicted.predictor_factors or (predicted.predictor,)
         return Fitted(apply, {
             "profile_id": predicted.id, "profile_bytes": len(predicted.to_bytes()),
-            "map_values": int(np.count_nonzero(predicted.predictor)),
+            "map_values": sum(int(np.count_nonzero(array)) for array in stored),
             "intra_layers": predicted.layers - len(predicted_layers),
             "added_multiply_adds_per_value": round(rows / predicted.layers, 1)})
     return prepare
@@ -225,6 +226,9 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
              None, _layer_predicted()),
     Ablation("layer-predicted-kind", "codec", "as layer-predicted, K from the previous layer's K and V from its V "
              "(two blocks: half the map)", None, _layer_predicted("kind")),
+    Ablation("layer-predicted-low-rank", "codec", f"as layer-predicted-kind, each map reduced to its "
+             f"{prediction.LOW_RANK} leading directions (two factors: 2 x {prediction.LOW_RANK} multiply-adds per "
+             "value where a map by kind takes C)", None, _layer_predicted("low-rank")),
     Ablation("layer-predicted-head", "codec", "as layer-predicted, each KV head's K and V from that head's "
              "(a block per head)", None, _layer_predicted("head")),
     Ablation(f"layer-predicted-restart{RESTART_LAYERS}", "codec", f"as layer-predicted, every {RESTART_LAYERS}th "

@@ -160,7 +160,7 @@ def model_weights(model, tokenizer, token_ids: Sequence[int], allocation: bool |
 PREDICT_DEFAULT = True
 #: ``codec.PREDICT_GROUPS``: the maps a predicting calibration fits unless told: K from K
 #: and V from V, half a full map's work for most of its gain (README, "Concepts")
-PREDICT_MAPS_DEFAULT = "kind"
+PREDICT_MAPS_DEFAULT = "low-rank"
 #: ``predict`` choices of ``bench quality``, as ROTARY_MODES.
 PREDICT_MODES = ("auto", "on", "off", "both")
 #: The default level (``Profile.default_level``) of a causal LM's profile on the codec's

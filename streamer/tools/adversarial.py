@@ -64,16 +64,21 @@ def adversarial_kv(kind: str, layers: int = 4, tokens: int = 256, heads: int = 4
 
 
 def size_rows(layers: int = 4, tokens: int = 256, heads: int = 4, head_dim: int = 32) -> list[dict]:
-    """One row per (kind, profile, level): blob bytes against fp16 bytes and the header."""
+    """One row per (kind, profile, level): blob bytes against fp16 bytes and the header.
+    The profiles: a plain one, one predicting every layer but the first from the one
+    before with low-rank maps (what ``kvwire calibrate`` fits for a causal LM), and none
+    (the blob's embedded one)."""
     import codec
-    from codec.synthetic import synthetic_kv
+    from codec.synthetic import chained_kv, synthetic_kv
 
     profile = codec.calibrate([synthetic_kv(layers, heads, head_dim, 512, seed=1)])
+    predicting = codec.calibrate([chained_kv(layers, heads, head_dim, 512, seed=1)], predict=layers,
+                                 predict_groups="low-rank")
     rows = []
     for kind in KINDS:
         kv = adversarial_kv(kind, layers, tokens, heads, head_dim)
         fp16 = kv.numel() * 2
-        for name, prof in (("calibrated", profile), ("embedded", None)):
+        for name, prof in (("calibrated", profile), ("predicted", predicting), ("embedded", None)):
             for level in [*range(len(codec.DEFAULT_TARGETS)), *(["exact"] if prof is not None else [])]:
                 blob = codec.encode_exact(kv, prof) if level == "exact" else codec.encode(kv, level, prof)
                 info = codec.inspect(blob)

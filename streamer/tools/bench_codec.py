@@ -442,7 +442,7 @@ class StageReport:
 class _Work:
     """What the coded sections of the blobs ask of each stage."""
 
-    flops: float = 0.0         # inverse transform: 2 * N * (predicted rows + kept) * C per K/V
+    flops: float = 0.0         # inverse transform: 2 * N * (predicted rows (twice if factored) + kept) * C per K/V
     shape: tuple[int, int, int] = (1, 1, 1)  # (N, rows, C) of the largest product
     steps: float = 0.0         # coder steps: a symbol per value, one more per value with low bits
     crc_bytes: float = 0.0
@@ -463,10 +463,12 @@ def _work(profile: Profile, level: int, blobs: Sequence[bytes]) -> _Work:
             payload = container.split_section(container.section(blob, header, layer), header, layer)[1]
             plan = layer_codec.parse_lanes(profile, level, layer, header.coded_tokens, payload, header.version).plan
             n, c = header.coded_tokens, header.channels
-            # a predicting profile's layers are all products (codec.prediction.coded_state)
+            # a predicting profile's layers are all products (codec.prediction.coded_state),
+            # a low-rank map's with the state by its entry factor first (C x reach, per kind)
             reach = 0 if profile.predictor is None else int(profile.chain_reach[layer])
+            entry = 2 * reach if profile.predictor_factors is not None else 0
             if profile.basis is not None or profile.predictor is not None:
-                flops += 2.0 * n * (sum(plan.kept) + 2 * reach) * c
+                flops += 2.0 * n * (sum(plan.kept) + 2 * reach + entry) * c
             shape = max(shape, (n, max(plan.kept) + reach, c), key=lambda s: s[0] * s[1] * s[2])
             steps += n * float((1 + (plan.shift[:, 0] > 0)).sum())
             rope += 8.0 * n * c if profile.rotary is not None else 0.0

@@ -19,7 +19,7 @@ DEFAULT_CALIBRATION_TOKENS = 8192
 _ROTARY = {"auto": None, "on": True, "off": False}
 #: what each choice of --predict-maps reads, as the summary line says it
 _MAPS_READ = {"all": "every channel from every channel", "kind": "K from K, V from V",
-              "head": "each KV head from its own"}
+              "head": "each KV head from its own", "low-rank": "K from K, V from V, rank 48"}
 #: ``codec.PREDICT_GROUPS``, spelled out so that registering the command imports no torch
 PREDICT_MAPS = tuple(_MAPS_READ)
 

@@ -329,7 +329,7 @@ def seed_inputs(target: str) -> list[bytes]:
         return [bytes([step]) + r for r in fuzz_http.seed_requests() for step in (0, 7)]
     if target == "sse":
         return fuzz_http.seed_events()
-    return [b"\x00", b"\x01", b"\x02", b"\x03", b"\x20"]   # the codec's seed blobs (fuzz_codec._seed)
+    return [b"\x00", b"\x01", b"\x02", b"\x03", b"\x20", bytes([fuzz_codec.LOW_RANK_SEED])]   # fuzz_codec._seed
 
 
 def write_seeds(target: str, corpus: Path) -> int:

@@ -39,7 +39,8 @@ _ENTRY = ENTRY.size
 @functools.lru_cache(maxsize=1)
 def _seed_blobs():
     """(blob, profile) pairs: a profiled delta-coded blob, an fp16 embedded one, a profiled
-    level 0 one, an exact-level one (every section raw), and a predicted one (format 7)."""
+    level 0 one, an exact-level one (every section raw), a predicted one (format 7), and
+    one predicted through low-rank maps (profile version 6)."""
     import torch
 
     import codec
@@ -49,18 +50,26 @@ def _seed_blobs():
     profile = codec.calibrate([torch.randn(2, 2, 64, 1, 3, generator=gen)], delta="always")
     kv = torch.randn(2, 2, 24, 1, 3, generator=torch.Generator().manual_seed(1))
     predicting = codec.calibrate([chained_kv(3, 1, 3, 64, 0)], predict=2)
+    low_rank = codec.calibrate([chained_kv(3, 2, 3, 64, 0)], predict=2, predict_groups="low-rank")
     return ((codec.encode(kv, 2, profile), profile), (codec.encode(kv.half(), 2), None),
             (codec.encode(kv, 0, profile), profile), (codec.encode_exact(kv.half(), profile), profile),
-            (codec.encode(chained_kv(3, 1, 3, 24, 1), 2, predicting), predicting))
+            (codec.encode(chained_kv(3, 1, 3, 24, 1), 2, predicting), predicting),
+            (codec.encode(chained_kv(3, 2, 3, 24, 1), 2, low_rank), low_rank))
+
+
+#: the first byte that picks the low-rank seeds (blob and profile): one that no kept
+#: corpus input began with before they existed, so that every such input keeps its meaning
+LOW_RANK_SEED = 0x60
 
 
 def _seed(data: bytes) -> tuple[bytes, object]:
-    """The seed blob ``data`` names: data[0]'s low 2 bits, or with bit 5 the predicted one
-    (an input's meaning from before that seed existed is kept)."""
+    """The seed blob ``data`` names: data[0]'s low 2 bits, or with bit 5 the predicted one,
+    or, data[0] being LOW_RANK_SEED, the low-rank one (an input's meaning from before a
+    seed existed is kept)."""
     seeds = _seed_blobs()
     if not data:
         return seeds[0]
-    return seeds[4] if data[0] & 0x20 else seeds[data[0] % 4]
+    return seeds[5] if data[0] == LOW_RANK_SEED else seeds[4] if data[0] & 0x20 else seeds[data[0] % 4]
 
 
 def _reseal(blob: bytes) -> bytes:
@@ -224,6 +233,8 @@ def check_header(data: bytes) -> None:
 
 #: profile arrays a ``profile`` input may edit, and the metadata fields it may replace
 _ARRAYS = ("mean", "basis", "steps", "kept", "delta_group", "shift", "table", "tables", "weights", "predictor")
+#: those of a profile whose maps are factored (version 6), which stores them for the predictor
+_FACTORED_ARRAYS = _ARRAYS[:-1] + ("predictor_constant", "predictor_entry", "predictor_exit")
 _META = ("layers", "heads", "head_dim", "sink_tokens", "targets", "estimated_bits", "transform", "rotary",
          "restart", "default_level")
 
@@ -231,34 +242,38 @@ _META = ("layers", "heads", "head_dim", "sink_tokens", "targets", "estimated_bit
 def profile_bytes(data: bytes) -> bytes:
     """The edited profile file that ``data`` describes.
 
-    data[0]: seed profile (the seed blobs' and an identity one); then 7-byte edits (u8
-    what, u16 index, u32 value), with A = len(_ARRAYS): what % (2A + 4) < A sets element
-    ``index`` of array _ARRAYS[what] to ``value`` (cast to its dtype; floats from the
-    u32's low bits), < 2A drops or repeats the array's last row on axis ``index % ndim``,
-    else replaces metadata field _META[index % len(_META)] by a number, a list or a
-    string derived from ``value``.
+    data[0]: seed profile (LOW_RANK_SEED: the low-rank one; else the other seed blobs' and
+    an identity one, data[0] modulo their number); then 7-byte edits (u8 what, u16 index,
+    u32 value), with N the seed's array names (_ARRAYS, or _FACTORED_ARRAYS for the
+    low-rank one) and A = len(N): what % (2A + 4) < A sets element ``index`` of array
+    N[what] to ``value`` (cast to its dtype; floats from the u32's low bits), < 2A drops
+    or repeats the array's last row on axis ``index % ndim``, else replaces metadata
+    field _META[index % len(_META)] by a number, a list or a string derived from ``value``.
     """
     from safetensors.numpy import save
 
-    profiles = [p for _, p in _seed_blobs() if p is not None] + [_identity_profile()]
-    profile = profiles[data[0] % len(profiles)] if data else profiles[0]
-    arrays = {name: np.array(getattr(profile, name)) for name in _ARRAYS if getattr(profile, name) is not None}
+    seeds = [p for _, p in _seed_blobs() if p is not None]
+    profiles = seeds[:-1] + [_identity_profile()]
+    profile = seeds[-1] if data[:1] == bytes([LOW_RANK_SEED]) else profiles[data[0] % len(profiles)] if data \
+        else profiles[0]
+    names = _FACTORED_ARRAYS if profile.predictor_factors is not None else _ARRAYS
+    arrays = {name: np.array(array) for name, array in profile._arrays().items()}
     meta = json.loads(profile._metadata_json())
     for j in range(1, len(data) - 6, 7):
         what, index, value = struct.unpack_from("<BHI", data, j)
-        what %= 2 * len(_ARRAYS) + 4
-        if what < 2 * len(_ARRAYS):
-            name = _ARRAYS[what % len(_ARRAYS)]
+        what %= 2 * len(names) + 4
+        if what < 2 * len(names):
+            name = names[what % len(names)]
             if name not in arrays:
                 continue
             array = arrays[name]
-            if what < len(_ARRAYS) and array.size:
+            if what < len(names) and array.size:
                 flat = array.reshape(-1)
                 cast = (np.array([value], np.uint32).view(np.float32)[0] if array.dtype == np.float32 else
                         np.array([value & 0xFFFF], np.uint16).view(np.float16)[0] if array.dtype == np.float16
                         else value)
                 flat[index % flat.size] = np.array(cast).astype(array.dtype, casting="unsafe")
-            elif what >= len(_ARRAYS) and array.ndim:
+            elif what >= len(names) and array.ndim:
                 axis = index % array.ndim
                 if array.shape[axis] == 0:
                     continue
