@@ -153,13 +153,15 @@ def model_weights(model, tokenizer, token_ids: Sequence[int], allocation: bool |
 #: (``codec.prediction``, blob format 7) with PREDICT_MAPS_DEFAULT maps, only layer 0 coded
 #: alone (so a chunk the fetch continues at another level travels again from layer 0,
 #: ``Manifest.resume_layer``, a cost the fetch's plan prices). On: on
-#: SmolLM2 at the same MSE/var it takes 14% of the bits out of level 3 (2.69 to 2.30
+#: SmolLM2 at the same MSE/var it takes 9% of the bits out of level 3 (2.69 to 2.45
 #: bits/el: ``kvwire bench quality --model smollm2 --levels 3 --predict both``), for a CPU
-#: decode 0.7-0.97x the plain level's rate (``kvwire bench codec --workload smollm2
+#: decode about 0.9x the plain level's rate (``kvwire bench codec --workload smollm2
 #: --predict 0``). Encoders: off (not measured on one).
 PREDICT_DEFAULT = True
 #: ``codec.PREDICT_GROUPS``: the maps a predicting calibration fits unless told: K from K
-#: and V from V, half a full map's work for most of its gain (README, "Concepts")
+#: and V from V through rank-48 factors, half a full map by kind's decode work for about
+#: 60% of its gain (``kvwire bench codec --workload smollm2 --predict 30 --predict-maps
+#: kind``; README, "Concepts")
 PREDICT_MAPS_DEFAULT = "low-rank"
 #: ``predict`` choices of ``bench quality``, as ROTARY_MODES.
 PREDICT_MODES = ("auto", "on", "off", "both")

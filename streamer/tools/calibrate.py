@@ -176,15 +176,18 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="predict each layer from the one before it, coding only what the prediction misses "
                         "(blob format 7; layers 0, N, 2N, .. coded alone, where a chunk continued at another "
                         "level restarts; 0: off). Default: on for a causal LM, every layer but the first predicted "
-                        "(on SmolLM2 14%% fewer bits at level 3 at the same error, for a CPU decode 0.7-0.97x "
+                        "(on SmolLM2 9%% fewer bits at level 3 at the same error, for a CPU decode about 0.9x "
                         "the plain level's rate); off for an encoder. kvwire put and the streamer "
                         "carry such contexts")
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,
-                   help="which values each layer's map reads. 'kind' (the default): K from K and V from V, "
-                        "half a full map and its decode work, for 10-14%% more bits than 'all' on SmolLM2's "
-                        "levels 2-3; 'all': every K and V channel of the layer before; 'head': each KV head "
-                        "from its own "
-                        "(kvwire bench quality --ablation layer-predicted layer-predicted-kind measures them)")
+                   help="which values each layer's map reads. 'low-rank' (the default): K from K and V from "
+                        "V through each map's 48 leading directions, two factors of 48 columns (96 multiply-adds "
+                        "per value where 'kind' takes a head's channels times heads, 192 on SmolLM2), for about "
+                        "60%% of the bits 'kind' saves; 'kind': the full map of K from K and V from V, half a "
+                        "full map and its decode work, for 10-14%% more bits than 'all' on SmolLM2's levels 2-3; "
+                        "'all': every K and V channel of the layer before; 'head': each KV head from its own "
+                        "(kvwire bench quality --ablation layer-predicted layer-predicted-kind "
+                        "layer-predicted-low-rank measures them)")
     p.add_argument("--default-level", type=int, default=None, metavar="LEVEL",
                    help="the level kvwire encodes at when none is named (codec.encode; the profile records "
                         "it). Default: 3 for a causal LM on the codec's ladder (within 0.5%% perplexity and "
