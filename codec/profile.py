@@ -401,6 +401,8 @@ class Profile:
         if self.predictor is None:
             if self.restart != 0:
                 raise ValueError("profile.restart is set without a predictor")
+            if self.predictor_factors is not None:
+                raise ValueError("profile.predictor_factors are set without a predictor")
             return
         L, C = self.layers, self.channels
         if not isinstance(self.predictor, np.ndarray) or self.predictor.dtype != np.float16 \
@@ -422,10 +424,7 @@ class Profile:
                 or not all(isinstance(f, np.ndarray) and f.dtype == np.float16 for f in factors):
             raise ValueError("profile.predictor_factors must be a pair of float16 arrays (entry, exit)")
         entry, exit_ = factors
-        rank = entry.shape[-1] if entry.ndim == 4 else 0
-        if entry.shape != (L, 2, C, rank) or exit_.shape != (L, 2, rank, C) or not 1 <= rank <= C:
-            raise ValueError(f"profile.predictor_factors must be [{L}, 2, {C}, r] and [{L}, 2, r, {C}] "
-                             f"with 1 <= r <= {C}")
+        _check_factor_shapes(L, C, entry, exit_)
         if not (np.all(np.isfinite(entry)) and np.all(np.isfinite(exit_))):
             raise ValueError("profile.predictor_factors must be finite")
         if np.any(entry[::self.restart] != 0) or np.any(exit_[::self.restart] != 0):
@@ -497,15 +496,21 @@ def _check_version_fields(version: int, meta: dict, arrays: dict) -> None:
                                f"without it")
 
 
+def _check_factor_shapes(layers: int, channels: int, entry: np.ndarray, exit_: np.ndarray) -> None:
+    """ValueError unless ``entry`` is [L, 2, C, r] and ``exit_`` [L, 2, r, C], 1 <= r <= C."""
+    L, C = layers, channels
+    rank = entry.shape[-1] if entry.ndim == 4 else 0
+    if entry.shape != (L, 2, C, rank) or exit_.shape != (L, 2, rank, C) or not 1 <= rank <= C:
+        raise ValueError(f"the predictor's factors must be [{L}, 2, {C}, r] and [{L}, 2, r, {C}] with 1 <= r <= {C}")
+
+
 def _factored_predictor(meta: dict, constant: np.ndarray, entry: np.ndarray, exit_: np.ndarray) -> np.ndarray:
     """A version 6 profile's dense maps from its stored factors, whose shapes are checked
     against the metadata's first: the product's size is the metadata's to bound."""
     L, C = int(meta["layers"]), int(meta["heads"]) * int(meta["head_dim"])
-    rank = entry.shape[-1] if entry.ndim == 4 else 0
-    if constant.shape != (L, 2 * C) or entry.shape != (L, 2, C, rank) or exit_.shape != (L, 2, rank, C) \
-            or not 1 <= rank <= C:
-        raise ValueError(f"predictor_constant, predictor_entry and predictor_exit must be [{L}, {2 * C}], "
-                         f"[{L}, 2, {C}, r] and [{L}, 2, r, {C}] with 1 <= r <= {C}")
+    _check_factor_shapes(L, C, entry, exit_)
+    if constant.shape != (L, 2 * C):
+        raise ValueError(f"predictor_constant must be [{L}, {2 * C}]")
     if not all(array.dtype == np.float16 for array in (constant, entry, exit_)):
         raise ValueError("predictor_constant, predictor_entry and predictor_exit must be float16")
     return prediction.expand(constant, entry, exit_)

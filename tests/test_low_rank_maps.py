@@ -152,6 +152,8 @@ def test_factors_are_checked(profiles) -> None:
         Profile(**{**fields, "predictor_factors": (entry.astype(np.float32), exit_)})
     with pytest.raises(ValueError, match=r"\[6, 2, 32, r\]"):
         Profile(**{**fields, "predictor_factors": (entry[..., :4], exit_)})
+    with pytest.raises(ValueError, match="without a predictor"):
+        Profile(**{**fields, "predictor": None, "restart": 0})
     bad = entry.copy()
     bad[1, 0, 0, 0] = np.inf
     with pytest.raises(ValueError, match="finite"):
