@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="blobs of a profile that predicts each layer from the one before (format 7; "
                              "layers 0, N, 2N, .. coded alone): what the prediction adds to a decode")
     parser.add_argument("--predict-maps", choices=PREDICT_GROUPS, default=None,
-                        help="with --predict: the maps (kvwire calibrate --predict-maps; default kind, "
+                        help="with --predict: the maps (kvwire calibrate --predict-maps; default low-rank, "
                              "as kvwire calibrate fits for a causal LM)")
     parser.add_argument("--kit", default=None, help="a copy of ../shared/device-kit: builds pycuda if missing")
     parser.add_argument("--site", default=os.environ.get("SITE", "/tmp/site"), help="where the kit installs pycuda")
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.predict_maps is not None and not args.predict:
         parser.error("--predict-maps chooses the maps of --predict N; give both")
-    args.predict_maps = args.predict_maps or "kind"
+    args.predict_maps = args.predict_maps or "low-rank"
     if args.dry_run:
         report = dry_run(args.tokens or [512, 1024, 1536], args.calibration_tokens, tuple(args.shape))
         write_report(report, args.out)

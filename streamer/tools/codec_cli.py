@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                         "encode and decode speed beside the profile's own rows")
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,
                    help="with --predict N: the maps calibrated (kvwire calibrate --predict-maps; default "
-                        "kind)")
+                        "low-rank)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default="codec_rd.png", help="rate-distortion PNG path (default codec_rd.png)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
