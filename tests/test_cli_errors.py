@@ -54,6 +54,8 @@ def test_bench_codec_level_without_stages_is_refused(capsys) -> None:
 
 def test_the_commands_offer_the_codecs_map_groups() -> None:
     """The CLI spells the choices out (registering imports no torch); they must stay the codec's."""
+    from codec.prediction import LOW_RANK
     from codec.profile import PREDICT_GROUPS
-    from streamer.tools.calibrate import PREDICT_MAPS
+    from streamer.tools.calibrate import _MAPS_READ, PREDICT_MAPS
     assert PREDICT_MAPS == PREDICT_GROUPS
+    assert _MAPS_READ["low-rank"].endswith(f"rank {LOW_RANK}")   # the summary line's words
