@@ -44,6 +44,10 @@ from streamer_helpers import arrived_bytes, synthetic_kv
 
 LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, CHUNKS = 3, 2, 8, 16, 4
 MAX_RECONNECTS = 2
+#: how long the session waits on silence before it reconnects: each scripted stall costs
+#: this much, and a pause of the test process on a busy 2-core machine (tens of ms) must
+#: not pass for one, or a fetch within its reconnect budget fails for want of one more
+STALL_TIMEOUT = 0.25
 
 pytestmark = pytest.mark.slow
 
@@ -342,7 +346,7 @@ async def _fetch(stored: dict, script: Script):
         return Observation(1, 1.0)
 
     session = streamer.StreamSession("127.0.0.1", 1, "ctx", slo=30.0, policy="mpc", cancel=True, record=True,
-                                     stall_timeout=0.05, max_reconnects=MAX_RECONNECTS, backoff=0.001,
+                                     stall_timeout=STALL_TIMEOUT, max_reconnects=MAX_RECONNECTS, backoff=0.001,
                                      max_backoff=0.002, connect_timeout=1.0)
     consumer = Consumer(session.levels, script)
     if script.consumer_async:
