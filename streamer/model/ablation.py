@@ -198,11 +198,11 @@ def _layer_predicted(grouping: str = "all", restart: int = 0
             return codec.decode(blob, predicted), len(blob)
         predicted_layers = [layer for layer in range(predicted.layers)
                             if not prediction.is_intra(layer, predicted.restart)]
-        # one multiply-add per map row a decoder reads and decoded value: 2C rows of the
-        # dense map, C of a map by kind (its blocks; a map per head is read dense), 2r of
-        # a low-rank one (its two factors), on every predicted layer (modelled, not timed)
-        rows = sum(2 * predicted.map_rank if predicted.map_rank else predicted.channels
-                   if predicted.predictor_by_kind[layer] else 2 * predicted.channels for layer in predicted_layers)
+        # one multiply-add per map row a decoder reads and decoded value: the columns each
+        # layer's product reaches (codec.prediction.reach: 2C dense, C by kind, r low-rank),
+        # twice for a low-rank map's two factors, on every predicted layer (modelled, not timed)
+        factors = 2 if predicted.map_rank else 1
+        rows = sum(factors * int(predicted.chain_reach[layer]) for layer in predicted_layers)
         stored = predicted.predictor_factors or (predicted.predictor,)
         return Fitted(apply, {
             "profile_id": predicted.id, "profile_bytes": len(predicted.to_bytes()),
