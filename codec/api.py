@@ -57,12 +57,14 @@ def _tokens_from_bytes(data: memoryview, dtype: torch.dtype, channels: int) -> t
 
 def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tensor, body: torch.Tensor,
                    sinks: int, parts: tuple[control.PartControl, control.PartControl] | None,
-                   raw: bool = False, coefficients: layer_codec.Coefficients | None = None) -> tuple[bytes, int]:
-    """(section bytes, mode) of one layer: rANS lanes at the controlled steps (``parts``;
-    None: the profile's), or the tokens verbatim when the lanes would not be smaller
-    (data unlike the calibration), the values do not quantize at all, or ``raw`` (the
-    profile does not fit the layer), so a section is never larger than the layer in its
-    own dtype. ``coefficients``: the layer's transform shared with other levels."""
+                   raw: bool = False, coefficients: layer_codec.Coefficients | None = None
+                   ) -> tuple[bytes, layer_codec.EncodedLayer | None]:
+    """(section bytes, its lanes) of one layer: its sinks and rANS lanes at the controlled
+    steps (``parts``; None: the profile's), or (lanes None) the tokens verbatim when the
+    lanes would not be smaller (data unlike the calibration), the values do not quantize
+    at all, or ``raw`` (the profile does not fit the layer), so a section is never larger
+    than the layer in its own dtype. ``coefficients``: the layer's transform shared with
+    other levels."""
     raw_size = container.token_bytes(kv_layer.shape[1] - sinks, body.shape[-1], kv_layer.dtype)
     lanes = None
     if not raw:
@@ -73,9 +75,10 @@ def _layer_section(profile: Profile, slot: int, layer: int, kv_layer: torch.Tens
         except layer_codec.NotCodable:
             pass
     sink_bytes = _token_bytes(kv_layer[:, :sinks])
-    if lanes is None or len(lanes) >= raw_size or _over_decode_bound(len(sink_bytes) + len(lanes), kv_layer.shape[1], body.shape[-1], kv_layer.dtype):
-        return _raw_section(kv_layer, sinks), container.MODE_RAW
-    return sink_bytes + lanes, container.MODE_CODED
+    if lanes is None or len(lanes.payload) >= raw_size or _over_decode_bound(
+            len(sink_bytes) + len(lanes.payload), kv_layer.shape[1], body.shape[-1], kv_layer.dtype):
+        return _raw_section(kv_layer, sinks), None
+    return sink_bytes + lanes.payload, lanes
 
 
 def _raw_section(kv_layer: torch.Tensor, sinks: int) -> bytes:
@@ -283,10 +286,10 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
         coefficients = layer_codec.layer_coefficients(
             profile, l, *layer_body, (max(k for k, _ in kept), max(v for _, v in kept))) if kept else None
         for i, slot in enumerate(slots):
-            section, mode = _layer_section(profile, slot, l, kv[l], layer_body, sinks, parts[i], raw=l in raw[i],
-                                           coefficients=coefficients)
+            section, lanes = _layer_section(profile, slot, l, kv[l], layer_body, sinks, parts[i], raw=l in raw[i],
+                                            coefficients=coefficients)
             sections[i].append(section)
-            modes[i].append(mode)
+            modes[i].append(container.MODE_RAW if lanes is None else container.MODE_CODED)
     blobs = []
     for (level, _), c, lim, layer_sections, layer_modes in zip(levels, controls, limits, sections, modes):
         # after: those again, plus the layers that came out raw (not smaller coded) whose
@@ -307,13 +310,12 @@ def _encode_coded(kv: torch.Tensor, profile: Profile, levels: list[tuple[int, in
 def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int, start: int) -> bytes:
     """The blob (format 7) of ``kv`` at ``level`` of a predicting profile: layer by layer,
     each predicted layer's residual from the previous layer's state *as the decoder will
-    decode it* (the encoder decodes each section it writes), so that errors do not pile up
-    through the chain. The step control holds each section's error against the variance
+    decode it* (the state it carries comes from the integers each section codes, as the
+    decoder's comes from the section), so that errors do not pile up through the chain. The step control holds each section's error against the variance
     of the layer's values, not of the residual: a predicted level loses what the plain
     one does, in fewer bits. Levels do not share work: each has its own chain."""
     layers, _, tokens, heads, head_dim = kv.shape
     body = CodedBody(kv, sinks, profile.rotary, start)
-    channels = heads * head_dim
     controlled = body.tokens >= MISFIT_MIN_TOKENS
     rows = control.sample_rows(body.tokens)
     own = body.rows(rows, own_frame=True).numpy() if controlled else None
@@ -323,10 +325,10 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
     for layer in range(layers):
         values = body.layer(layer)
         coded = values
-        if not prediction.is_intra(layer, profile.restart):
-            coded = values - prediction.guess(previous, profile.chain_matrices[layer], int(profile.chain_reach[layer]),
-                                              profile.chain_offsets[layer] - torch.from_numpy(profile.mean[layer]),
-                                              profile.chain_entries[layer])
+        reached = layer_codec.reached(profile, layer, previous)
+        if reached is not None:
+            coded = values - prediction.guess(reached, profile.chain_matrices[layer], int(profile.chain_reach[layer]),
+                                              profile.chain_offsets[layer] - torch.from_numpy(profile.mean[layer]))
         parts = None
         if controlled:
             parts = tuple(control.control_part(profile, level, layer, kind, control.PartSample(
@@ -334,17 +336,15 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
                 control.sample_rows_needed(profile, level, layer, kind))) for kind in range(2))
             controls.append(parts)
         misfit = controlled and any(not part.achieved <= limit for part, limit in zip(parts, limits[layer]))
-        section, mode = _layer_section(profile, level, layer, kv[layer], coded, sinks, parts, raw=misfit)
+        section, lanes = _layer_section(profile, level, layer, kv[layer], coded, sinks, parts, raw=misfit)
         sections.append(section)
-        modes.append(mode)
-        if mode == container.MODE_RAW:
+        modes.append(container.MODE_RAW if lanes is None else container.MODE_CODED)
+        if lanes is None:
             raw_layers.add(layer)
             previous = prediction.values_state(values, profile.chain_offsets[layer])
         else:
-            lanes = layer_codec.parse_lanes(profile, level, layer, body.tokens,
-                                            memoryview(section)[container.token_bytes(sinks, channels, kv.dtype):],
-                                            container.PREDICTED_VERSION)
-            previous = layer_codec.decode_layer(profile, layer, lanes, None, start + sinks, previous)
+            previous = layer_codec.coded_state(profile, layer, torch.from_numpy(lanes.dequantized()),
+                                               lanes.plan.kept, reached)
     misfits = _misfits(controls, limits, frozenset(raw_layers)) if controlled else {}
     if misfits:  # stacklevel: the caller of encode or encode_levels
         warnings.warn(_misfit_message(profile, level, misfits, layers), ProfileMismatchWarning, stacklevel=4)

@@ -15,6 +15,7 @@ import math
 import struct
 import weakref
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -251,14 +252,29 @@ def ideal_layer_bits(profile: Profile, plan: LayerPlan, q: np.ndarray) -> float:
                                  tables.freq, tables.cost).sum())
 
 
+class EncodedLayer(NamedTuple):
+    """A layer's lane payload and the quantized rows it codes."""
+
+    payload: bytes
+    plan: LayerPlan
+    q: np.ndarray       # i32 [R, T]
+
+    def dequantized(self) -> np.ndarray:
+        """f32 [T, R]: the coefficients a decoder gets from ``payload``
+        (:func:`decode_coefficients`), bit for bit, from the rows themselves."""
+        out = np.empty((self.plan.tokens, self.plan.rows), dtype=np.float32)
+        parallel.launch(rans.dequantize_rows, self.q, self.plan.step, self.plan.group, out)
+        return out
+
+
 def encode_layer(profile: Profile, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
                  steps: tuple[float, float] | None = None, kept: tuple[int, int] | None = None,
-                 coefficients: Coefficients | None = None) -> bytes:
-    """Lane payload of one layer: k and v are float32 [coded_tokens, C]; ``steps`` and
-    ``kept`` as in plan_layer (recorded in the lane table); ``coefficients`` as in
-    quantize_layer."""
+                 coefficients: Coefficients | None = None) -> EncodedLayer:
+    """One layer's lanes: k and v are float32 [coded_tokens, C]; ``steps`` and ``kept``
+    as in plan_layer (recorded in the lane table); ``coefficients`` as in quantize_layer."""
     plan, q, row_bits = quantize_layer(profile, slot, layer, k, v, steps, kept, coefficients)
-    return pack_lanes(profile, shape_lanes(plan, row_bits), q)
+    plan = shape_lanes(plan, row_bits)
+    return EncodedLayer(pack_lanes(profile, plan, q), plan, q)
 
 
 def pack_lanes(profile: Profile, plan: LayerPlan, q: np.ndarray) -> bytes:
@@ -425,33 +441,44 @@ def decode_coefficients(profile: Profile, layer: int, lanes: LanePayload, coded_
     return coef
 
 
-def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor | None, position: int = 0,
+def reached(profile: Profile, layer: int, previous: prediction.State | None) -> prediction.Reached | None:
+    """``codec.prediction.reached`` for a predicting profile's layer ``layer``, from
+    ``previous``, the state of the layer before it (None at an intra layer)."""
+    with stage(TRANSFORM):
+        return prediction.reached(previous, int(profile.chain_reach[layer]), profile.chain_entries[layer])
+
+
+def coded_state(profile: Profile, layer: int, coef_t: torch.Tensor, kept: tuple[int, int],
+                reached_both: prediction.Reached | None) -> prediction.State:
+    """A predicting profile's coded layer's state (K's and V's, bfloat16 [coded_tokens, C];
+    ``codec.prediction``) from its token-major coefficients ``coef_t`` ([coded_tokens,
+    kept K + kept V]) and what it takes of the layer before (:func:`reached`): what the
+    decoder carries to the next layer, and the encoder too."""
+    with stage(TRANSFORM):
+        return prediction.layer_state((coef_t[:, :kept[0]], coef_t[:, kept[0]:]), profile.chain_matrices[layer],
+                                      int(profile.chain_reach[layer]), reached_both)
+
+
+def decode_layer(profile: Profile, layer: int, lanes: LanePayload, out: torch.Tensor, position: int = 0,
                  previous: prediction.State | None = None) -> prediction.State | None:
     """Decode one layer's parsed lanes into ``out`` [2, coded_tokens, C] (K then V).
 
     ``position``: the first coded token's absolute position, where a rotary profile's
     keys get their RoPE back (in float32, before rounding to ``out``'s dtype).
-    A predicting profile's layer is decoded from ``previous``, the state of the layer
-    before it (None at an intra layer), and its own state (K's and V's, bfloat16
-    [coded_tokens, C]) is returned for the next (``codec.prediction``); ``out`` None: only the state is
-    wanted (the encoder's own decode of the layer).
+    A predicting profile's layer is decoded from ``previous`` (:func:`coded_state`), and
+    its own state is returned for the next.
     """
     plan = lanes.plan
     coef_t = torch.from_numpy(decode_coefficients(profile, layer, lanes, plan.tokens))
-    parts = (coef_t[:, :plan.kept[0]], coef_t[:, plan.kept[0]:])
-    state = None
-    if profile.predictor is not None:
-        with stage(TRANSFORM):
-            state = prediction.layer_state(parts, profile.chain_matrices[layer], int(profile.chain_reach[layer]),
-                                           previous, profile.chain_entries[layer])
-        if out is None:
-            return state
+    state = None if profile.predictor is None else \
+        coded_state(profile, layer, coef_t, plan.kept, reached(profile, layer, previous))
     for kv in range(2):
         rope = None
-        if kv == 0 and profile.rotary is not None and out is not None:
+        if kv == 0 and profile.rotary is not None:
             rope = (profile.rotary, profile.rotary.angles(position, plan.tokens))
         if state is None:
-            values = transform.inverse(parts[kv], torch.from_numpy(profile.mean[layer, kv]),
+            part = coef_t[:, :plan.kept[0]] if kv == 0 else coef_t[:, plan.kept[0]:]
+            values = transform.inverse(part, torch.from_numpy(profile.mean[layer, kv]),
                                        None if profile.basis16 is None else profile.basis16[layer, kv])
         else:
             with stage(TRANSFORM):

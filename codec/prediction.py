@@ -213,16 +213,33 @@ def chain_entry(entry: np.ndarray, layer: int, kind: int) -> torch.Tensor:
 
 #: per kind, a layer's entry factor (:func:`chain_entry`), or None for a dense map
 Entries = Sequence[torch.Tensor | None]
+#: per kind, what a predicted layer's map takes of the previous state (:func:`reached`)
+Reached = tuple[torch.Tensor, torch.Tensor]
 
 
-def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, previous: State | None,
-                kind: int, entry: torch.Tensor | None = None) -> torch.Tensor:
-    """bfloat16 [N, C]: the state of a coded layer's K (kind 0) or V (1) from its
-    coefficients ``coef_t`` (float32 [N, kept]): ``transform.product`` of ``[previous's
-    reached channels | coef_t]`` by ``matrix`` (:func:`chain_matrix`; ``rows`` of it are
-    the map's, 0 at an intra layer, whose ``previous`` is None); with an ``entry``
-    factor, the reached channels are the previous state by it (bfloat16, ``rows``
-    columns)."""
+def reached(previous: State, rows: int, entries: Entries) -> Reached | None:
+    """Per kind (K, V), bfloat16 [N, rows]: what a layer's map takes of the previous
+    layer's state ``previous``: its own kind's channels by that kind's ``entries``
+    factor (``transform.product``), or its own kind's channels (``rows`` C), or K's then
+    V's (2C); None at an intra layer (``rows`` 0). Found once per layer: the encoder's
+    :func:`guess` and its state's :func:`layer_state` take the same."""
+    if rows == 0:
+        return None
+    channels = previous[0].shape[1]
+    if entries[0] is not None:
+        return tuple(transform.product(previous[kind], entries[kind]) for kind in range(2))  # type: ignore[return-value]
+    if rows == channels:
+        return previous[0], previous[1]
+    both = torch.cat([previous[0], previous[1]], dim=1)
+    return both, both
+
+
+def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, reached_kind: torch.Tensor | None
+                ) -> torch.Tensor:
+    """bfloat16 [N, C]: the state of a coded layer's K or V from its coefficients
+    ``coef_t`` (float32 [N, kept]): ``transform.product`` of ``[reached_kind | coef_t]``
+    by ``matrix`` (:func:`chain_matrix`), ``reached_kind`` being the kind's
+    :func:`reached` (``rows`` columns; None at an intra layer, ``rows`` 0)."""
     tokens, kept = coef_t.shape
     if rows == 0 and kept == 0:
         return torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
@@ -230,48 +247,32 @@ def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, previous:
     # layout picks the GEMM's kernel, and so how its float32 sums round
     operand = torch.empty(tokens, rows + kept, dtype=torch.bfloat16, device=coef_t.device)
     if rows:
-        _reached(previous, kind, rows, operand[:, :rows], entry)
+        operand[:, :rows] = reached_kind
     operand[:, rows:] = coef_t
     return transform.product(operand, matrix[:rows + kept])
 
 
 def layer_state(parts: Sequence[torch.Tensor], matrices: Sequence[torch.Tensor], rows: int,
-                previous: State | None, entries: Entries = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+                reached_both: Reached | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A coded layer's state, K's and V's :func:`coded_state` from their coefficients
-    ``parts`` (float32 [N, kept] each) and the layer's ``matrices`` and ``entries``."""
-    return tuple(coded_state(part, matrix, rows, previous, kind, entry)   # type: ignore[return-value]
-                 for kind, (part, matrix, entry) in enumerate(zip(parts, matrices, entries)))
+    ``parts`` (float32 [N, kept] each), the layer's ``matrices`` and :func:`reached`."""
+    return tuple(coded_state(part, matrix, rows, None if reached_both is None else reached_both[kind])  # type: ignore[return-value]
+                 for kind, (part, matrix) in enumerate(zip(parts, matrices)))
 
 
-def guess(previous: State, matrices: Sequence[torch.Tensor], rows: int, shift: torch.Tensor,
-          entries: Entries = (None, None)) -> torch.Tensor:
+def guess(reached_both: Reached, matrices: Sequence[torch.Tensor], rows: int, shift: torch.Tensor) -> torch.Tensor:
     """float32 [2, N, C]: what the encoder takes from a predicted layer's values before
-    its transform: the previous layer's reached state (through ``entries``, as the
-    decoder reaches it) by the map's rows of ``matrices`` (the layer's K and V
-    :func:`chain_matrix`), plus ``shift`` ([2, C]: the layer's offset less its mean). In
-    float32: the decoder sums the same rounded operands inside its one bfloat16 product,
-    so the two differ by that product's rounding alone."""
-    tokens, channels = previous[0].shape
+    its transform: the previous layer's :func:`reached` state by the map's rows of
+    ``matrices`` (the layer's K and V :func:`chain_matrix`), plus ``shift`` ([2, C]: the
+    layer's offset less its mean). In float32: the decoder sums the same rounded
+    operands inside its one bfloat16 product, so the two differ by that product's
+    rounding alone."""
+    tokens, channels = reached_both[0].shape[0], matrices[0].shape[1]
     out = torch.empty(2, tokens, channels)
-    reached = torch.empty(tokens, rows)
     for kind in range(2):
-        _reached(previous, kind, rows, reached, entries[kind])
-        torch.addmm(shift[kind].expand(tokens, -1), reached, matrices[kind][:rows].float(), out=out[kind])
+        torch.addmm(shift[kind].expand(tokens, -1), reached_both[kind].float(), matrices[kind][:rows].float(),
+                    out=out[kind])
     return out
-
-
-def _reached(previous: State, kind: int, rows: int, into: torch.Tensor, entry: torch.Tensor | None) -> None:
-    """What the map's rows take of state ``previous`` for ``kind``, into ``into`` [N,
-    rows]: its own kind's channels by ``entry`` (bfloat16, ``transform.product``), or its
-    own kind's channels (rows C), or K's then V's (rows 2C)."""
-    channels = previous[0].shape[1]
-    if entry is not None:
-        into.copy_(transform.product(previous[kind], entry))
-    elif rows == channels:
-        into.copy_(previous[kind])
-    else:
-        into[:, :channels] = previous[0]
-        into[:, channels:] = previous[1]
 
 
 def values_state(values: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -208,6 +208,26 @@ def quantize_rows(coef, basis, tokens, row_bound, token_norm, step, group, table
     return status.max()
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def dequantize_rows(q, step, group, out):
+    """The coefficients a decoder rebuilds from quantized rows ``q`` (int32 [R, T]) into
+    ``out`` (float32 [T, R], token-major), with :func:`decode_lanes`'s arithmetic: an
+    encoder that carries the decoded state (inter-layer prediction) gets it from its own
+    integers, bit for bit, without entropy-decoding what it just coded."""
+    rows, tokens = q.shape
+    for r in prange(rows):
+        s = step[r]
+        g = group[r]
+        anchor = np.float32(0.0)
+        for t in range(tokens):
+            value = np.float32(q[r, t]) * s
+            if _symbol_kind(t, g) == 1:
+                value = anchor + value
+            elif g > 0:
+                anchor = value
+            out[t, r] = value
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _reference_q(value, kind, anchor, s, bound, reach, norm, basis, tokens, r, t):
     """The integer the reference coefficient of ``value`` quantizes to (quantize_rows):

@@ -38,7 +38,7 @@ log = logging.getLogger("kvwire.codec")
 #: the numba kernels of the encode and decode paths, as ``module.name`` (numba's cache
 #: index names; ``rans.ideal_bits`` is benchmark-only)
 KERNELS = ("rans.quantize_rows", "rans.lane_spans", "rans.encode_lanes", "rans.lane_tasks", "rans.decode_lanes",
-           "rotary._rope_rows", "control.weigh_sample")
+           "rans.dequantize_rows", "rotary._rope_rows", "control.weigh_sample")
 _MODULES = {"rans": rans, "control": control, "rotary": rotary}
 
 _LAYERS, _HEADS, _HEAD_DIM, _SINKS, _TOKENS = 2, 2, 4, 4, 68
@@ -129,3 +129,7 @@ def _exercise() -> None:
     header = parse_header(blob)
     for layer in range(header.layers):
         decode_section(header, profile, layer, bytes(container.section(blob, header, layer)))
+    # a predicting profile's encoder rebuilds each layer's coefficients from its integers
+    # (rans.dequantize_rows)
+    encode(kv.to(torch.float16), 0, calibrate([kv], targets=(DEFAULT_TARGETS[0],), sink_tokens=_SINKS,
+                                              predict=_LAYERS))

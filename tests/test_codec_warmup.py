@@ -95,6 +95,10 @@ def test_codec_paths_compile_nothing_after_warm_up(warm: warmup.WarmupResult, re
     for level in range(len(codec.DEFAULT_TARGETS)):  # blobs carrying their own profile
         codec.decode(codec.encode(kv, level))
         codec.encode(kv, level, received)                # a loaded profile's arrays are read-only
+    predicting = codec.calibrate([synthetic_kv(4, 4, 16, 600, seed=1)], predict=2)
+    for level in range(len(predicting.levels)):
+        for dtype in (torch.float16, torch.bfloat16):
+            codec.decode(codec.encode(kv.to(dtype), level, predicting), predicting)
     assert warmup.cache_stats() == before
 
 

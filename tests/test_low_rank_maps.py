@@ -86,8 +86,8 @@ def test_a_low_rank_state_takes_the_previous_state_through_the_entry_factor(prof
         stacked = torch.cat([torch.from_numpy(exit_[1, kind].astype(np.float32)),
                              torch.from_numpy(low_rank.basis[1, kind, :12])]).bfloat16().double()
         want = (operand @ stacked).to(torch.bfloat16)
-        got = prediction.coded_state(coef_t, low_rank.chain_matrices[1][kind], RANK, previous, kind,
-                                     low_rank.chain_entries[1][kind])
+        got = prediction.coded_state(coef_t, low_rank.chain_matrices[1][kind], RANK,
+                                     prediction.reached(previous, RANK, low_rank.chain_entries[1])[kind])
         ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
         assert bool(((got.float() - want.float()).abs() <= 2 * ulp).all())
         assert float((got != want).float().mean()) < 0.02

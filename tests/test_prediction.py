@@ -139,8 +139,9 @@ def test_maps_by_kind_predict_with_their_blocks_alone(profiles):
     for layer in (1, 2, 4, 5):
         for kind in range(2):
             whole = prediction.chain_matrix(by_kind.predictor, by_kind.basis, layer, kind, 64)
-            assert_one_unit(prediction.coded_state(coef_t, by_kind.chain_matrices[layer][kind], 32, previous, kind),
-                            prediction.coded_state(coef_t, whole, 64, previous, kind))
+            assert_one_unit(prediction.coded_state(coef_t, by_kind.chain_matrices[layer][kind], 32,
+                                                   prediction.reached(previous, 32, (None, None))[kind]),
+                            prediction.coded_state(coef_t, whole, 64, prediction.reached(previous, 64, (None, None))[kind]))
     kv = chained(21)
     blob = codec.encode(kv, 2, by_kind)
     layered = torch.stack([torch.stack([k, v]) for _, k, v in codec.decode_layers(blob, by_kind)])
@@ -167,7 +168,8 @@ def test_a_state_is_one_bfloat16_product_of_the_previous_state_and_the_coefficie
         matrix = predicted.chain_matrices[1][kind]
         operand = torch.cat([previous[0], previous[1], coef_t.bfloat16()], dim=1).double()
         want = (operand @ matrix[:64 + 12].double()).to(torch.bfloat16)
-        assert_one_unit(prediction.coded_state(coef_t, matrix, 64, previous, kind), want)
+        assert_one_unit(prediction.coded_state(coef_t, matrix, 64, prediction.reached(previous, 64, (None, None))[kind]),
+                        want)
 
 
 def test_the_carried_state_is_centered_so_large_means_cost_nothing(profiles):
@@ -274,3 +276,38 @@ def test_a_predicted_context_says_where_its_continuations_start(profiles, tmp_pa
         Manifest.from_bytes(json.dumps(doc).encode())
 
 
+
+
+@pytest.mark.parametrize("delta", ["never", "always"])
+def test_the_encoder_carries_the_state_the_decoder_decodes_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                                     delta: str) -> None:
+    """The encoder rebuilds each section's coefficients from its own integers
+    (``EncodedLayer.dequantized``) instead of entropy-decoding the section: the
+    coefficients and the state it carries to the next layer must be the decoder's, bit
+    for bit, or the residuals it codes drift from what the decoder adds them to. Delta
+    rows (anchors rebuilt on the way) and rows cut into pieces included."""
+    from codec import layer_codec
+    profile = codec.calibrate([chained(seed, tokens=1500) for seed in range(2)], predict=3, delta=delta)
+    assert (profile.delta_group > 0).any() == (delta == "always")
+    calls: list[tuple[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
+    coded_state = layer_codec.coded_state
+
+    def recording(profile, layer, coef_t, kept, reached_both):
+        state = coded_state(profile, layer, coef_t, kept, reached_both)
+        calls.append((layer, coef_t.clone(), state))
+        return state
+
+    monkeypatch.setattr(layer_codec, "coded_state", recording)
+    lanes = []
+    for level in (0, 3):
+        blob = codec.encode(chained(11, tokens=1500), level, profile, sink_tokens=4)
+        encoder = calls[:]
+        calls.clear()
+        codec.decode(blob, profile)
+        assert len(encoder) == len(calls) == 6
+        for (layer, coef, state), (decoded_layer, decoded_coef, decoded_state) in zip(encoder, calls):
+            assert layer == decoded_layer and torch.equal(coef, decoded_coef)
+            assert all(torch.equal(mine, theirs) for mine, theirs in zip(state, decoded_state))
+        calls.clear()
+        lanes += codec.inspect(blob)["sections"]["lanes"]
+    assert max(lanes) > 2 * 32      # more lanes than rows: rows cut into pieces

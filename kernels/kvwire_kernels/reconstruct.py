@@ -197,9 +197,10 @@ def _chained(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection
             state = prediction.raw_state(flat[:, sinks:], profile.rotary, header.start + sinks, offset)
         else:
             kept_k, kept_v = parsed.lanes.plan.kept
+            reach = int(profile.chain_reach[parsed.layer])
             state = prediction.layer_state((coef[:, :kept_k], coef[:, kept_k:kept_k + kept_v]),
-                                           tables.matrices[parsed.layer], int(profile.chain_reach[parsed.layer]),
-                                           previous, tables.entries[parsed.layer])
+                                           tables.matrices[parsed.layer], reach,
+                                           prediction.reached(previous, reach, tables.entries[parsed.layer]))
             values.append(torch.stack(state).float().add_(offset[:, None, :]))
         chain.hold(parsed.layer, state)
     return torch.stack(values) if values else None
