@@ -201,63 +201,67 @@ def chain_matrix(predictor: np.ndarray, basis: np.ndarray | None, layer: int, ki
     return torch.cat([mapped, own]).to(torch.bfloat16)
 
 
-#: a layer's state: K's and V's, bfloat16 [N, C] each (a [2, N, C] tensor or a pair)
-State = Sequence[torch.Tensor]
+#: a layer's state: K's and V's, bfloat16 [2, N, C]
+State = torch.Tensor
 
 
-def chain_entry(entry: np.ndarray, layer: int, kind: int) -> torch.Tensor:
-    """bfloat16 [C, rank]: layer ``layer``'s K (kind 0) or V (1) entry factor, what the
-    previous layer's state of that kind is multiplied by first."""
-    return torch.from_numpy(entry[layer, kind].astype(np.float32)).to(torch.bfloat16)
+def chain_entry(entry: np.ndarray, layer: int) -> torch.Tensor:
+    """bfloat16 [2, C, rank]: layer ``layer``'s K and V entry factors, what the previous
+    layer's K and V states are multiplied by first, the two in one batched product."""
+    return torch.from_numpy(entry[layer].astype(np.float32)).to(torch.bfloat16)
 
 
-#: per kind, a layer's entry factor (:func:`chain_entry`), or None for a dense map
-Entries = Sequence[torch.Tensor | None]
-#: per kind, what a predicted layer's map takes of the previous state (:func:`reached`)
-Reached = tuple[torch.Tensor, torch.Tensor]
+#: per kind (K, V), what a predicted layer's map takes of the previous state (:func:`reached`)
+Reached = Sequence[torch.Tensor]
 
 
-def reached(previous: State, rows: int, entries: Entries) -> Reached | None:
+def reached(previous: State, rows: int, entry: torch.Tensor | None) -> Reached | None:
     """Per kind (K, V), bfloat16 [N, rows]: what a layer's map takes of the previous
-    layer's state ``previous``: its own kind's channels by that kind's ``entries``
-    factor (``transform.product``), or its own kind's channels (``rows`` C), or K's then
-    V's (2C); None at an intra layer (``rows`` 0). Found once per layer: the encoder's
-    :func:`guess` and its state's :func:`layer_state` take the same."""
+    layer's state ``previous``: its own kind's channels by that kind's ``entry`` factor
+    (:func:`chain_entry`; one batched ``transform.product`` for both kinds, which two
+    cores run a kind each where a product of only ``rows`` columns splits badly), or
+    its own kind's channels (``rows`` C), or K's then V's (2C); None at an intra layer
+    (``rows`` 0). Found once per layer: the encoder's :func:`guess` and its state's
+    :func:`layer_state` take the same."""
     if rows == 0:
         return None
-    channels = previous[0].shape[1]
-    if entries[0] is not None:
-        return tuple(transform.product(previous[kind], entries[kind]) for kind in range(2))  # type: ignore[return-value]
-    if rows == channels:
-        return previous[0], previous[1]
+    if entry is not None:
+        return transform.product(previous, entry)
+    if rows == previous.shape[-1]:
+        return previous
     both = torch.cat([previous[0], previous[1]], dim=1)
     return both, both
 
 
-def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, reached_kind: torch.Tensor | None
-                ) -> torch.Tensor:
+def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, reached_kind: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """bfloat16 [N, C]: the state of a coded layer's K or V from its coefficients
     ``coef_t`` (float32 [N, kept]): ``transform.product`` of ``[reached_kind | coef_t]``
     by ``matrix`` (:func:`chain_matrix`), ``reached_kind`` being the kind's
-    :func:`reached` (``rows`` columns; None at an intra layer, ``rows`` 0)."""
+    :func:`reached` (``rows`` columns; None at an intra layer, ``rows`` 0); into ``out``
+    when given."""
     tokens, kept = coef_t.shape
     if rows == 0 and kept == 0:
-        return torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
+        zeros = torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
+        return zeros if out is None else out.copy_(zeros)
     # the product's operand is always token-major, whatever ``coef_t``'s strides: its
     # layout picks the GEMM's kernel, and so how its float32 sums round
     operand = torch.empty(tokens, rows + kept, dtype=torch.bfloat16, device=coef_t.device)
     if rows:
         operand[:, :rows] = reached_kind
     operand[:, rows:] = coef_t
-    return transform.product(operand, matrix[:rows + kept])
+    return transform.product(operand, matrix[:rows + kept], out)
 
 
 def layer_state(parts: Sequence[torch.Tensor], matrices: Sequence[torch.Tensor], rows: int,
-                reached_both: Reached | None) -> tuple[torch.Tensor, torch.Tensor]:
+                reached_both: Reached | None) -> State:
     """A coded layer's state, K's and V's :func:`coded_state` from their coefficients
-    ``parts`` (float32 [N, kept] each), the layer's ``matrices`` and :func:`reached`."""
-    return tuple(coded_state(part, matrix, rows, None if reached_both is None else reached_both[kind])  # type: ignore[return-value]
-                 for kind, (part, matrix) in enumerate(zip(parts, matrices)))
+    ``parts`` (float32 [N, kept] each), the layer's ``matrices`` and :func:`reached`,
+    in one [2, N, C] tensor (what the next layer's batched entry product takes)."""
+    out = torch.empty(2, parts[0].shape[0], matrices[0].shape[1], dtype=torch.bfloat16, device=parts[0].device)
+    for kind, (part, matrix) in enumerate(zip(parts, matrices)):
+        coded_state(part, matrix, rows, None if reached_both is None else reached_both[kind], out[kind])
+    return out
 
 
 def guess(reached_both: Reached, matrices: Sequence[torch.Tensor], rows: int, shift: torch.Tensor) -> torch.Tensor:

@@ -206,14 +206,13 @@ class Profile:
         return 0 if self.predictor_factors is None else self.predictor_factors[0].shape[3]
 
     @cached_property
-    def chain_entries(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
-        """Per layer, K's and V's ``codec.prediction.chain_entry`` (bfloat16; None for
-        dense maps and at intra layers), built once."""
+    def chain_entries(self) -> list[torch.Tensor | None] | None:
+        """Per layer, its K and V ``codec.prediction.chain_entry`` (bfloat16 [2, C, rank];
+        None for dense maps and at intra layers), built once."""
         if self.predictor is None:
             return None
-        return [tuple(None if self.predictor_factors is None or prediction.is_intra(layer, self.restart)
-                      else prediction.chain_entry(self.predictor_factors[0], layer, kind) for kind in range(2))
-                for layer in range(self.layers)]
+        return [None if self.predictor_factors is None or prediction.is_intra(layer, self.restart)
+                else prediction.chain_entry(self.predictor_factors[0], layer) for layer in range(self.layers)]
 
     @cached_property
     def chain_matrices(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

@@ -142,8 +142,9 @@ def native_bfloat16(device: torch.device) -> bool:
     return device.type != "cpu" or _cpu_multiplies_bfloat16()
 
 
-def product(coef_t: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """bfloat16 ``coef_t @ basis`` ([..., N, k] float32 by [..., k, C] bfloat16): the
+def product(coef_t: torch.Tensor, basis: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16 ``coef_t @ basis`` ([..., N, k] float32 by [..., k, C] bfloat16; into
+    ``out`` when given, contiguous): the
     inverse transform's product, with its operands rounded to bfloat16, every product
     of two exact in the float32 sum, and the sum rounded to bfloat16 (FORMAT.md,
     "Inverse transform").
@@ -159,8 +160,9 @@ def product(coef_t: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     summed magnitudes at most)."""
     rounded = coef_t.to(torch.bfloat16)
     if native_bfloat16(coef_t.device):
-        return torch.matmul(rounded, basis)
-    return torch.matmul(rounded.float(), basis.float()).to(torch.bfloat16)
+        return torch.matmul(rounded, basis, out=out)
+    summed = torch.matmul(rounded.float(), basis.float())
+    return summed.to(torch.bfloat16) if out is None else out.copy_(summed)
 
 
 def centered_inverse(coef_t: torch.Tensor, basis: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ def test_a_low_rank_state_takes_the_previous_state_through_the_entry_factor(prof
         ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
         assert bool(((got.float() - want.float()).abs() <= 2 * ulp).all())
         assert float((got != want).float().mean()) < 0.02
-    assert low_rank.chain_entries[0] == (None, None) and low_rank.chain_entries[3] == (None, None)
+    assert low_rank.chain_entries[0] is None and low_rank.chain_entries[3] is None
 
 
 def test_every_decode_path_gives_the_same_layers(profiles) -> None:

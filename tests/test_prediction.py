@@ -140,8 +140,8 @@ def test_maps_by_kind_predict_with_their_blocks_alone(profiles):
         for kind in range(2):
             whole = prediction.chain_matrix(by_kind.predictor, by_kind.basis, layer, kind, 64)
             assert_one_unit(prediction.coded_state(coef_t, by_kind.chain_matrices[layer][kind], 32,
-                                                   prediction.reached(previous, 32, (None, None))[kind]),
-                            prediction.coded_state(coef_t, whole, 64, prediction.reached(previous, 64, (None, None))[kind]))
+                                                   prediction.reached(previous, 32, None)[kind]),
+                            prediction.coded_state(coef_t, whole, 64, prediction.reached(previous, 64, None)[kind]))
     kv = chained(21)
     blob = codec.encode(kv, 2, by_kind)
     layered = torch.stack([torch.stack([k, v]) for _, k, v in codec.decode_layers(blob, by_kind)])
@@ -168,7 +168,7 @@ def test_a_state_is_one_bfloat16_product_of_the_previous_state_and_the_coefficie
         matrix = predicted.chain_matrices[1][kind]
         operand = torch.cat([previous[0], previous[1], coef_t.bfloat16()], dim=1).double()
         want = (operand @ matrix[:64 + 12].double()).to(torch.bfloat16)
-        assert_one_unit(prediction.coded_state(coef_t, matrix, 64, prediction.reached(previous, 64, (None, None))[kind]),
+        assert_one_unit(prediction.coded_state(coef_t, matrix, 64, prediction.reached(previous, 64, None)[kind]),
                         want)
 
 

@@ -85,7 +85,7 @@ class DeviceTables:
     basis: torch.Tensor | None
     offsets: torch.Tensor | None = None                               # [layers, 2, C]; None: no prediction
     matrices: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
-    entries: Sequence[prediction.Entries] | None = None
+    entries: Sequence[torch.Tensor | None] | None = None
 
 
 _tables: "weakref.WeakKeyDictionary[Profile, dict[torch.device, DeviceTables]]" = weakref.WeakKeyDictionary()
@@ -103,8 +103,8 @@ def device_tables(profile: Profile, device: torch.device) -> DeviceTables:
                               profile.chain_offsets.to(device) if predicts else None,
                               [tuple(m.to(device) for m in pair) for pair in profile.chain_matrices]
                               if predicts else None,
-                              [tuple(None if e is None else e.to(device) for e in pair)
-                               for pair in profile.chain_entries] if predicts else None)
+                              [None if entry is None else entry.to(device) for entry in profile.chain_entries]
+                              if predicts else None)
         per_device[device] = tables
     return tables
 
@@ -201,7 +201,7 @@ def _chained(header: BlobHeader, profile: Profile, group: Sequence[ParsedSection
             state = prediction.layer_state((coef[:, :kept_k], coef[:, kept_k:kept_k + kept_v]),
                                            tables.matrices[parsed.layer], reach,
                                            prediction.reached(previous, reach, tables.entries[parsed.layer]))
-            values.append(torch.stack(state).float().add_(offset[:, None, :]))
+            values.append(state.float().add_(offset[:, None, :]))
         chain.hold(parsed.layer, state)
     return torch.stack(values) if values else None
 
