@@ -311,9 +311,10 @@ def _encode_predicted(kv: torch.Tensor, profile: Profile, level: int, sinks: int
     """The blob (format 7) of ``kv`` at ``level`` of a predicting profile: layer by layer,
     each predicted layer's residual from the previous layer's state *as the decoder will
     decode it* (the state it carries comes from the integers each section codes, as the
-    decoder's comes from the section), so that errors do not pile up through the chain. The step control holds each section's error against the variance
-    of the layer's values, not of the residual: a predicted level loses what the plain
-    one does, in fewer bits. Levels do not share work: each has its own chain."""
+    decoder's comes from the section), so that errors do not pile up through the chain.
+    The step control holds each section's error against the variance of the layer's
+    values, not of the residual: a predicted level loses what the plain one does, in
+    fewer bits. Levels do not share work: each has its own chain."""
     layers, _, tokens, heads, head_dim = kv.shape
     body = CodedBody(kv, sinks, profile.rotary, start)
     controlled = body.tokens >= MISFIT_MIN_TOKENS

@@ -242,8 +242,9 @@ def coded_state(coef_t: torch.Tensor, matrix: torch.Tensor, rows: int, reached_k
     when given."""
     tokens, kept = coef_t.shape
     if rows == 0 and kept == 0:
-        zeros = torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
-        return zeros if out is None else out.copy_(zeros)
+        if out is not None:
+            return out.zero_()
+        return torch.zeros(tokens, matrix.shape[1], dtype=torch.bfloat16, device=coef_t.device)
     # the product's operand is always token-major, whatever ``coef_t``'s strides: its
     # layout picks the GEMM's kernel, and so how its float32 sums round
     operand = torch.empty(tokens, rows + kept, dtype=torch.bfloat16, device=coef_t.device)

@@ -155,7 +155,7 @@ def model_weights(model, tokenizer, token_ids: Sequence[int], allocation: bool |
 #: ``Manifest.resume_layer``, a cost the fetch's plan prices). On: on
 #: SmolLM2 at the same MSE/var it takes 9% of the bits out of level 3 (2.69 to 2.45
 #: bits/el: ``kvwire bench quality --model smollm2 --levels 3 --predict both``), for a CPU
-#: decode 0.74-0.92x the plain level's rate (``kvwire bench codec --workload smollm2
+#: decode about 0.8x the plain level's rate (``kvwire bench codec --workload smollm2
 #: --predict 0``). Encoders: off (not measured on one).
 PREDICT_DEFAULT = True
 #: ``codec.PREDICT_GROUPS``: the maps a predicting calibration fits unless told: K from K

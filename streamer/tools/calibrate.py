@@ -176,7 +176,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
                    help="predict each layer from the one before it, coding only what the prediction misses "
                         "(blob format 7; layers 0, N, 2N, .. coded alone, where a chunk continued at another "
                         "level restarts; 0: off). Default: on for a causal LM, every layer but the first predicted "
-                        "(on SmolLM2 9%% fewer bits at level 3 at the same error, for a CPU decode 0.74-0.92x "
+                        "(on SmolLM2 9%% fewer bits at level 3 at the same error, for a CPU decode about 0.8x "
                         "the plain level's rate); off for an encoder. kvwire put and the streamer "
                         "carry such contexts")
     p.add_argument("--predict-maps", choices=PREDICT_MAPS, default=None,
